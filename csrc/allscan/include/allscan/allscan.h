@@ -1,0 +1,143 @@
+/*
+ * allscan: the All-Scan collective on NCCL (C API).
+ *
+ * Ranks 0..P-1 of an NCCL communicator, in communicator-rank order. Rank p holds a state x_p of
+ * `count` elements and an optional decay g_p of `g_count` elements, where g_count divides count and
+ * g_p is broadcast over the trailing count/g_count elements (a prefix shape of the state).
+ *
+ *   forward:  y_0     = init (zeros when init == NULL)   y_{p+1} = g_p * y_p + x_p
+ *   reverse:  y_{P-1} = init (zeros when init == NULL)   y_{p-1} = g_p * y_p + x_p
+ *
+ * With no init the head of the chain sends x_p itself (y = 0, so g_p does not enter).
+ * The exclusive result on rank p is y_p (the state entering p); the inclusive one is g_p*y_p + x_p.
+ * Arithmetic is fp32 (fp64 for fp64 states), written as a separate multiply and add (no FMA
+ * contraction) and rounded to the storage dtype at every rank boundary, in every method, so every
+ * method and the Python reference give bitwise the same answer.
+ *
+ * Everything is enqueued on the caller's stream: no host synchronisation, no allocation; safe to
+ * capture in a CUDA graph. The caller provides a device workspace of allscanWorkspaceSize() bytes.
+ * All ranks must call with the same count, g_count, dtypes, flags, method and block count
+ * (NCCL would hang otherwise; the Python layer checks this across ranks).
+ *
+ * No libtorch here: raw device pointers, element counts, cudaStream_t and ncclComm_t.
+ */
+#ifndef ALLSCAN_ALLSCAN_H_
+#define ALLSCAN_ALLSCAN_H_
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include <cuda_runtime.h>
+#include <nccl.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define ALLSCAN_VERSION_MAJOR 0
+#define ALLSCAN_VERSION_MINOR 1
+#define ALLSCAN_VERSION_PATCH 0
+
+typedef enum {
+  allscanSuccess = 0,
+  allscanInvalidArgument = 1,
+  allscanCudaError = 2,
+  allscanNcclError = 3,
+  allscanInternalError = 4,
+} allscanResult_t;
+
+typedef enum {
+  allscanFloat32 = 0,
+  allscanFloat16 = 1,
+  allscanBfloat16 = 2,
+  allscanFloat64 = 3,
+} allscanDataType_t;
+
+typedef enum {
+  /* receive block k, combine it with one fused kernel, send it on while receiving block k+1 */
+  allscanPipelined = 0,
+  /* LASP-1 pattern: receive the whole state, combine, send the whole state */
+  allscanSerial = 1,
+  /* LASP-2 pattern: all-gather every rank's state and decay, combine locally */
+  allscanAllGather = 2,
+} allscanMethod_t;
+
+/* One call's arguments. Zero-initialise and fill in; unused pointers stay NULL. */
+typedef struct {
+  const void* x;              /* [count] local state, storage dtype `dtype` */
+  void* y;                    /* [count] result, same dtype; may not alias x */
+  size_t count;               /* elements of the state (0 is allowed: nothing is sent) */
+  allscanDataType_t dtype;    /* storage dtype of x, y, init */
+  const void* g;              /* [g_count] decay, or NULL for 1 (plain prefix sum) */
+  size_t g_count;             /* must divide count; ignored when g == NULL */
+  allscanDataType_t g_dtype;  /* allscanFloat32 or the state's dtype */
+  const void* init;           /* [count] initial state of the chain head, or NULL for zeros */
+  int reverse;                /* 0: rank p-1 -> p; 1: rank p+1 -> p */
+  int inclusive;              /* 0: y_p; 1: g_p*y_p + x_p */
+  int num_blocks;             /* pipeline blocks K; 0 = choose from the link model */
+  allscanMethod_t method;
+} allscanScanArgs_t;
+
+/* A communicator wrapper: the NCCL communicator (borrowed, never destroyed here), its rank and
+ * size, and the link model used to choose the block count. */
+typedef struct allscanComm* allscanComm_t;
+
+const char* allscanGetErrorString(allscanResult_t result);
+/* The message of the last error on this thread (names the argument at fault). */
+const char* allscanGetLastError(void);
+int allscanGetVersion(void); /* major*10000 + minor*100 + patch */
+
+allscanResult_t allscanCommCreate(ncclComm_t nccl, allscanComm_t* comm);
+/* Build a communicator with an explicit rank/size and no NCCL (for choosing blocks, workspace
+ * sizes and argument checks without a GPU). Calls that need NCCL fail on it. */
+allscanResult_t allscanCommCreateDetached(int rank, int nranks, allscanComm_t* comm);
+allscanResult_t allscanCommDestroy(allscanComm_t comm);
+allscanResult_t allscanCommRank(allscanComm_t comm, int* rank);
+allscanResult_t allscanCommSize(allscanComm_t comm, int* nranks);
+
+/* The link model: one message of n bytes between neighbours costs latency_us + n * us_per_byte.
+ * Default: none set (auto block count is 1 until a model is set or calibrated). */
+allscanResult_t allscanSetLinkModel(allscanComm_t comm, double latency_us, double us_per_byte);
+allscanResult_t allscanGetLinkModel(allscanComm_t comm, double* latency_us, double* us_per_byte, int* is_set);
+/* Collective and synchronising (setup only, not for the hot path nor under capture): time
+ * neighbour send/recv at two sizes on `stream`, fit the model, take the max over ranks so every
+ * rank picks the same block count, and set it. */
+allscanResult_t allscanCalibrate(allscanComm_t comm, cudaStream_t stream);
+
+/* The block count the pipelined method uses for a state of `bytes` bytes at this communicator's
+ * size: the K minimising (P - 2 + K) * (latency + bytes/K * us_per_byte) (see DESIGN.md), at
+ * least 1, at most allscanMaxBlocks, and no more than bytes/allscanMinBlockBytes. */
+allscanResult_t allscanChooseNumBlocks(allscanComm_t comm, size_t bytes, int* num_blocks);
+/* The same rule for any (P, model), so other runtimes (the torch.distributed path) share it. */
+int allscanChooseNumBlocksModel(int nranks, size_t bytes, double latency_us, double us_per_byte);
+
+#define allscanMaxBlocks 64
+#define allscanMinBlockBytes 4096
+
+/* Bytes of device workspace one call with these arguments needs (0 is possible). */
+allscanResult_t allscanWorkspaceSize(allscanComm_t comm, const allscanScanArgs_t* args, size_t* bytes);
+/* Check the arguments without running anything (also works on a detached communicator). */
+allscanResult_t allscanCheckArgs(allscanComm_t comm, const allscanScanArgs_t* args);
+
+/* The All-Scan. Enqueued on `stream`; collective over the communicator. */
+allscanResult_t allscanScan(allscanComm_t comm, const allscanScanArgs_t* args, void* workspace,
+                            size_t workspace_bytes, cudaStream_t stream);
+
+/* The floor the benchmarks compare with: every rank sends `bytes` to its successor and receives as
+ * many from its predecessor (a ring shift; `reverse` flips it), one NCCL group call. With
+ * `chain` != 0 the ring is cut at the ends (rank P-1 sends nothing, rank 0 receives nothing), which
+ * is the set of transfers one All-Scan makes. */
+allscanResult_t allscanNeighborExchange(allscanComm_t comm, const void* sendbuf, void* recvbuf,
+                                        size_t bytes, int reverse, int chain, cudaStream_t stream);
+
+/* Element-wise combine kernel alone, y = g*y_in + x in the storage dtype (y_in may be NULL for 0),
+ * on `stream`: the building block, exposed for tests and for layers that fuse their own schedule. */
+allscanResult_t allscanCombine(const void* x, const void* y_in, const void* g, void* out, size_t count,
+                               size_t g_count, size_t offset, allscanDataType_t dtype,
+                               allscanDataType_t g_dtype, cudaStream_t stream);
+
+#ifdef __cplusplus
+} /* extern "C" */
+#endif
+
+#endif /* ALLSCAN_ALLSCAN_H_ */

@@ -1,0 +1,223 @@
+"""Process group -> NCCL communicator, and the cross-rank argument check.
+
+The NCCL communicator for a torch group is borrowed from torch's own ProcessGroupNCCL when it can
+be (``group._get_backend(device)._comm_ptr()``, forcing its creation with one tiny collective when it
+reads 0; a borrowed communicator is never destroyed here). Otherwise allscan creates and owns one,
+from an ``ncclUniqueId`` broadcast over the group, and destroys it at exit or in
+:func:`destroy_communicators`. Communicators are cached per (group, device).
+"""
+from __future__ import annotations
+
+import atexit
+import os
+import threading
+from dataclasses import dataclass, field
+from typing import Dict, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "Communicator",
+    "group_name",
+    "resolve_group",
+    "uses_nccl",
+    "get_communicator",
+    "destroy_communicators",
+]
+
+_lock = threading.Lock()
+_comms: Dict[Tuple[str, int], "Communicator"] = {}
+
+
+def _default_group():
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(
+            "allscan: torch.distributed is not initialised; call torch.distributed.init_process_group "
+            "first (or pass group= explicitly)"
+        )
+    return dist.group.WORLD
+
+
+def normalize_group(group):
+    """``None`` -> the default group; a group name -> the group; a group -> itself."""
+    if group is None:
+        return _default_group()
+    if isinstance(group, str):
+        return resolve_group(group)
+    if not isinstance(group, dist.ProcessGroup):
+        raise TypeError(f"allscan: group must be a torch.distributed ProcessGroup, a group name or None, got {type(group).__name__}")
+    return group
+
+
+def group_name(group) -> str:
+    """The registered name of a group (what torch's functional collectives pass around)."""
+    group = normalize_group(group)
+    return group.group_name
+
+
+def resolve_group(name: str):
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    return _resolve_process_group(name)
+
+
+def backend_name(group) -> str:
+    return str(dist.get_backend(group)).lower()
+
+
+def uses_nccl(group, tensor: torch.Tensor) -> bool:
+    """True when ``tensor`` goes through the C++/NCCL core: a CUDA tensor and an NCCL group."""
+    return tensor.is_cuda and "nccl" in backend_name(group)
+
+
+def _C():
+    from . import _C as C  # noqa: N811  (imports torch first, see __init__)
+
+    return C
+
+
+@dataclass
+class Communicator:
+    """An NCCL communicator for one group on one device, wrapped for the C++ core."""
+
+    group_name: str
+    device: torch.device
+    rank: int
+    size: int
+    nccl: int            # ncclComm_t as an integer
+    handle: int          # allscanComm_t as an integer
+    owned: bool          # True when allscan created the NCCL communicator (and destroys it)
+    link_model: Optional[Tuple[float, float]] = None
+    signatures: set = field(default_factory=set)
+
+    def destroy(self) -> None:
+        C = _C()
+        if self.handle:
+            C.comm_destroy(self.handle)
+            self.handle = 0
+        if self.owned and self.nccl:
+            C.nccl_comm_destroy(self.nccl)
+        self.nccl = 0
+
+
+def _borrow_torch_comm(group, device: torch.device) -> int:
+    try:
+        backend = group._get_backend(device)
+    except Exception:  # noqa: BLE001 - torch raises different types across versions
+        return 0
+    get_ptr = getattr(backend, "_comm_ptr", None)
+    if get_ptr is None:
+        return 0
+    try:
+        ptr = int(get_ptr())
+    except Exception:  # noqa: BLE001
+        return 0
+    if ptr == 0:
+        # Lazily initialised: one tiny collective makes torch create its communicator.
+        with torch.cuda.device(device):
+            t = torch.zeros(1, device=device)
+            dist.all_reduce(t, group=group)
+            torch.cuda.current_stream(device).synchronize()
+        try:
+            ptr = int(get_ptr())
+        except Exception:  # noqa: BLE001
+            ptr = 0
+    return ptr
+
+
+def _create_owned_comm(group, device: torch.device) -> int:
+    C = _C()
+    rank = dist.get_rank(group)
+    size = dist.get_world_size(group)
+    obj = [C.nccl_get_unique_id() if rank == 0 else None]
+    dist.broadcast_object_list(obj, group_src=0, group=group)
+    with torch.cuda.device(device):
+        return int(C.nccl_comm_init_rank(size, obj[0], rank))
+
+
+def _link_model_from_env() -> Optional[Tuple[float, float]]:
+    v = os.environ.get("ALLSCAN_LINK_MODEL")
+    if not v:
+        return None
+    try:
+        a, b = (float(s) for s in v.split(","))
+    except ValueError as e:
+        raise ValueError(
+            f"ALLSCAN_LINK_MODEL must be 'latency_us,us_per_byte' (two floats), got {v!r}"
+        ) from e
+    return a, b
+
+
+def get_communicator(group, device: torch.device) -> Communicator:
+    """The cached communicator of ``group`` on ``device`` (created collectively on first use)."""
+    group = normalize_group(group)
+    if device.type != "cuda":
+        raise ValueError(f"allscan: an NCCL communicator needs a CUDA device, got {device}")
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    device = torch.device("cuda", index)
+    name = group.group_name
+    key = (name, index)
+    with _lock:
+        comm = _comms.get(key)
+        if comm is not None:
+            return comm
+        others = [c for (n, _), c in _comms.items() if n == name]
+    if others:
+        raise ValueError(
+            f"allscan: group {name!r} already has a communicator on {others[0].device}; a tensor on "
+            f"{device} cannot use it (one device per process and group)"
+        )
+    if torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(
+            "allscan: the first call on a group creates its communicator, which cannot happen while a "
+            "CUDA graph is being captured; call allscan once before capturing"
+        )
+    C = _C()
+    nccl = _borrow_torch_comm(group, device)
+    owned = nccl == 0
+    if owned:
+        nccl = _create_owned_comm(group, device)
+    handle = int(C.comm_create(nccl))
+    comm = Communicator(
+        group_name=name,
+        device=device,
+        rank=dist.get_rank(group),
+        size=dist.get_world_size(group),
+        nccl=nccl,
+        handle=handle,
+        owned=owned,
+    )
+    if C.comm_rank(handle) != comm.rank or C.comm_size(handle) != comm.size:
+        comm.destroy()
+        raise RuntimeError(
+            f"allscan: the NCCL communicator of group {name!r} has rank/size "
+            f"{C.comm_rank(handle)}/{C.comm_size(handle)}, the group {comm.rank}/{comm.size}"
+        )
+    model = _link_model_from_env()
+    if model is not None:
+        C.set_link_model(handle, *model)
+    elif comm.size > 2:
+        # The block count only matters past two ranks (at P = 2 the best K is 1 whatever the link).
+        with torch.cuda.device(device):
+            C.calibrate(handle, torch.cuda.current_stream(device).cuda_stream)
+    a, b, is_set = C.get_link_model(handle)
+    comm.link_model = (a, b) if is_set else None
+    with _lock:
+        _comms[key] = comm
+    return comm
+
+
+def destroy_communicators() -> None:
+    """Destroy the communicators allscan owns and forget the borrowed ones (never destroyed)."""
+    with _lock:
+        comms = list(_comms.values())
+        _comms.clear()
+    for c in comms:
+        try:
+            c.destroy()
+        except Exception:  # noqa: BLE001 - best effort at exit
+            pass
+
+
+atexit.register(destroy_communicators)

@@ -1,0 +1,21 @@
+"""Sequence-parallel attention layers built on allscan's collectives.
+
+- :mod:`allscan.layers.gla`: gated linear attention with ZeCO sequence parallelism (All-Scan).
+- :mod:`allscan.layers.ulysses`: Ulysses attention with head-chunked overlap (chunked all-to-all).
+"""
+import importlib
+
+_LAZY = {
+    "zeco_gla": "gla",
+    "GatedLinearAttention": "gla",
+    "UlyssesAttention": "ulysses",
+}
+
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name):
+    mod = _LAZY.get(name)
+    if mod is None:
+        raise AttributeError(f"module 'allscan.layers' has no attribute {name!r}")
+    return getattr(importlib.import_module(f".{mod}", __name__), name)
