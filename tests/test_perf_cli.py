@@ -1,0 +1,150 @@
+"""The allscan_perf binary's command line (CPU: -h and argument errors, parsed before any CUDA call),
+and one short 2-GPU run (marked gpu).
+
+The binary is found through $ALLSCAN_PERF, else build/*/bench/allscan_perf (scikit-build and CMake
+build trees under the repo), else <site-packages>/allscan/bin/allscan_perf; the tests skip when none
+is built.
+"""
+import glob
+import importlib.util
+import json
+import os
+import subprocess
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _find_binary():
+    env = os.environ.get("ALLSCAN_PERF")
+    if env:
+        return env if os.access(env, os.X_OK) else None
+    cands = sorted(glob.glob(os.path.join(ROOT, "build", "*", "bench", "allscan_perf")))
+    cands += sorted(glob.glob(os.path.join(ROOT, "build", "bench", "allscan_perf")))
+    spec = importlib.util.find_spec("allscan")
+    if spec is not None and spec.submodule_search_locations:
+        for d in spec.submodule_search_locations:
+            cands.append(os.path.join(d, "bin", "allscan_perf"))
+    for c in cands:
+        if os.path.isfile(c) and os.access(c, os.X_OK):
+            return c
+    return None
+
+
+BINARY = _find_binary()
+pytestmark = pytest.mark.skipif(BINARY is None, reason="allscan_perf is not built (set ALLSCAN_PERF or build bench/)")
+
+
+def _env(hide_gpus=True):
+    env = dict(os.environ)
+    # libnccl.so.2 from the nvidia-nccl wheel when the binary's RPATH does not name it.
+    spec = importlib.util.find_spec("nvidia.nccl") if importlib.util.find_spec("nvidia") else None
+    if spec is not None and spec.submodule_search_locations:
+        lib = os.path.join(list(spec.submodule_search_locations)[0], "lib")
+        env["LD_LIBRARY_PATH"] = lib + (":" + env["LD_LIBRARY_PATH"] if env.get("LD_LIBRARY_PATH") else "")
+    if hide_gpus:
+        # Argument errors must be reported before any CUDA call: with no visible GPU, a binary that
+        # touched CUDA first would fail with a device error instead of the argument error.
+        env["CUDA_VISIBLE_DEVICES"] = ""
+    return env
+
+
+def _run(*args, hide_gpus=True, timeout=60):
+    return subprocess.run([BINARY, *args], capture_output=True, text=True, env=_env(hide_gpus), timeout=timeout)
+
+
+def test_help_lists_every_flag():
+    p = _run("-h")
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.startswith("Usage: allscan_perf")
+    for flag in ("-b", "-e", "-i", "-f", "-g", "-n", "-w", "-N", "-c", "-d", "-z", "-G", "-K", "-m", "-x",
+                 "-r", "-D", "-L", "-j", "-h"):
+        assert f"  {flag}" in p.stdout, f"{flag} missing from -h"
+    assert p.stderr == ""
+    assert _run("--help").returncode == 0
+
+
+BAD_ARGS = [
+    (["-b", "0"], "-b (minbytes)"),
+    (["-b", "4Q"], "-b (minbytes)"),
+    (["-b", "2"], "-b (minbytes)"),          # less than one float
+    (["-e", "1K", "-b", "4K"], "-e (maxbytes)"),
+    (["-f", "0"], "-f (stepfactor)"),
+    (["-f", "1", "-i", "0", "-b", "4K", "-e", "8K"], "-i (stepbytes)"),
+    (["-g", "0"], "-g (ngpus)"),
+    (["-n", "0"], "-n (iters)"),
+    (["-w", "-1"], "-w (warmup_iters)"),
+    (["-N", "0"], "-N (repeats)"),
+    (["-c", "2"], "-c (check)"),
+    (["-z", "x"], "-z (blocking)"),
+    (["-d", "int8"], "-d (datatype)"),
+    (["-m", "nosuch"], "-m (methods)"),
+    (["-m", "pipelined,nosuch"], "-m (methods)"),
+    (["-K", "-3"], "-K (blocks)"),
+    (["-K", "0"], "-K (blocks)"),
+    (["-K", "auto,65"], "-K (blocks)"),
+    (["-K", "two"], "-K (blocks)"),
+    (["-D", "diag"], "-D (decay)"),
+    (["-x", "alltoall"], "-x (refs)"),
+    (["-L", "fast"], "-L (link_model)"),
+    (["-L", "1,-2"], "-L (link_model)"),
+    (["-G", "1", "-z", "1"], "-G (cudagraph)"),
+    (["-r2"], "-r (reverse)"),
+    (["-r", "1"], "-r takes its value attached"),
+    (["-q"], "unknown option -q"),
+    (["--nosuch"], "unknown option '--nosuch'"),
+    (["-b"], "option -b needs a value"),
+    (["stray"], "unexpected argument 'stray'"),
+]
+
+
+@pytest.mark.parametrize("args,needle", BAD_ARGS, ids=[" ".join(a) for a, _ in BAD_ARGS])
+def test_bad_argument_is_a_clear_error_before_cuda(args, needle):
+    p = _run(*args)
+    assert p.returncode == 2, (p.returncode, p.stdout, p.stderr)
+    assert "allscan_perf: error:" in p.stderr
+    assert needle in p.stderr, p.stderr
+    assert "-h" in p.stderr  # points at the usage
+    assert "CUDA" not in p.stderr and "no usable" not in p.stderr  # no device was touched
+    assert p.stdout == ""
+
+
+def test_good_arguments_reach_the_device_check():
+    # Valid arguments get past parsing; with no visible GPU the binary fails with a clear device error.
+    p = _run("-b", "4K", "-e", "64K", "-f", "2", "-g", "2", "-K", "auto,2,4", "-m", "all", "-D", "head",
+             "-d", "bf16", "-r", "-G", "2", "-L", "5.0,3e-6")
+    assert p.returncode == 1, (p.stdout, p.stderr)
+    assert "for usage" not in p.stderr, p.stderr  # not an argument error
+    assert "cuda" in p.stderr.lower() or "-g (ngpus)" in p.stderr, p.stderr
+
+
+def _gpu_count():
+    try:
+        import torch
+
+        return torch.cuda.device_count()
+    except Exception:  # noqa: BLE001
+        return 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("extra", [[], ["-r", "-D", "full", "-d", "bfloat16", "-K", "auto,2,64"], ["-G", "2", "-D", "none"]],
+                         ids=["default", "reverse-bf16-full", "graph"])
+def test_two_gpu_run_is_exact(tmp_path, extra):
+    if _gpu_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    out = tmp_path / "perf.json"
+    p = _run("-b", "4K", "-e", "1M", "-f", "16", "-g", "2", "-n", "5", "-w", "2", "-N", "2", "-j", str(out), *extra,
+             hide_gpus=False, timeout=300)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "# Out of bounds values : 0 OK" in p.stdout
+    doc = json.loads(out.read_text())
+    assert doc["nranks"] == 2 and doc["wrong_total"] == 0
+    ops = {r["op"] for r in doc["rows"]}
+    assert {"p2p-chain", "p2p-ring", "nccl-allgather", "nccl-allreduce", "scan-pipelined", "scan-serial",
+            "scan-allgather"} <= ops
+    for r in doc["rows"]:
+        assert "skipped" not in r, r
+        assert r["wrong"] == 0, r
+        assert r["time_us"] > 0
