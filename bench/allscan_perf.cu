@@ -885,7 +885,7 @@ void runRank(const Options& o, World& w, int t, const ncclUniqueId& id, int devi
     CUDACHECK(cudaGetDeviceProperties(&prop, device));
     char host[256] = {0};
     gethostname(host, sizeof(host) - 1);
-    char line[512];
+    char line[1024];
     snprintf(line, sizeof(line), "#  Rank %2d Pid %6d on %10s device %2d [%04x:%02x:%02x.0] %s", c.rank,
              static_cast<int>(getpid()), host, device, prop.pciDomainID, prop.pciBusID, prop.pciDeviceID, prop.name);
     w.deviceLines[t] = line;
