@@ -1,0 +1,589 @@
+// Chunked all-to-all for Ulysses sequence parallelism: fused pack / unpack kernels around one NCCL
+// group of send/recv pairs. See include/allscan/a2a_chunked.h for the contract.
+#include <allscan/a2a_chunked.h>
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <algorithm>
+#include <cstdarg>
+#include <cstdio>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#if defined(__GNUC__)
+#define A2A_API __attribute__((visibility("default")))
+#else
+#define A2A_API
+#endif
+
+namespace {
+
+thread_local std::string g_last_error;
+
+allscanResult_t fail(allscanResult_t code, const char* fmt, ...) {
+  char buf[1024];
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(buf, sizeof(buf), fmt, ap);
+  va_end(ap);
+  g_last_error = buf;
+  return code;
+}
+
+#define A2A_CUDA(call)                                                                          \
+  do {                                                                                          \
+    cudaError_t e_ = (call);                                                                    \
+    if (e_ != cudaSuccess)                                                                      \
+      return fail(allscanCudaError, "allscanA2A: %s failed: %s", #call, cudaGetErrorString(e_)); \
+  } while (0)
+
+#define A2A_NCCL(call)                                                                          \
+  do {                                                                                          \
+    ncclResult_t r_ = (call);                                                                   \
+    if (r_ != ncclSuccess && r_ != ncclInProgress)                                              \
+      return fail(allscanNcclError, "allscanA2A: %s failed: %s", #call, ncclGetErrorString(r_)); \
+  } while (0)
+
+constexpr size_t kAlign = 256;
+inline size_t align_up(size_t x) { return (x + kAlign - 1) / kAlign * kAlign; }
+
+int dtype_size(allscanDataType_t t) {
+  switch (t) {
+    case allscanFloat32: return 4;
+    case allscanFloat16: return 2;
+    case allscanBfloat16: return 2;
+    case allscanFloat64: return 8;
+  }
+  return 0;
+}
+
+// ------------------------------------------------------------------------------------------------
+// Kernels
+// ------------------------------------------------------------------------------------------------
+
+// One strided copy: rows (b, s, h) of `row_bytes` bytes each, b < B, s < S, h < n; the head stride
+// is row_bytes on both sides (heads are the second innermost dimension everywhere).
+struct CopySeg {
+  const char* src;
+  char* dst;
+  int64_t src_sb, src_ss;  // byte strides of b and s
+  int64_t dst_sb, dst_ss;
+  int S;                   // rows per b: S * n
+  int n;
+};
+
+constexpr int kMaxCopySegs = 56;  // keeps the parameter block under 4 KB
+
+struct CopyBatch {
+  int num;
+  int B;
+  int64_t row_bytes;
+  CopySeg seg[kMaxCopySegs];
+};
+
+// I is the index type: 32-bit division when every segment of the launch has < 2^32 vectors.
+template <typename V, typename I>
+__global__ void copy_segments_kernel(const CopyBatch batch) {
+  const CopySeg& sg = batch.seg[blockIdx.y];
+  const I vpr = static_cast<I>(batch.row_bytes / sizeof(V));
+  const I n = static_cast<I>(sg.n);
+  const I S = static_cast<I>(sg.S);
+  const I total = static_cast<I>(batch.B) * S * n * vpr;
+  for (I i = static_cast<I>(blockIdx.x) * blockDim.x + threadIdx.x; i < total;
+       i += static_cast<I>(gridDim.x) * blockDim.x) {
+    const I row = i / vpr;
+    const I k = i - row * vpr;
+    const I bs = row / n;
+    const I h = row - bs * n;
+    const I b = bs / S;
+    const I s = bs - b * S;
+    const char* src = sg.src + static_cast<int64_t>(b) * sg.src_sb + static_cast<int64_t>(s) * sg.src_ss +
+                      static_cast<int64_t>(h) * batch.row_bytes;
+    char* dst = sg.dst + static_cast<int64_t>(b) * sg.dst_sb + static_cast<int64_t>(s) * sg.dst_ss +
+                static_cast<int64_t>(h) * batch.row_bytes;
+    reinterpret_cast<V*>(dst)[k] = __ldg(reinterpret_cast<const V*>(src) + k);
+  }
+}
+
+// Gather with summation (overlapping head maps, or accumulate): every output element of heads
+// [h_begin, h_end) is the sum, in rank order, of the pieces that hold its head.
+struct SumPiece {
+  const char* ptr;  // element (b, s, h - lo, d) at ptr + b*sb + s*ss + (h - lo)*row_bytes + d*es
+  int64_t sb, ss;
+  int lo, hi;
+};
+
+constexpr int kMaxSumPieces = 120;
+
+struct SumBatch {
+  int num;
+  int B, S, H, D;
+  int h_begin, h_end;
+  int accumulate;
+  char* out;  // [B, S, H, D]
+  SumPiece piece[kMaxSumPieces];
+};
+
+template <typename T>
+struct Acc {
+  using type = float;
+};
+template <>
+struct Acc<double> {
+  using type = double;
+};
+
+template <typename T>
+__device__ __forceinline__ typename Acc<T>::type to_acc(T x) {
+  return static_cast<typename Acc<T>::type>(x);
+}
+template <>
+__device__ __forceinline__ float to_acc<__nv_bfloat16>(__nv_bfloat16 x) {
+  return __bfloat162float(x);
+}
+template <>
+__device__ __forceinline__ float to_acc<__half>(__half x) {
+  return __half2float(x);
+}
+template <typename T>
+__device__ __forceinline__ T from_acc(typename Acc<T>::type x) {
+  return static_cast<T>(x);
+}
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_acc<__nv_bfloat16>(float x) {
+  return __float2bfloat16(x);
+}
+template <>
+__device__ __forceinline__ __half from_acc<__half>(float x) {
+  return __float2half(x);
+}
+
+template <typename T>
+__global__ void sum_pieces_kernel(const SumBatch batch) {
+  using A = typename Acc<T>::type;
+  const unsigned nh = static_cast<unsigned>(batch.h_end - batch.h_begin);
+  const unsigned D = static_cast<unsigned>(batch.D);
+  const unsigned S = static_cast<unsigned>(batch.S);
+  const int64_t row_bytes = static_cast<int64_t>(D) * sizeof(T);
+  const uint64_t total = static_cast<uint64_t>(batch.B) * S * nh * D;
+  for (uint64_t i = blockIdx.x * static_cast<uint64_t>(blockDim.x) + threadIdx.x; i < total;
+       i += static_cast<uint64_t>(gridDim.x) * blockDim.x) {
+    const uint64_t row = i / D;
+    const unsigned d = static_cast<unsigned>(i - row * D);
+    const uint64_t bs = row / nh;
+    const int h = batch.h_begin + static_cast<int>(row - bs * nh);
+    const uint64_t b = bs / S;
+    const unsigned s = static_cast<unsigned>(bs - b * S);
+    T* out = reinterpret_cast<T*>(batch.out) + ((b * S + s) * batch.H + h) * D + d;
+    A acc = 0;
+    bool any = false;
+    if (batch.accumulate) {
+      acc = to_acc<T>(*out);
+      any = true;
+    }
+    for (int r = 0; r < batch.num; ++r) {
+      const SumPiece& p = batch.piece[r];
+      if (h >= p.lo && h < p.hi) {
+        const T* src = reinterpret_cast<const T*>(p.ptr + b * p.sb + s * p.ss + (h - p.lo) * row_bytes);
+        acc = acc + to_acc<T>(src[d]);
+        any = true;
+      }
+    }
+    if (any) *out = from_acc<T>(acc);
+  }
+}
+
+// ------------------------------------------------------------------------------------------------
+// Host side: the plan of one call
+// ------------------------------------------------------------------------------------------------
+
+struct Transfer {
+  int peer;
+  const char* send;  // NULL: nothing to send
+  size_t send_bytes;
+  char* recv;        // NULL: nothing to receive
+  size_t recv_bytes;
+};
+
+struct Plan {
+  size_t workspace_bytes = 0;
+  int64_t row_bytes = 0;
+  std::vector<CopySeg> pack;    // before the NCCL group
+  std::vector<Transfer> xfers;  // the NCCL group, in (tensor, peer) order
+  std::vector<CopySeg> unpack;  // after the NCCL group
+  std::vector<SumBatch> sums;   // after the NCCL group (one per summing tensor)
+};
+
+allscanResult_t check_args(int nranks, int rank, allscanA2ADirection_t dir, const allscanA2AArgs_t* a,
+                           bool need_pointers) {
+  if (a == nullptr) return fail(allscanInvalidArgument, "allscanA2A: args is NULL");
+  if (nranks < 1 || nranks > ALLSCAN_A2A_MAX_RANKS)
+    return fail(allscanInvalidArgument, "allscanA2A: nranks must be in [1, %d], got %d", ALLSCAN_A2A_MAX_RANKS, nranks);
+  if (rank < 0 || rank >= nranks)
+    return fail(allscanInvalidArgument, "allscanA2A: rank must be in [0, %d), got %d", nranks, rank);
+  if (dir != allscanA2AScatterHeads && dir != allscanA2AGatherHeads)
+    return fail(allscanInvalidArgument, "allscanA2A: direction must be allscanA2AScatterHeads (0) or allscanA2AGatherHeads (1), got %d", (int)dir);
+  if (a->batch < 1) return fail(allscanInvalidArgument, "allscanA2A: batch must be >= 1, got %d", a->batch);
+  if (a->seq_local < 0) return fail(allscanInvalidArgument, "allscanA2A: seq_local must be >= 0, got %d", a->seq_local);
+  if (a->head_dim < 1) return fail(allscanInvalidArgument, "allscanA2A: head_dim must be >= 1, got %d", a->head_dim);
+  if (dtype_size(a->dtype) == 0)
+    return fail(allscanInvalidArgument, "allscanA2A: dtype must be an allscanDataType_t (0..3), got %d", (int)a->dtype);
+  if (a->num_tensors < 1 || a->num_tensors > ALLSCAN_A2A_MAX_TENSORS)
+    return fail(allscanInvalidArgument, "allscanA2A: num_tensors must be in [1, %d], got %d", ALLSCAN_A2A_MAX_TENSORS, a->num_tensors);
+  const uint64_t es = dtype_size(a->dtype);
+  for (int t = 0; t < a->num_tensors; ++t) {
+    const allscanA2ATensor_t& x = a->tensors[t];
+    if (x.num_heads < 1) return fail(allscanInvalidArgument, "allscanA2A: tensors[%d].num_heads must be >= 1, got %d", t, x.num_heads);
+    if (x.head_lo == nullptr || x.head_hi == nullptr)
+      return fail(allscanInvalidArgument, "allscanA2A: tensors[%d].head_lo / head_hi must be host arrays of nranks (%d) ints, got NULL", t, nranks);
+    bool overlap = false;
+    for (int r = 0; r < nranks; ++r) {
+      const int lo = x.head_lo[r], hi = x.head_hi[r];
+      if (lo < 0 || hi < lo || hi > x.num_heads)
+        return fail(allscanInvalidArgument,
+                    "allscanA2A: tensors[%d] head range of rank %d is [%d, %d); expected 0 <= lo <= hi <= num_heads (%d)",
+                    t, r, lo, hi, x.num_heads);
+      for (int q = 0; q < r && !overlap; ++q)
+        if (hi > lo && x.head_hi[q] > x.head_lo[q] && lo < x.head_hi[q] && x.head_lo[q] < hi) overlap = true;
+    }
+    (void)overlap;
+    if (x.accumulate && dir != allscanA2AGatherHeads)
+      return fail(allscanInvalidArgument, "allscanA2A: tensors[%d].accumulate is only defined for gather-heads", t);
+    // Sizes: the sequence-sharded tensor and the head-sharded one must be addressable.
+    const uint64_t n_me = static_cast<uint64_t>(x.head_hi[rank] - x.head_lo[rank]);
+    const uint64_t full = static_cast<uint64_t>(a->batch) * a->seq_local * x.num_heads * a->head_dim * es;
+    const uint64_t mine = static_cast<uint64_t>(a->batch) * a->seq_local * nranks * n_me * a->head_dim * es;
+    if (full / es >= (1ull << 40) || mine / es >= (1ull << 40))
+      return fail(allscanInvalidArgument, "allscanA2A: tensors[%d] is too large (%llu / %llu elements)", t,
+                  (unsigned long long)(full / es), (unsigned long long)(mine / es));
+    if (need_pointers) {
+      const bool in_needed = (dir == allscanA2AScatterHeads) ? full > 0 : mine > 0;
+      const bool out_needed = (dir == allscanA2AScatterHeads) ? mine > 0 : full > 0;
+      if (in_needed && x.input == nullptr) return fail(allscanInvalidArgument, "allscanA2A: tensors[%d].input is NULL", t);
+      if (out_needed && x.output == nullptr) return fail(allscanInvalidArgument, "allscanA2A: tensors[%d].output is NULL", t);
+      if (x.input != nullptr && x.output != nullptr) {
+        const char* i0 = static_cast<const char*>(x.input);
+        const char* o0 = static_cast<const char*>(x.output);
+        const uint64_t in_b = (dir == allscanA2AScatterHeads) ? full : mine;
+        const uint64_t out_b = (dir == allscanA2AScatterHeads) ? mine : full;
+        if (in_b > 0 && out_b > 0 && i0 < o0 + out_b && o0 < i0 + in_b)
+          return fail(allscanInvalidArgument, "allscanA2A: tensors[%d].input and .output overlap", t);
+      }
+    }
+  }
+  return allscanSuccess;
+}
+
+bool ranges_overlap(const allscanA2ATensor_t& x, int nranks) {
+  // Sort the non-empty ranges by start and look at neighbours.
+  std::vector<std::pair<int, int>> v;
+  v.reserve(nranks);
+  for (int r = 0; r < nranks; ++r)
+    if (x.head_hi[r] > x.head_lo[r]) v.emplace_back(x.head_lo[r], x.head_hi[r]);
+  std::sort(v.begin(), v.end());
+  for (size_t i = 1; i < v.size(); ++i)
+    if (v[i].first < v[i - 1].second) return true;
+  return false;
+}
+
+// Builds the plan. With workspace == nullptr only sizes are computed (pointers are then garbage
+// offsets, never dereferenced).
+void build_plan(int nranks, int me, allscanA2ADirection_t dir, const allscanA2AArgs_t* a, char* ws, Plan* plan) {
+  const int64_t es = dtype_size(a->dtype);
+  const int64_t B = a->batch, Sl = a->seq_local, D = a->head_dim;
+  const int64_t row = D * es;
+  const int64_t S = Sl * nranks;
+  plan->row_bytes = row;
+  size_t off = 0;
+  auto take = [&](size_t bytes) -> char* {
+    char* p = ws + off;  // ws may be nullptr for a size query
+    off += align_up(bytes);
+    return p;
+  };
+  for (int t = 0; t < a->num_tensors; ++t) {
+    const allscanA2ATensor_t& x = a->tensors[t];
+    const int64_t H = x.num_heads;
+    const char* in = static_cast<const char*>(x.input);
+    char* out = static_cast<char*>(x.output);
+    auto n_of = [&](int r) -> int64_t { return x.head_hi[r] - x.head_lo[r]; };
+    const int64_t n_me = n_of(me);
+    if (dir == allscanA2AScatterHeads) {
+      // input [B, Sl, H, D]; output [B, S, n_me, D]
+      for (int p = 0; p < nranks; ++p) {
+        const int64_t n_p = n_of(p);
+        if (p == me) {
+          if (n_me > 0 && Sl > 0)
+            plan->pack.push_back(CopySeg{in + x.head_lo[me] * row, out + me * Sl * n_me * row, Sl * H * row, H * row,
+                                         S * n_me * row, n_me * row, (int)Sl, (int)n_me});
+          continue;
+        }
+        Transfer tr{p, nullptr, 0, nullptr, 0};
+        const size_t send_bytes = static_cast<size_t>(B * Sl * n_p * row);
+        if (send_bytes > 0) {
+          if (n_p == H || B * Sl == 1) {
+            tr.send = in + x.head_lo[p] * row;
+          } else {
+            char* buf = take(send_bytes);
+            plan->pack.push_back(CopySeg{in + x.head_lo[p] * row, buf, Sl * H * row, H * row, Sl * n_p * row, n_p * row,
+                                         (int)Sl, (int)n_p});
+            tr.send = buf;
+          }
+          tr.send_bytes = send_bytes;
+        }
+        const size_t recv_bytes = static_cast<size_t>(B * Sl * n_me * row);
+        if (recv_bytes > 0) {
+          char* dst = out + p * Sl * n_me * row;
+          if (B == 1) {
+            tr.recv = dst;
+          } else {
+            char* buf = take(recv_bytes);
+            plan->unpack.push_back(CopySeg{buf, dst, Sl * n_me * row, n_me * row, S * n_me * row, n_me * row, (int)Sl,
+                                           (int)n_me});
+            tr.recv = buf;
+          }
+          tr.recv_bytes = recv_bytes;
+        }
+        if (tr.send_bytes || tr.recv_bytes) plan->xfers.push_back(tr);
+      }
+    } else {
+      // input [B, S, n_me, D]; output [B, Sl, H, D]
+      const bool sum = x.accumulate || ranges_overlap(x, nranks);
+      SumBatch sb;
+      std::memset(&sb, 0, sizeof(sb));
+      if (sum) {
+        sb.B = (int)B;
+        sb.S = (int)Sl;
+        sb.H = (int)H;
+        sb.D = (int)D;
+        sb.accumulate = x.accumulate;
+        sb.out = out;
+        int h_begin = (int)H, h_end = 0;
+        for (int r = 0; r < nranks; ++r)
+          if (n_of(r) > 0) {
+            h_begin = std::min(h_begin, x.head_lo[r]);
+            h_end = std::max(h_end, x.head_hi[r]);
+          }
+        sb.h_begin = h_begin;
+        sb.h_end = std::max(h_end, h_begin);
+      }
+      for (int p = 0; p < nranks; ++p) {
+        const int64_t n_p = n_of(p);
+        if (p == me) {
+          if (n_me > 0 && Sl > 0) {
+            const char* src = in + me * Sl * n_me * row;
+            if (sum) {
+              if (sb.num < kMaxSumPieces) sb.piece[sb.num] = SumPiece{src, S * n_me * row, n_me * row, x.head_lo[me], x.head_hi[me]};
+              ++sb.num;
+            }
+            else
+              plan->pack.push_back(CopySeg{src, out + x.head_lo[me] * row, S * n_me * row, n_me * row, Sl * H * row,
+                                           H * row, (int)Sl, (int)n_me});
+          }
+          continue;
+        }
+        Transfer tr{p, nullptr, 0, nullptr, 0};
+        const size_t send_bytes = static_cast<size_t>(B * Sl * n_me * row);
+        if (send_bytes > 0) {
+          const char* src = in + p * Sl * n_me * row;
+          if (B == 1) {
+            tr.send = src;
+          } else {
+            char* buf = take(send_bytes);
+            plan->pack.push_back(CopySeg{src, buf, S * n_me * row, n_me * row, Sl * n_me * row, n_me * row, (int)Sl,
+                                         (int)n_me});
+            tr.send = buf;
+          }
+          tr.send_bytes = send_bytes;
+        }
+        const size_t recv_bytes = static_cast<size_t>(B * Sl * n_p * row);
+        if (recv_bytes > 0) {
+          if (!sum && n_p == H) {
+            tr.recv = out;  // the piece is the whole output
+          } else {
+            char* buf = take(recv_bytes);
+            if (sum) {
+              if (sb.num < kMaxSumPieces) sb.piece[sb.num] = SumPiece{buf, Sl * n_p * row, n_p * row, x.head_lo[p], x.head_hi[p]};
+              ++sb.num;
+            }
+            else
+              plan->unpack.push_back(CopySeg{buf, out + x.head_lo[p] * row, Sl * n_p * row, n_p * row, Sl * H * row,
+                                             H * row, (int)Sl, (int)n_p});
+            tr.recv = buf;
+          }
+          tr.recv_bytes = recv_bytes;
+        }
+        if (tr.send_bytes || tr.recv_bytes) plan->xfers.push_back(tr);
+      }
+      if (sum && Sl > 0 && (sb.num > 0 || x.accumulate) && sb.h_end > sb.h_begin) plan->sums.push_back(sb);
+    }
+  }
+  plan->workspace_bytes = off;
+}
+
+template <typename V>
+cudaError_t launch_copy_v(const CopyBatch& b, uint64_t max_vectors, cudaStream_t stream) {
+  const int threads = 256;
+  uint64_t blocks = (max_vectors + threads * 4 - 1) / (threads * 4);
+  const uint64_t cap = std::max<uint64_t>(1, 4096 / static_cast<uint64_t>(b.num));
+  blocks = std::max<uint64_t>(1, std::min(blocks, cap));
+  dim3 grid(static_cast<unsigned>(blocks), static_cast<unsigned>(b.num));
+  if (max_vectors + static_cast<uint64_t>(blocks) * threads < (1ull << 32))
+    copy_segments_kernel<V, uint32_t><<<grid, threads, 0, stream>>>(b);
+  else
+    copy_segments_kernel<V, uint64_t><<<grid, threads, 0, stream>>>(b);
+  return cudaGetLastError();
+}
+
+allscanResult_t launch_copies(const std::vector<CopySeg>& segs, int B, int64_t row_bytes, cudaStream_t stream) {
+  if (segs.empty()) return allscanSuccess;
+  // The widest vector that divides the row and every base pointer.
+  uintptr_t bits = static_cast<uintptr_t>(row_bytes);
+  for (const CopySeg& s : segs) bits |= reinterpret_cast<uintptr_t>(s.src) | reinterpret_cast<uintptr_t>(s.dst);
+  int vec = 16;
+  while (vec > 1 && (bits & (vec - 1))) vec >>= 1;
+  for (size_t i = 0; i < segs.size(); i += kMaxCopySegs) {
+    CopyBatch b;
+    std::memset(&b, 0, sizeof(b));
+    b.num = static_cast<int>(std::min<size_t>(kMaxCopySegs, segs.size() - i));
+    b.B = B;
+    b.row_bytes = row_bytes;
+    uint64_t maxv = 0;
+    for (int j = 0; j < b.num; ++j) {
+      b.seg[j] = segs[i + j];
+      maxv = std::max<uint64_t>(maxv, static_cast<uint64_t>(B) * b.seg[j].S * b.seg[j].n * (row_bytes / vec));
+    }
+    if (maxv == 0) continue;
+    cudaError_t e;
+    switch (vec) {
+      case 16: e = launch_copy_v<uint4>(b, maxv, stream); break;
+      case 8: e = launch_copy_v<uint2>(b, maxv, stream); break;
+      case 4: e = launch_copy_v<uint32_t>(b, maxv, stream); break;
+      case 2: e = launch_copy_v<uint16_t>(b, maxv, stream); break;
+      default: e = launch_copy_v<uint8_t>(b, maxv, stream); break;
+    }
+    if (e != cudaSuccess) return fail(allscanCudaError, "allscanA2A: copy kernel launch failed: %s", cudaGetErrorString(e));
+  }
+  return allscanSuccess;
+}
+
+allscanResult_t launch_sum(const SumBatch& b, allscanDataType_t dtype, cudaStream_t stream) {
+  const uint64_t total = static_cast<uint64_t>(b.B) * b.S * (b.h_end - b.h_begin) * b.D;
+  if (total == 0) return allscanSuccess;
+  const int threads = 256;
+  const uint64_t blocks = std::max<uint64_t>(1, std::min<uint64_t>((total + threads * 4 - 1) / (threads * 4), 8192));
+  switch (dtype) {
+    case allscanFloat32: sum_pieces_kernel<float><<<(unsigned)blocks, threads, 0, stream>>>(b); break;
+    case allscanFloat64: sum_pieces_kernel<double><<<(unsigned)blocks, threads, 0, stream>>>(b); break;
+    case allscanFloat16: sum_pieces_kernel<__half><<<(unsigned)blocks, threads, 0, stream>>>(b); break;
+    case allscanBfloat16: sum_pieces_kernel<__nv_bfloat16><<<(unsigned)blocks, threads, 0, stream>>>(b); break;
+  }
+  cudaError_t e = cudaGetLastError();
+  if (e != cudaSuccess) return fail(allscanCudaError, "allscanA2A: sum kernel launch failed: %s", cudaGetErrorString(e));
+  return allscanSuccess;
+}
+
+}  // namespace
+
+extern "C" {
+
+A2A_API const char* allscanA2AGetLastError(void) { return g_last_error.c_str(); }
+
+A2A_API allscanResult_t allscanA2ASplitHeads(int h0, int h1, int nranks, int* head_lo, int* head_hi) {
+  if (nranks < 1) return fail(allscanInvalidArgument, "allscanA2ASplitHeads: nranks must be >= 1, got %d", nranks);
+  if (h0 < 0 || h1 < h0) return fail(allscanInvalidArgument, "allscanA2ASplitHeads: need 0 <= h0 <= h1, got [%d, %d)", h0, h1);
+  if (head_lo == nullptr || head_hi == nullptr) return fail(allscanInvalidArgument, "allscanA2ASplitHeads: head_lo / head_hi is NULL");
+  const int n = h1 - h0, q = n / nranks, rem = n % nranks;
+  for (int r = 0; r < nranks; ++r) {
+    head_lo[r] = h0 + r * q + std::min(r, rem);
+    head_hi[r] = head_lo[r] + q + (r < rem ? 1 : 0);
+  }
+  return allscanSuccess;
+}
+
+A2A_API allscanResult_t allscanA2AKvHeads(int nranks, const int* q_lo, const int* q_hi, int q_per_kv, int* kv_lo,
+                                          int* kv_hi) {
+  if (nranks < 1) return fail(allscanInvalidArgument, "allscanA2AKvHeads: nranks must be >= 1, got %d", nranks);
+  if (q_per_kv < 1) return fail(allscanInvalidArgument, "allscanA2AKvHeads: q_per_kv must be >= 1, got %d", q_per_kv);
+  if (!q_lo || !q_hi || !kv_lo || !kv_hi) return fail(allscanInvalidArgument, "allscanA2AKvHeads: NULL array");
+  for (int r = 0; r < nranks; ++r) {
+    if (q_lo[r] < 0 || q_hi[r] < q_lo[r])
+      return fail(allscanInvalidArgument, "allscanA2AKvHeads: query range of rank %d is [%d, %d)", r, q_lo[r], q_hi[r]);
+    if (q_hi[r] == q_lo[r]) {
+      kv_lo[r] = kv_hi[r] = q_lo[r] / q_per_kv;
+    } else {
+      kv_lo[r] = q_lo[r] / q_per_kv;
+      kv_hi[r] = (q_hi[r] - 1) / q_per_kv + 1;
+    }
+  }
+  return allscanSuccess;
+}
+
+A2A_API allscanResult_t allscanA2ACheckArgs(int nranks, int rank, allscanA2ADirection_t direction,
+                                            const allscanA2AArgs_t* args) {
+  return check_args(nranks, rank, direction, args, /*need_pointers=*/false);
+}
+
+A2A_API allscanResult_t allscanA2AWorkspaceSize(int nranks, int rank, allscanA2ADirection_t direction,
+                                                const allscanA2AArgs_t* args, size_t* bytes) {
+  if (bytes == nullptr) return fail(allscanInvalidArgument, "allscanA2AWorkspaceSize: bytes is NULL");
+  allscanResult_t r = check_args(nranks, rank, direction, args, false);
+  if (r != allscanSuccess) return r;
+  Plan plan;
+  build_plan(nranks, rank, direction, args, nullptr, &plan);
+  *bytes = plan.workspace_bytes;
+  return allscanSuccess;
+}
+
+A2A_API allscanResult_t allscanA2A(ncclComm_t comm, allscanA2ADirection_t direction, const allscanA2AArgs_t* args,
+                                   void* workspace, size_t workspace_bytes, cudaStream_t stream) {
+  if (comm == nullptr) return fail(allscanInvalidArgument, "allscanA2A: comm is NULL");
+  int nranks = 0, rank = 0;
+  A2A_NCCL(ncclCommCount(comm, &nranks));
+  A2A_NCCL(ncclCommUserRank(comm, &rank));
+  allscanResult_t r = check_args(nranks, rank, direction, args, true);
+  if (r != allscanSuccess) return r;
+  Plan plan;
+  build_plan(nranks, rank, direction, args, nullptr, &plan);
+  if (plan.workspace_bytes > 0) {
+    if (workspace == nullptr || workspace_bytes < plan.workspace_bytes)
+      return fail(allscanInvalidArgument, "allscanA2A: workspace of %zu bytes at %p is too small; %zu bytes needed",
+                  workspace_bytes, workspace, plan.workspace_bytes);
+    if (reinterpret_cast<uintptr_t>(workspace) % kAlign != 0)
+      return fail(allscanInvalidArgument, "allscanA2A: workspace must be %zu-byte aligned", kAlign);
+  }
+  Plan real;
+  build_plan(nranks, rank, direction, args, static_cast<char*>(workspace), &real);
+  for (const SumBatch& s : real.sums)
+    if (s.num > kMaxSumPieces)
+      return fail(allscanInvalidArgument, "allscanA2A: overlapping head maps or accumulate are supported up to %d ranks",
+                  kMaxSumPieces);
+
+  r = launch_copies(real.pack, args->batch, real.row_bytes, stream);
+  if (r != allscanSuccess) return r;
+  if (!real.xfers.empty()) {
+    A2A_NCCL(ncclGroupStart());
+    ncclResult_t e = ncclSuccess;
+    for (const Transfer& t : real.xfers) {
+      if (t.send_bytes && e == ncclSuccess) e = ncclSend(t.send, t.send_bytes, ncclUint8, t.peer, comm, stream);
+      if (t.recv_bytes && e == ncclSuccess) e = ncclRecv(t.recv, t.recv_bytes, ncclUint8, t.peer, comm, stream);
+    }
+    ncclResult_t e_end = ncclGroupEnd();
+    if (e != ncclSuccess && e != ncclInProgress)
+      return fail(allscanNcclError, "allscanA2A: ncclSend/ncclRecv failed: %s", ncclGetErrorString(e));
+    e = e_end;
+    while (e == ncclInProgress) ncclCommGetAsyncError(comm, &e);
+    if (e != ncclSuccess) return fail(allscanNcclError, "allscanA2A: ncclGroupEnd failed: %s", ncclGetErrorString(e));
+  }
+  r = launch_copies(real.unpack, args->batch, real.row_bytes, stream);
+  if (r != allscanSuccess) return r;
+  for (const SumBatch& s : real.sums) {
+    r = launch_sum(s, args->dtype, stream);
+    if (r != allscanSuccess) return r;
+  }
+  if (args->done_event != nullptr) A2A_CUDA(cudaEventRecord(args->done_event, stream));
+  return allscanSuccess;
+}
+
+}  // extern "C"

@@ -1,0 +1,566 @@
+"""Chunked all-to-all for Ulysses sequence parallelism: scatter-heads and gather-heads.
+
+Tensors are laid out ``[B, S_local, H, D]`` on the sequence-sharded side (rank ``p`` holds shard
+``p`` of the sequence) and ``[B, P * S_local, n_r, D]`` on the head-sharded side (rank ``r`` holds
+the whole sequence for its heads ``[lo_r, hi_r)``). A *head map* is the list of the ``P`` ranges
+``(lo_r, hi_r)``; ranges may be empty, uneven and, for grouped-query attention's replicated k/v
+heads, overlap.
+
+- :func:`scatter_heads`: ``out_r[:, p*S_local + s, j] = x_p[:, s, lo_r + j]``.
+- :func:`gather_heads`: ``out_p[:, s, h] = sum over r with lo_r <= h < hi_r of y_r[:, p*S_local + s, h - lo_r]``
+  (one term for disjoint ranges: then it is scatter's inverse; in general it is scatter's adjoint,
+  so each is the other's backward). Heads that no rank holds are zero.
+
+CUDA tensors on an NCCL group go through the C++ core (``allscan._C``: fused pack/unpack kernels
+around one NCCL group of send/recv pairs, q/k/v of a chunk in one call). Anything else (CPU tensors
+on gloo, or a missing ``_C``) goes through :mod:`torch.distributed` (``all_to_all_single``), which is
+also the correctness oracle of the C++ path: for disjoint head maps both give bitwise the same
+result, and with summation both add in fp32 (fp64 for fp64) in rank order.
+
+Both ops are ``torch.library`` custom ops (``allscan::scatter_heads``, ``allscan::gather_heads``) with
+fake implementations and autograd; the group travels as its name.
+"""
+from __future__ import annotations
+
+import os
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+
+from . import _comm
+
+__all__ = [
+    "split_heads",
+    "kv_head_ranges",
+    "chunk_head_ranges",
+    "scatter_heads",
+    "gather_heads",
+    "scatter_heads_multi",
+    "gather_heads_multi",
+]
+
+Range = Tuple[int, int]
+HeadMap = List[Range]
+
+SCATTER = 0
+GATHER = 1
+
+_DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.float64: 3}
+
+
+# ------------------------------------------------------------------------------------------------
+# Head maps
+# ------------------------------------------------------------------------------------------------
+
+def split_heads(h0: int, h1: int, world_size: int) -> HeadMap:
+    """The uneven split of heads ``[h0, h1)``: rank r gets ``n // P`` heads, the first ``n % P`` ranks one more."""
+    if world_size < 1:
+        raise ValueError(f"split_heads: world_size must be >= 1, got {world_size}")
+    if h0 < 0 or h1 < h0:
+        raise ValueError(f"split_heads: need 0 <= h0 <= h1, got [{h0}, {h1})")
+    n = h1 - h0
+    q, rem = divmod(n, world_size)
+    out = []
+    for r in range(world_size):
+        lo = h0 + r * q + min(r, rem)
+        out.append((lo, lo + q + (1 if r < rem else 0)))
+    return out
+
+
+def kv_head_ranges(q_ranges: Sequence[Range], q_per_kv: int) -> HeadMap:
+    """The k/v heads each rank needs for its query heads (query head h uses k/v head ``h // q_per_kv``).
+
+    Ranks whose query heads use the same k/v head both get it (replication when there are fewer
+    k/v heads than ranks); an empty query range gives an empty k/v range.
+    """
+    if q_per_kv < 1:
+        raise ValueError(f"kv_head_ranges: q_per_kv must be >= 1, got {q_per_kv}")
+    out = []
+    for lo, hi in q_ranges:
+        if hi <= lo:
+            out.append((lo // q_per_kv, lo // q_per_kv))
+        else:
+            out.append((lo // q_per_kv, (hi - 1) // q_per_kv + 1))
+    return out
+
+
+def _split_counts(n: int, weights: Sequence[float]) -> List[int]:
+    """n items into len(weights) parts proportional to weights (largest remainder, stable)."""
+    total = float(sum(weights))
+    raw = [n * w / total for w in weights]
+    base = [int(x) for x in raw]
+    rest = n - sum(base)
+    order = sorted(range(len(weights)), key=lambda i: (-(raw[i] - base[i]), i))
+    for i in order[:rest]:
+        base[i] += 1
+    return base
+
+
+def chunk_head_ranges(num_heads: int, world_size: int, num_chunks: int,
+                      weights: Optional[Sequence[float]] = None) -> List[HeadMap]:
+    """Head maps of ``num_chunks`` chunks, rank-major: rank r's heads of the whole split
+    (``split_heads(0, num_heads, P)[r]``) are cut into ``num_chunks`` consecutive pieces (equal, or
+    proportional to ``weights``), so each chunk keeps every rank's share balanced and the union over
+    chunks is the unchunked head map. Returns ``maps[c][r] = (lo, hi)``."""
+    if num_chunks < 1:
+        raise ValueError(f"num_chunks must be >= 1, got {num_chunks}")
+    whole = split_heads(0, num_heads, world_size)
+    w = list(weights) if weights is not None else [1.0] * num_chunks
+    if len(w) != num_chunks:
+        raise ValueError(f"weights must have num_chunks ({num_chunks}) entries, got {len(w)}")
+    maps: List[HeadMap] = [[] for _ in range(num_chunks)]
+    for lo, hi in whole:
+        counts = _split_counts(hi - lo, w)
+        start = lo
+        for c in range(num_chunks):
+            maps[c].append((start, start + counts[c]))
+            start += counts[c]
+    return maps
+
+
+# ------------------------------------------------------------------------------------------------
+# Argument checks
+# ------------------------------------------------------------------------------------------------
+
+def _check_tensor(x: torch.Tensor, name: str) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"allscan.a2a: {name} must be a torch.Tensor, got {type(x).__name__}")
+    if x.dim() != 4:
+        raise ValueError(f"allscan.a2a: {name} must be 4-D [B, S, H, D], got shape {tuple(x.shape)}")
+    if x.dtype not in _DTYPE_CODES:
+        raise TypeError(f"allscan.a2a: {name} must be float32/float16/bfloat16/float64, got {x.dtype}")
+
+
+def _check_map(head_map: Sequence[Range], num_heads: int, world_size: int, name: str) -> HeadMap:
+    hm = [(int(lo), int(hi)) for lo, hi in head_map]
+    if len(hm) != world_size:
+        raise ValueError(f"allscan.a2a: {name} must have one (lo, hi) range per rank ({world_size}), got {len(hm)}")
+    for r, (lo, hi) in enumerate(hm):
+        if lo < 0 or hi < lo or hi > num_heads:
+            raise ValueError(
+                f"allscan.a2a: {name}[{r}] = ({lo}, {hi}) is not a head range of [0, {num_heads}) (need 0 <= lo <= hi <= H)"
+            )
+    return hm
+
+
+def _overlaps(hm: Sequence[Range]) -> bool:
+    v = sorted((lo, hi) for lo, hi in hm if hi > lo)
+    return any(v[i][0] < v[i - 1][1] for i in range(1, len(v)))
+
+
+def _check_mode() -> str:
+    return os.environ.get("ALLSCAN_A2A_CHECK", "auto").lower()
+
+
+_checked: set = set()
+
+
+def check_same_across_ranks(group, fields: Sequence[Tuple[str, int]], device: torch.device, *, what: str) -> None:
+    """All-gather ``fields`` (name, int) and raise on every rank if any rank differs (instead of
+    letting a collective with mismatched sizes hang). CPU/gloo: checked on every call; NCCL: once per
+    signature and group (``ALLSCAN_A2A_CHECK=always`` checks every call, ``never`` skips)."""
+    mode = _check_mode()
+    if mode == "never":
+        return
+    world = dist.get_world_size(group)
+    if world == 1:
+        return
+    values = [int(v) for _, v in fields]
+    key = (group.group_name, what, tuple(values))
+    on_gpu = device.type == "cuda" and "nccl" in _comm.backend_name(group)
+    if on_gpu and mode != "always" and key in _checked:
+        return
+    # A fixed-length vector so that all_gather itself cannot mismatch: [len, values..., pad].
+    width = 32
+    vec = [len(values)] + values[: width - 1]
+    vec += [0] * (width - len(vec))
+    t = torch.tensor(vec, dtype=torch.int64, device=device if on_gpu else "cpu")
+    outs = [torch.empty_like(t) for _ in range(world)]
+    dist.all_gather(outs, t, group=group)
+    rows = [o.tolist() for o in outs]
+    mine = dist.get_rank(group)
+    for r, row in enumerate(rows):
+        if row != rows[0]:
+            if fields and fields[0][0] == "arguments accepted":
+                bad = [q for q in range(world) if rows[q][1] == 0]
+                if bad:
+                    raise ValueError(
+                        f"allscan.a2a: {what}: rank(s) {bad} rejected their arguments (see the error there); "
+                        f"this is rank {mine}"
+                    )
+            for i, (name, _) in enumerate(fields):
+                if i + 1 < width and row[i + 1] != rows[0][i + 1]:
+                    per_rank = ", ".join(f"rank {q}: {rows[q][i + 1]}" for q in range(world))
+                    raise ValueError(
+                        f"allscan.a2a: {what}: ranks disagree on {name} ({per_rank}); every rank must call "
+                        f"with the same shapes, dtype and head maps (this is rank {mine})"
+                    )
+            raise ValueError(f"allscan.a2a: {what}: ranks {0} and {r} called with different arguments (this is rank {mine})")
+    if on_gpu:
+        _checked.add(key)
+
+
+def _signature(direction: int, xs: Sequence[torch.Tensor], maps: Sequence[HeadMap], num_heads: Sequence[int],
+               accumulate: Sequence[bool]) -> List[Tuple[str, int]]:
+    x0 = xs[0]
+    B, S, _, D = x0.shape
+    if direction == GATHER:
+        S_name = "sequence length (whole) S"
+    else:
+        S_name = "local sequence length S_local"
+    fields = [("direction", direction), ("number of tensors", len(xs)), ("batch B", B), (S_name, S), ("head_dim D", D),
+              ("dtype", _DTYPE_CODES[x0.dtype])]
+    for t, (hm, H, acc) in enumerate(zip(maps, num_heads, accumulate)):
+        h = 0
+        for lo, hi in hm:
+            h = (h * 1000003 + lo * 7919 + hi) % (1 << 61)
+        fields += [(f"tensors[{t}] num_heads", H), (f"tensors[{t}] head map (hash)", h), (f"tensors[{t}] accumulate", int(acc))]
+    return fields
+
+
+def _validate(direction: int, xs: Sequence[torch.Tensor], maps, num_heads, world_size: int, rank: int,
+              names: Sequence[str]) -> Tuple[int, int, int, List[HeadMap]]:
+    if not 1 <= len(xs) <= 4:
+        raise ValueError(f"allscan.a2a: between 1 and 4 tensors per call, got {len(xs)}")
+    if len(maps) != len(xs) or len(num_heads) != len(xs):
+        raise ValueError("allscan.a2a: one head map and one num_heads per tensor")
+    for x, n in zip(xs, names):
+        _check_tensor(x, n)
+    x0 = xs[0]
+    for x, n in zip(xs[1:], names[1:]):
+        if x.dtype != x0.dtype:
+            raise TypeError(f"allscan.a2a: {n} has dtype {x.dtype}, {names[0]} has {x0.dtype}; one dtype per call")
+        if x.device != x0.device:
+            raise ValueError(f"allscan.a2a: {n} is on {x.device}, {names[0]} on {x0.device}; one device per call")
+        if x.shape[0] != x0.shape[0] or x.shape[1] != x0.shape[1] or x.shape[3] != x0.shape[3]:
+            raise ValueError(
+                f"allscan.a2a: {n} has shape {tuple(x.shape)}, {names[0]} {tuple(x0.shape)}; B, S and D must agree"
+            )
+    B, S, _, D = x0.shape
+    out_maps = []
+    for t, (x, hm, H, n) in enumerate(zip(xs, maps, num_heads, names)):
+        hm = _check_map(hm, H, world_size, f"head map of {n}")
+        out_maps.append(hm)
+        if direction == SCATTER:
+            if x.shape[2] != H:
+                raise ValueError(f"allscan.a2a: {n} has {x.shape[2]} heads, its head map is over {H}")
+        else:
+            lo, hi = hm[rank]
+            if x.shape[2] != hi - lo:
+                raise ValueError(
+                    f"allscan.a2a: {n} must hold this rank's {hi - lo} heads [{lo}, {hi}) (dim 2), got {x.shape[2]}"
+                )
+            if S % world_size != 0:
+                raise ValueError(
+                    f"allscan.a2a: {n} must hold the whole sequence, a multiple of the group size {world_size}; got S = {S}"
+                )
+    return B, S, D, out_maps
+
+
+# ------------------------------------------------------------------------------------------------
+# The two implementations
+# ------------------------------------------------------------------------------------------------
+
+def _torch_a2a(direction: int, xs: Sequence[torch.Tensor], maps: Sequence[HeadMap], num_heads: Sequence[int],
+               group, outs: Optional[Sequence[torch.Tensor]], accumulate: Sequence[bool]) -> List[torch.Tensor]:
+    """torch.distributed path (any backend): one all_to_all_single for all tensors of the call."""
+    P = dist.get_world_size(group)
+    me = dist.get_rank(group)
+    x0 = xs[0]
+    B, _, _, D = x0.shape
+    if direction == SCATTER:
+        Sl = x0.shape[1]
+        send = [[x[:, :, hm[p][0]:hm[p][1]].reshape(-1) for x, hm in zip(xs, maps)] for p in range(P)]
+        recv_sizes = [sum(B * Sl * (hm[me][1] - hm[me][0]) * D for hm in maps) for _ in range(P)]
+    else:
+        Sl = x0.shape[1] // P
+        send = [[y[:, p * Sl:(p + 1) * Sl].reshape(-1) for y in xs] for p in range(P)]
+        recv_sizes = [sum(B * Sl * (hm[p][1] - hm[p][0]) * D for hm in maps) for p in range(P)]
+    send_flat = [torch.cat(parts) if parts else x0.new_empty(0) for parts in send]
+    send_sizes = [s.numel() for s in send_flat]
+    inp = torch.cat(send_flat) if send_flat else x0.new_empty(0)
+    out_flat = x0.new_empty(sum(recv_sizes))
+    if P > 1:
+        dist.all_to_all_single(out_flat, inp, recv_sizes, send_sizes, group=group)
+    else:
+        out_flat.copy_(inp)
+    pieces = list(out_flat.split(recv_sizes))
+    results = []
+    if direction == SCATTER:
+        for t, (x, hm) in enumerate(zip(xs, maps)):
+            n = hm[me][1] - hm[me][0]
+            out = outs[t] if outs is not None else x.new_empty(B, P * Sl, n, D)
+            results.append(out)
+        offs = [0] * P
+        for t, hm in enumerate(maps):
+            n = hm[me][1] - hm[me][0]
+            size = B * Sl * n * D
+            for p in range(P):
+                piece = pieces[p][offs[p]:offs[p] + size].view(B, Sl, n, D)
+                offs[p] += size
+                results[t][:, p * Sl:(p + 1) * Sl].copy_(piece)
+        return results
+    offs = [0] * P
+    for t, (hm, H) in enumerate(zip(maps, num_heads)):
+        out = outs[t] if outs is not None else x0.new_zeros(B, Sl, H, D)
+        got = []
+        for p in range(P):
+            n = hm[p][1] - hm[p][0]
+            size = B * Sl * n * D
+            got.append(pieces[p][offs[p]:offs[p] + size].view(B, Sl, n, D))
+            offs[p] += size
+        if accumulate[t] or _overlaps(hm):
+            acc_dtype = torch.float64 if out.dtype == torch.float64 else torch.float32
+            lo_all = min((lo for lo, hi in hm if hi > lo), default=0)
+            hi_all = max((hi for lo, hi in hm if hi > lo), default=0)
+            if hi_all > lo_all:
+                acc = torch.zeros(B, Sl, hi_all - lo_all, D, dtype=acc_dtype, device=out.device)
+                covered = torch.zeros(hi_all - lo_all, dtype=torch.bool)
+                if accumulate[t]:
+                    acc += out[:, :, lo_all:hi_all].to(acc_dtype)
+                    covered[:] = True
+                for p in range(P):
+                    lo, hi = hm[p]
+                    if hi > lo:
+                        acc[:, :, lo - lo_all:hi - lo_all] += got[p].to(acc_dtype)
+                        covered[lo - lo_all:hi - lo_all] = True
+                idx = covered.nonzero().flatten()
+                if idx.numel() == hi_all - lo_all:
+                    out[:, :, lo_all:hi_all] = acc.to(out.dtype)
+                else:
+                    idx_dev = idx.to(out.device)
+                    out.index_copy_(2, idx_dev + lo_all, acc.index_select(2, idx_dev).to(out.dtype))
+        else:
+            for p in range(P):
+                lo, hi = hm[p]
+                if hi > lo:
+                    out[:, :, lo:hi].copy_(got[p])
+        results.append(out)
+    return results
+
+
+def _c_module():
+    try:
+        from . import _C  # noqa: N811
+    except ImportError:
+        return None
+    return _C if hasattr(_C, "a2a") else None
+
+
+def _use_cpp(group, x: torch.Tensor) -> bool:
+    if os.environ.get("ALLSCAN_A2A_IMPL", "").lower() == "torch":
+        return False
+    return _comm.uses_nccl(group, x) and _c_module() is not None
+
+
+def _cpp_a2a(direction: int, xs: Sequence[torch.Tensor], maps: Sequence[HeadMap], num_heads: Sequence[int],
+             group, outs: Optional[Sequence[torch.Tensor]], accumulate: Sequence[bool],
+             stream: Optional["torch.cuda.Stream"] = None, event=None) -> List[torch.Tensor]:
+    C = _c_module()
+    x0 = xs[0]
+    device = x0.device
+    comm = _comm.get_communicator(group, device)
+    P, me = comm.size, comm.rank
+    B, S, _, D = x0.shape
+    Sl = S if direction == SCATTER else S // P
+    if outs is None:
+        outs = []
+        for x, hm, H, acc in zip(xs, maps, num_heads, accumulate):
+            if direction == SCATTER:
+                outs.append(x.new_empty(B, P * Sl, hm[me][1] - hm[me][0], D))
+            else:
+                covered = sum(hi - lo for lo, hi in hm) >= H and not _overlaps(hm)
+                outs.append(x.new_empty(B, Sl, H, D) if covered else x.new_zeros(B, Sl, H, D))
+    code = _DTYPE_CODES[x0.dtype]
+    specs = [
+        (x.data_ptr(), o.data_ptr(), int(H), [lo for lo, _ in hm], [hi for _, hi in hm], int(bool(acc)))
+        for x, o, hm, H, acc in zip(xs, outs, maps, num_heads, accumulate)
+    ]
+    stream = stream if stream is not None else torch.cuda.current_stream(device)
+    ws_bytes = C.a2a_workspace_size(P, me, direction, B, Sl, D, code, specs)
+    ws_ptr = 0
+    ws = None
+    if ws_bytes:
+        # Allocated with `stream` current: the caching allocator only hands this block to later work
+        # on the same stream, which runs after the all-to-all.
+        with torch.cuda.stream(stream):
+            ws = torch.empty(ws_bytes, dtype=torch.uint8, device=device)
+        ws_ptr = ws.data_ptr()
+    ev = event.cuda_event if event is not None else 0
+    C.a2a(comm.nccl, P, direction, B, Sl, D, code, specs, ws_ptr, ws_bytes, stream.cuda_stream, ev)
+    return list(outs)
+
+
+def a2a_multi(direction: int, xs: Sequence[torch.Tensor], maps: Sequence[Sequence[Range]], num_heads: Sequence[int],
+              group=None, *, outs: Optional[Sequence[torch.Tensor]] = None, accumulate: Optional[Sequence[bool]] = None,
+              names: Optional[Sequence[str]] = None, stream=None, event=None, check: bool = True) -> List[torch.Tensor]:
+    """Scatter-heads (direction 0) or gather-heads (1) of up to 4 tensors in one collective.
+
+    ``outs`` (optional) are written in place (gather: only the heads some rank holds; with
+    ``accumulate[t]`` added to). ``stream`` (CUDA only): enqueue there instead of on the current
+    stream; ``event`` is then recorded on it after the call. No autograd (see :func:`scatter_heads`).
+    """
+    group = _comm.normalize_group(group)
+    names = list(names) if names is not None else [f"tensors[{i}]" for i in range(len(xs))]
+    accumulate = list(accumulate) if accumulate is not None else [False] * len(xs)
+    P = dist.get_world_size(group)
+    me = dist.get_rank(group)
+    error: Optional[Exception] = None
+    try:
+        xs = [x.contiguous() if isinstance(x, torch.Tensor) else x for x in xs]
+        _, _, _, maps = _validate(direction, xs, list(maps), list(num_heads), P, me, names)
+        if direction == SCATTER and any(accumulate):
+            raise ValueError("allscan.a2a: accumulate is only defined for gather-heads")
+        if outs is not None:
+            outs = list(outs)
+            for o, x, hm, H, n in zip(outs, xs, maps, num_heads, names):
+                B, S, _, D = x.shape
+                want = (B, S * P, hm[me][1] - hm[me][0], D) if direction == SCATTER else (B, S // P, H, D)
+                if tuple(o.shape) != want or not o.is_contiguous() or o.dtype != x.dtype or o.device != x.device:
+                    raise ValueError(
+                        f"allscan.a2a: output for {n} must be a contiguous {x.dtype} tensor of shape {want} on {x.device}, "
+                        f"got {o.dtype} {tuple(o.shape)} on {o.device}"
+                    )
+    except (ValueError, TypeError) as e:
+        error = e
+    if check:
+        # Every rank takes part in the check, also one whose own arguments were rejected, so that the
+        # others raise too instead of waiting in the all-to-all.
+        if error is None:
+            fields = [("arguments accepted", 1)] + _signature(direction, xs, maps, num_heads, accumulate)
+        else:
+            fields = [("arguments accepted", 0)]
+        device = xs[0].device if isinstance(xs[0], torch.Tensor) else torch.device("cpu")
+        try:
+            check_same_across_ranks(group, fields, device,
+                                    what="scatter-heads" if direction == SCATTER else "gather-heads")
+        except ValueError as e:
+            if error is not None:
+                raise error from None
+            raise e from None
+    if error is not None:
+        raise error
+    if _use_cpp(group, xs[0]):
+        return _cpp_a2a(direction, xs, maps, num_heads, group, outs, accumulate, stream, event)
+    if stream is not None and xs[0].is_cuda:
+        with torch.cuda.stream(stream):
+            res = _torch_a2a(direction, xs, maps, num_heads, group, outs, accumulate)
+            if event is not None:
+                event.record(stream)
+        return res
+    return _torch_a2a(direction, xs, maps, num_heads, group, outs, accumulate)
+
+
+def scatter_heads_multi(xs, maps, group=None, **kw) -> List[torch.Tensor]:
+    """Scatter-heads of several tensors (q, k, v) in one collective; ``maps[t]`` is tensor t's head map."""
+    return a2a_multi(SCATTER, xs, maps, [x.shape[2] for x in xs], group, **kw)
+
+
+def gather_heads_multi(ys, maps, num_heads, group=None, **kw) -> List[torch.Tensor]:
+    """Gather-heads of several tensors in one collective (the inverse / adjoint of scatter)."""
+    return a2a_multi(GATHER, ys, maps, num_heads, group, **kw)
+
+
+# ------------------------------------------------------------------------------------------------
+# Custom ops with autograd
+# ------------------------------------------------------------------------------------------------
+
+def _maps_from_lists(head_lo: List[int], head_hi: List[int]) -> HeadMap:
+    return list(zip(head_lo, head_hi))
+
+
+@torch.library.custom_op("allscan::scatter_heads", mutates_args=())
+def _scatter_heads_op(x: torch.Tensor, group_name: str, head_lo: List[int], head_hi: List[int]) -> torch.Tensor:
+    group = _comm.resolve_group(group_name)
+    return a2a_multi(SCATTER, [x], [_maps_from_lists(head_lo, head_hi)], [x.shape[2]], group, names=["x"])[0]
+
+
+@_scatter_heads_op.register_fake
+def _(x, group_name, head_lo, head_hi):
+    group = _comm.resolve_group(group_name)
+    P = len(head_lo)
+    me = dist.get_rank(group)
+    return x.new_empty(x.shape[0], x.shape[1] * P, head_hi[me] - head_lo[me], x.shape[3])
+
+
+@torch.library.custom_op("allscan::gather_heads", mutates_args=())
+def _gather_heads_op(y: torch.Tensor, group_name: str, num_heads: int, head_lo: List[int],
+                     head_hi: List[int]) -> torch.Tensor:
+    group = _comm.resolve_group(group_name)
+    return a2a_multi(GATHER, [y], [_maps_from_lists(head_lo, head_hi)], [num_heads], group, names=["y"])[0]
+
+
+@_gather_heads_op.register_fake
+def _(y, group_name, num_heads, head_lo, head_hi):
+    P = len(head_lo)
+    return y.new_empty(y.shape[0], y.shape[1] // P, num_heads, y.shape[3])
+
+
+def _scatter_setup(ctx, inputs, output):
+    x, group_name, head_lo, head_hi = inputs
+    ctx.group_name, ctx.head_lo, ctx.head_hi, ctx.num_heads = group_name, head_lo, head_hi, x.shape[2]
+
+
+def _scatter_backward(ctx, grad):
+    return _gather_heads_op(grad.contiguous(), ctx.group_name, ctx.num_heads, ctx.head_lo, ctx.head_hi), None, None, None
+
+
+def _gather_setup(ctx, inputs, output):
+    y, group_name, num_heads, head_lo, head_hi = inputs
+    ctx.group_name, ctx.head_lo, ctx.head_hi = group_name, head_lo, head_hi
+
+
+def _gather_backward(ctx, grad):
+    return _scatter_heads_op(grad.contiguous(), ctx.group_name, ctx.head_lo, ctx.head_hi), None, None, None, None
+
+
+_scatter_heads_op.register_autograd(_scatter_backward, setup_context=_scatter_setup)
+_gather_heads_op.register_autograd(_gather_backward, setup_context=_gather_setup)
+
+
+def _resolve_map(head_map, head_range, num_heads: int, world_size: int) -> HeadMap:
+    if head_map is not None and head_range is not None:
+        raise ValueError("allscan.a2a: pass head_map or head_range, not both")
+    if head_map is not None:
+        return [(int(lo), int(hi)) for lo, hi in head_map]
+    h0, h1 = head_range if head_range is not None else (0, num_heads)
+    if not 0 <= h0 <= h1 <= num_heads:
+        raise ValueError(f"allscan.a2a: head_range must satisfy 0 <= h0 <= h1 <= H ({num_heads}), got ({h0}, {h1})")
+    return split_heads(h0, h1, world_size)
+
+
+def scatter_heads(x: torch.Tensor, group=None, *, head_range: Optional[Range] = None,
+                  head_map: Optional[Sequence[Range]] = None) -> torch.Tensor:
+    """Sequence-sharded ``[B, S_local, H, D]`` -> whole sequence, this rank's heads ``[B, P*S_local, n, D]``.
+
+    The heads moved are ``head_range = (h0, h1)`` (default all) split unevenly over the ranks
+    (:func:`split_heads`), or an explicit ``head_map`` (one ``(lo, hi)`` per rank). Differentiable
+    (the backward is :func:`gather_heads`); a ``torch.library`` custom op.
+    """
+    _check_tensor(x, "x")
+    group = _comm.normalize_group(group)
+    P = dist.get_world_size(group)
+    hm = _check_map(_resolve_map(head_map, head_range, x.shape[2], P), x.shape[2], P, "head_map")
+    return _scatter_heads_op(x.contiguous(), _comm.group_name(group), [lo for lo, _ in hm], [hi for _, hi in hm])
+
+
+def gather_heads(y: torch.Tensor, group=None, *, num_heads: Optional[int] = None, head_range: Optional[Range] = None,
+                 head_map: Optional[Sequence[Range]] = None) -> torch.Tensor:
+    """Whole sequence, this rank's heads ``[B, S, n, D]`` -> sequence-sharded ``[B, S/P, num_heads, D]``.
+
+    The inverse of :func:`scatter_heads` with the same ``head_range``/``head_map`` (with an
+    overlapping map it sums the copies: scatter's adjoint). ``num_heads`` is the head count of the
+    output: required unless ``head_map`` is given (then it defaults to the largest ``hi``); with
+    ``head_range`` the output keeps all ``num_heads`` heads and those outside the range are zero.
+    """
+    _check_tensor(y, "y")
+    group = _comm.normalize_group(group)
+    P = dist.get_world_size(group)
+    if num_heads is None:
+        if head_map is None:
+            raise ValueError("allscan.a2a.gather_heads: num_heads (heads of the output) is required unless head_map is given")
+        num_heads = max(int(hi) for _, hi in head_map)
+    hm = _check_map(_resolve_map(head_map, head_range, num_heads, P), num_heads, P, "head_map")
+    return _gather_heads_op(y.contiguous(), _comm.group_name(group), int(num_heads), [lo for lo, _ in hm],
+                            [hi for _, hi in hm])
