@@ -1,0 +1,485 @@
+"""Ulysses attention with head-chunked overlap (HCMS), forward and backward.
+
+Ulysses sequence parallelism turns ``[B, S_local, H, D]`` (sequence-sharded, all heads) into
+``[B, S, H_rank, D]`` (whole sequence, this rank's heads) with an all-to-all, runs attention, and
+turns the output back with a second all-to-all. Here the heads are cut into ``C`` chunks and the
+chunks are pipelined over two CUDA streams::
+
+    comm stream:     S0 S1 .. G0 S2 .. G1 S3 ..          S = scatter-heads of q, k, v of a chunk
+    compute stream:        A0    A1    A2 ...             A = attention of a chunk (SDPA)
+                                                          G = gather-heads of the chunk's output
+
+so that the all-to-alls of chunks c-1 and c+1 run while chunk c is attended. The backward pass is
+pipelined the same way: scatter of the output gradient, per-chunk SDPA backward (through the graph the
+forward kept, so nothing is recomputed), gather of dq, dk, dv.
+
+Chunks are rank-major (:func:`allscan.a2a.chunk_head_ranges`): every rank's own heads are cut into C
+pieces, so C never changes which heads a rank attends. Heads need not divide the group size (the first
+``H % P`` ranks get one more), and k/v may have fewer heads than q (grouped-query attention): each
+rank receives the k/v heads its query heads use (replicated when there are fewer k/v heads than
+ranks), and their gradients are summed back.
+
+On CPU (or any non-NCCL group) the same code runs sequentially through the torch.distributed path.
+"""
+from __future__ import annotations
+
+import math
+import os
+from typing import Dict, List, Optional, Sequence, Tuple, Union
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from .. import _comm
+from .. import a2a as _a2a
+
+__all__ = ["UlyssesAttention", "ulysses_attention", "choose_num_chunks", "clear_auto_cache"]
+
+
+# ------------------------------------------------------------------------------------------------
+# The plan of one call: head maps per chunk, local k/v index for grouped-query attention
+# ------------------------------------------------------------------------------------------------
+
+class _Chunk:
+    __slots__ = ("q_map", "kv_map", "q_lo", "q_hi", "kv_lo", "kv_hi", "kv_index")
+
+    def __init__(self, q_map, kv_map, me, q_per_kv):
+        self.q_map = q_map
+        self.kv_map = kv_map
+        self.q_lo, self.q_hi = q_map[me]
+        self.kv_lo, self.kv_hi = kv_map[me]
+        self.kv_index = None
+        if q_per_kv > 1 and self.q_hi > self.q_lo:
+            # local query head i uses local k/v head (q_lo + i) // g - kv_lo
+            self.kv_index = [(h // q_per_kv) - self.kv_lo for h in range(self.q_lo, self.q_hi)]
+
+    @property
+    def nq(self):
+        return self.q_hi - self.q_lo
+
+    @property
+    def nkv(self):
+        return self.kv_hi - self.kv_lo
+
+
+class _Plan:
+    def __init__(self, group, world, me, B, Sl, Hq, Hkv, D, num_chunks, weights, causal, scale):
+        self.group, self.world, self.me = group, world, me
+        self.B, self.Sl, self.Hq, self.Hkv, self.D = B, Sl, Hq, Hkv, D
+        self.q_per_kv = Hq // Hkv
+        self.causal, self.scale = causal, scale
+        q_maps = _a2a.chunk_head_ranges(Hq, world, num_chunks, weights)
+        chunks = []
+        for qm in q_maps:
+            if all(hi <= lo for lo, hi in qm):
+                continue  # no rank has a head in this chunk
+            chunks.append(_Chunk(qm, _a2a.kv_head_ranges(qm, self.q_per_kv), me, self.q_per_kv))
+        self.chunks = chunks
+        # k/v gradients need summing when several ranks or chunks hold the same k/v head.
+        self.kv_accumulate = self.q_per_kv > 1
+
+
+def _attend(plan: _Plan, ch: _Chunk, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """SDPA of one chunk on [B, S, n, D] tensors -> [B, S, nq, D] contiguous."""
+    if ch.kv_index is not None:
+        idx = torch.tensor(ch.kv_index, device=k.device)
+        k = k.index_select(2, idx)
+        v = v.index_select(2, idx)
+    o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                       is_causal=plan.causal, scale=plan.scale)
+    return o.transpose(1, 2).contiguous()
+
+
+def _streams_for(device: torch.device):
+    """The communication stream of a device (one per device, created on first use)."""
+    st = _COMM_STREAMS.get(device.index)
+    if st is None:
+        st = torch.cuda.Stream(device=device, priority=-1)
+        _COMM_STREAMS[device.index] = st
+    return st
+
+
+_COMM_STREAMS: Dict[int, "torch.cuda.Stream"] = {}
+
+
+def _use_streams(plan: _Plan, x: torch.Tensor) -> bool:
+    return x.is_cuda and os.environ.get("ALLSCAN_ULYSSES_STREAMS", "1") != "0"
+
+
+# ------------------------------------------------------------------------------------------------
+# The pipeline driver: S(c) on the comm stream, A(c) on the current stream, G(c) on the comm stream
+# ------------------------------------------------------------------------------------------------
+
+def _run_pipeline(n: int, scatter, attend, gather, cuda_device: Optional[torch.device]):
+    """scatter(c, stream, event) issues chunk c's input all-to-all, attend(c) its computation (returns
+    what gather needs), gather(c, result, stream) its output all-to-all. Returns nothing; keeps every
+    tensor alive until the current stream has waited for the communication stream."""
+    if n == 0:
+        return
+    if cuda_device is None:
+        for c in range(n):
+            scatter(c, None, None)
+            gather(c, attend(c), None)
+        return
+    main = torch.cuda.current_stream(cuda_device)
+    comm = _streams_for(cuda_device)
+    comm.wait_stream(main)  # inputs, and every buffer allocated so far, are ready
+    in_ev = [torch.cuda.Event() for _ in range(n)]
+    att_ev = [torch.cuda.Event() for _ in range(n)]
+    keep = []
+    scatter(0, comm, in_ev[0])
+    for c in range(n):
+        if c + 1 < n:
+            scatter(c + 1, comm, in_ev[c + 1])
+        main.wait_event(in_ev[c])
+        res = attend(c)
+        att_ev[c].record(main)
+        keep.append(res)
+        comm.wait_event(att_ev[c])
+        gather(c, res, comm)
+    main.wait_stream(comm)
+    del keep
+
+
+class _UlyssesFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, plan: _Plan):
+        out, graphs = _forward(plan, q, k, v, keep_graph=True)
+        ctx.plan = plan
+        ctx.graphs = graphs
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        plan, graphs = ctx.plan, ctx.graphs
+        dq, dk, dv = _backward(plan, graphs, dout, ctx.needs_input_grad)
+        ctx.graphs = None
+        return dq, dk, dv, None
+
+
+def _forward(plan: _Plan, q, k, v, keep_graph: bool):
+    B, Sl, D, P = plan.B, plan.Sl, plan.D, plan.world
+    S = Sl * P
+    group = plan.group
+    chunks = plan.chunks
+    cuda = q.device if _use_streams(plan, q) else None
+    out = q.new_empty(B, Sl, plan.Hq, D)
+    # Buffers for the head-sharded chunks, allocated up front on the current stream.
+    ins = [(q.new_empty(B, S, ch.nq, D), k.new_empty(B, S, ch.nkv, D), v.new_empty(B, S, ch.nkv, D)) for ch in chunks]
+    graphs: List[Optional[tuple]] = [None] * len(chunks)
+
+    def scatter(c, stream, event):
+        ch = chunks[c]
+        _a2a.a2a_multi(_a2a.SCATTER, [q, k, v], [ch.q_map, ch.kv_map, ch.kv_map], [plan.Hq, plan.Hkv, plan.Hkv],
+                       group, outs=list(ins[c]), stream=stream, event=event, check=False, names=["q", "k", "v"])
+
+    def attend(c):
+        ch = chunks[c]
+        qc, kc, vc = ins[c]
+        if ch.nq == 0:
+            return qc.new_empty(B, S, 0, D)
+        if keep_graph:
+            qc, kc, vc = (t.detach().requires_grad_(True) for t in (qc, kc, vc))
+            with torch.enable_grad():
+                oc = _attend(plan, ch, qc, kc, vc)
+            graphs[c] = (oc, qc, kc, vc)
+            return oc.detach()
+        return _attend(plan, ch, qc, kc, vc)
+
+    def gather(c, oc, stream):
+        ch = chunks[c]
+        _a2a.a2a_multi(_a2a.GATHER, [oc], [ch.q_map], [plan.Hq], group, outs=[out], stream=stream, check=False,
+                       names=["attention output"])
+
+    _run_pipeline(len(chunks), scatter, attend, gather, cuda)
+    del ins
+    return out, graphs
+
+
+def _backward(plan: _Plan, graphs, dout, needs):
+    B, Sl, D, P = plan.B, plan.Sl, plan.D, plan.world
+    S = Sl * P
+    group = plan.group
+    chunks = plan.chunks
+    dout = dout.contiguous()
+    cuda = dout.device if _use_streams(plan, dout) else None
+    dq = dout.new_empty(B, Sl, plan.Hq, D)
+    if plan.kv_accumulate:
+        dk = dout.new_zeros(B, Sl, plan.Hkv, D)
+        dv = dout.new_zeros(B, Sl, plan.Hkv, D)
+    else:
+        dk = dout.new_empty(B, Sl, plan.Hkv, D)
+        dv = dout.new_empty(B, Sl, plan.Hkv, D)
+    douts = [dout.new_empty(B, S, ch.nq, D) for ch in chunks]
+
+    def scatter(c, stream, event):
+        ch = chunks[c]
+        _a2a.a2a_multi(_a2a.SCATTER, [dout], [ch.q_map], [plan.Hq], group, outs=[douts[c]], stream=stream,
+                       event=event, check=False, names=["output gradient"])
+
+    def attend(c):
+        ch = chunks[c]
+        g = graphs[c]
+        if g is None:  # no query head of this chunk on this rank
+            return (dout.new_empty(B, S, 0, D), dout.new_empty(B, S, ch.nkv, D).zero_(),
+                    dout.new_empty(B, S, ch.nkv, D).zero_())
+        oc, qc, kc, vc = g
+        gq, gk, gv = torch.autograd.grad(oc, (qc, kc, vc), douts[c])
+        graphs[c] = None
+        return gq.contiguous(), gk.contiguous(), gv.contiguous()
+
+    def gather(c, res, stream):
+        ch = chunks[c]
+        acc = plan.kv_accumulate
+        _a2a.a2a_multi(_a2a.GATHER, list(res), [ch.q_map, ch.kv_map, ch.kv_map], [plan.Hq, plan.Hkv, plan.Hkv], group,
+                       outs=[dq, dk, dv], accumulate=[False, acc, acc], stream=stream, check=False,
+                       names=["dq", "dk", "dv"])
+
+    _run_pipeline(len(chunks), scatter, attend, gather, cuda)
+    return (dq if needs[0] else None, dk if needs[1] else None, dv if needs[2] else None)
+
+
+# ------------------------------------------------------------------------------------------------
+# Choosing the number of chunks
+# ------------------------------------------------------------------------------------------------
+
+_AUTO_CACHE: Dict[tuple, Tuple[int, dict]] = {}
+
+
+def clear_auto_cache() -> None:
+    _AUTO_CACHE.clear()
+
+
+def _time_cuda(fn, reps: int) -> float:
+    """Median milliseconds of fn() over reps runs (one warm-up)."""
+    fn()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    times.sort()
+    return times[len(times) // 2]
+
+
+def model_time(C: int, n: int, att: Tuple[float, float], comm: Tuple[float, float]) -> float:
+    """Pipeline time (ms) of C equal chunks of a rank's n heads. att = (fixed, per head) of one
+    chunk's attention, comm = (fixed, per head) of one chunk's scatter + gather. The first scatter
+    and the last gather are exposed; in between each step takes the longer of the attention of a
+    chunk and the all-to-alls that run beside it."""
+    m = n / C
+    a = att[0] + m * att[1]
+    x = comm[0] + m * comm[1]
+    return x + C * a + (C - 1) * max(0.0, x - a)
+
+
+def choose_num_chunks(n_heads: int, att: Tuple[float, float], comm: Tuple[float, float],
+                      max_chunks: Optional[int] = None, min_gain: float = 0.02) -> int:
+    """The C that minimises :func:`model_time`; 1 unless it saves at least ``min_gain`` of C = 1."""
+    cmax = max(1, min(n_heads, max_chunks or n_heads))
+    t1 = model_time(1, n_heads, att, comm)
+    best, best_t = 1, t1
+    for C in range(2, cmax + 1):
+        t = model_time(C, n_heads, att, comm)
+        if t < best_t:
+            best, best_t = C, t
+    if best_t > t1 * (1.0 - min_gain):
+        return 1
+    return best
+
+
+def _measure(plan_args, q, k, v) -> Tuple[int, dict]:
+    """Measure (collectively) attention and all-to-all costs at 1 head and all heads per rank, agree
+    on the maxima across ranks, and choose C."""
+    group, world, me, B, Sl, Hq, Hkv, D, causal, scale, max_chunks = plan_args
+    n = len(range(*_a2a.split_heads(0, Hq, world)[me]))
+    n_min = min(hi - lo for lo, hi in _a2a.split_heads(0, Hq, world))
+    full = _Plan(group, world, me, B, Sl, Hq, Hkv, D, 1, None, causal, scale)
+    one = _Plan(group, world, me, B, Sl, Hq, Hkv, D, max(1, n_min), None, causal, scale) if n_min > 1 else full
+    S = Sl * world
+
+    def att_time(pl):
+        ch = pl.chunks[0]
+        qc = q.new_empty(B, S, ch.nq, D).normal_()
+        kc = q.new_empty(B, S, ch.nkv, D).normal_()
+        vc = q.new_empty(B, S, ch.nkv, D).normal_()
+        return ch.nq, _time_cuda(lambda: _attend(pl, ch, qc, kc, vc), 2)
+
+    def comm_time(pl):
+        ch = pl.chunks[0]
+        outs = [q.new_empty(B, S, ch.nq, D), k.new_empty(B, S, ch.nkv, D), v.new_empty(B, S, ch.nkv, D)]
+        o = q.new_empty(B, Sl, Hq, D)
+
+        def run():
+            _a2a.a2a_multi(_a2a.SCATTER, [q, k, v], [ch.q_map, ch.kv_map, ch.kv_map], [Hq, Hkv, Hkv], group,
+                           outs=outs, check=False)
+            _a2a.a2a_multi(_a2a.GATHER, [outs[0]], [ch.q_map], [Hq], group, outs=[o], check=False)
+
+        return _time_cuda(run, 3)
+
+    n_full, t_att_full = att_time(full)
+    n_one, t_att_one = att_time(one)
+    dist.barrier(group=group)
+    t_comm_full = comm_time(full)
+    t_comm_one = comm_time(one)
+    vals = torch.tensor([t_att_full, t_att_one, t_comm_full, t_comm_one], dtype=torch.float64, device=q.device)
+    dist.all_reduce(vals, op=dist.ReduceOp.MAX, group=group)
+    t_att_full, t_att_one, t_comm_full, t_comm_one = vals.tolist()
+    n_full = max(n_full, 1)
+    if n_full > n_one:
+        att_slope = max(0.0, (t_att_full - t_att_one) / (n_full - n_one))
+        comm_slope = max(0.0, (t_comm_full - t_comm_one) / (n_full - n_one))
+    else:
+        att_slope, comm_slope = t_att_full / n_full, t_comm_full / n_full
+    att = (max(0.0, t_att_full - att_slope * n_full), att_slope)
+    comm = (max(0.0, t_comm_full - comm_slope * n_full), comm_slope)
+    C = choose_num_chunks(n_full, att, comm, max_chunks)
+    info = {
+        "t_attention_ms": t_att_full,
+        "t_all_to_all_ms": t_comm_full,
+        "rho": t_comm_full / (t_comm_full + t_att_full) if t_comm_full + t_att_full > 0 else 0.0,
+        "attention_model_ms": att,
+        "all_to_all_model_ms": comm,
+        "num_chunks": C,
+        "predicted_ms": {c: model_time(c, n_full, att, comm) for c in range(1, max(1, n_full) + 1)},
+    }
+    return C, info
+
+
+# ------------------------------------------------------------------------------------------------
+# Public API
+# ------------------------------------------------------------------------------------------------
+
+def _check_inputs(q, k, v, world):
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"UlyssesAttention: {name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(f"UlyssesAttention: {name} must be 4-D [B, S_local, H, D], got shape {tuple(t.shape)}")
+        if not t.is_floating_point() or t.dtype not in (torch.float32, torch.float16, torch.bfloat16, torch.float64):
+            raise TypeError(f"UlyssesAttention: {name} must be float32/float16/bfloat16/float64, got {t.dtype}")
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise TypeError(f"UlyssesAttention: q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if k.device != q.device or v.device != q.device:
+        raise ValueError(f"UlyssesAttention: q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+    if k.shape != v.shape:
+        raise ValueError(f"UlyssesAttention: k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    B, Sl, Hq, D = q.shape
+    if k.shape[0] != B or k.shape[1] != Sl or k.shape[3] != D:
+        raise ValueError(
+            f"UlyssesAttention: k/v {tuple(k.shape)} must match q {tuple(q.shape)} in batch, local sequence and head_dim"
+        )
+    Hkv = k.shape[2]
+    if Hkv < 1 or Hq % Hkv != 0:
+        raise ValueError(
+            f"UlyssesAttention: the query heads ({Hq}) must be a multiple of the k/v heads ({Hkv}) (grouped-query attention)"
+        )
+    if Hq < world:
+        raise ValueError(
+            f"UlyssesAttention: needs at least one query head per rank: {Hq} query heads for a group of {world} ranks"
+        )
+    return B, Sl, Hq, Hkv, D
+
+
+def ulysses_attention(q, k, v, group=None, *, causal: bool = False, scale: Optional[float] = None,
+                      num_chunks: Union[int, str] = "auto", chunk_weights: Optional[Sequence[float]] = None,
+                      max_chunks: Optional[int] = None, return_info: bool = False):
+    """Functional form of :class:`UlyssesAttention` (see there)."""
+    group = _comm.normalize_group(group)
+    world = dist.get_world_size(group)
+    me = dist.get_rank(group)
+    error = None
+    try:
+        B, Sl, Hq, Hkv, D = _check_inputs(q, k, v, world)
+        if isinstance(num_chunks, str):
+            if num_chunks != "auto":
+                raise ValueError(f"UlyssesAttention: num_chunks must be a positive int or 'auto', got {num_chunks!r}")
+        elif isinstance(num_chunks, bool) or not isinstance(num_chunks, int) or not 1 <= num_chunks <= Hq:
+            raise ValueError(f"UlyssesAttention: num_chunks must be 'auto' or an int in [1, {q.shape[2]}] (query heads), got {num_chunks!r}")
+        if chunk_weights is not None and (num_chunks == "auto" or len(chunk_weights) != num_chunks
+                                          or any(w <= 0 for w in chunk_weights)):
+            raise ValueError("UlyssesAttention: chunk_weights needs an int num_chunks and one positive weight per chunk")
+    except (ValueError, TypeError) as e:
+        error = e
+    # One cross-rank check per call (CPU/gloo) or per signature (NCCL), also when this rank failed,
+    # so a mismatch raises everywhere instead of hanging in an all-to-all.
+    if error is None:
+        fields = [("arguments accepted", 1), ("batch B", B), ("local sequence length S_local", Sl),
+                  ("query heads", Hq), ("k/v heads", Hkv), ("head_dim D", D),
+                  ("dtype", _a2a._DTYPE_CODES[q.dtype]), ("causal", int(bool(causal))),
+                  ("scale (x1e9)", int(round((scale or 0.0) * 1e9))),
+                  ("num_chunks", 0 if num_chunks == "auto" else int(num_chunks)),
+                  ("needs grad", int(torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))))]
+        device = q.device
+    else:
+        fields = [("arguments accepted", 0)]
+        device = q.device if isinstance(q, torch.Tensor) else torch.device("cpu")
+    try:
+        _a2a.check_same_across_ranks(group, fields, device, what="UlyssesAttention")
+    except ValueError:
+        if error is not None:
+            raise error from None
+        raise
+    if error is not None:
+        raise error
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    info = None
+    if num_chunks == "auto":
+        if q.is_cuda and world > 1 and _use_streams(None, q):
+            key = (group.group_name, B, Sl, Hq, Hkv, D, q.dtype, bool(causal), scale, max_chunks)
+            hit = _AUTO_CACHE.get(key)
+            if hit is None:
+                with torch.no_grad():
+                    hit = _measure((group, world, me, B, Sl, Hq, Hkv, D, causal, scale, max_chunks), q, k, v)
+                _AUTO_CACHE[key] = hit
+            num_chunks, info = hit
+        else:
+            num_chunks = 1  # no second stream: nothing to overlap
+    plan = _Plan(group, world, me, B, Sl, Hq, Hkv, D, int(num_chunks), chunk_weights, causal, scale)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+        out = _UlyssesFn.apply(q, k, v, plan)
+    else:
+        out, _ = _forward(plan, q, k, v, keep_graph=False)
+    if return_info:
+        return out, {"num_chunks": int(num_chunks), "auto": info}
+    return out
+
+
+class UlyssesAttention(torch.nn.Module):
+    """Ulysses sequence-parallel softmax attention with head-chunked overlap (HCMS).
+
+    ``forward(q, k, v, *, causal=False, scale=None)`` takes this rank's shard ``[B, S_local, H, D]``
+    of the sequence (k and v may have fewer heads than q: grouped-query attention, H_q a multiple of
+    H_kv) and returns the attention output ``[B, S_local, H_q, D]``, equal to softmax attention
+    (``torch.nn.functional.scaled_dot_product_attention``) over the whole sequence. Differentiable in
+    q, k and v; the backward is pipelined like the forward.
+
+    ``num_chunks``: an int forces the number of head chunks C (1 = plain Ulysses). ``"auto"`` measures,
+    once per shape, the attention and all-to-all costs at one and at all heads per rank, fits a
+    per-chunk overhead, and picks the C that minimises the modelled pipeline time, 1 when overlap
+    cannot pay (always 1 on CPU, where there is no second stream). ``chunk_weights`` (with an int C)
+    sizes the chunks unequally, e.g. ``[1, 2, 2, 1]``: the first scatter and the last gather are the
+    exposed ones, so small end chunks hide more.
+    """
+
+    def __init__(self, group=None, num_chunks: Union[int, str] = "auto", *, chunk_weights=None,
+                 max_chunks: Optional[int] = None):
+        super().__init__()
+        self.group = group
+        self.num_chunks = num_chunks
+        self.chunk_weights = chunk_weights
+        self.max_chunks = max_chunks
+        self.last_info = None
+
+    def forward(self, q, k, v, *, causal: bool = False, scale: Optional[float] = None):
+        out, info = ulysses_attention(q, k, v, self.group, causal=causal, scale=scale, num_chunks=self.num_chunks,
+                                      chunk_weights=self.chunk_weights, max_chunks=self.max_chunks, return_info=True)
+        self.last_info = info
+        return out
+
+    def extra_repr(self) -> str:
+        return f"num_chunks={self.num_chunks!r}"

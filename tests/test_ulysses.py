@@ -1,0 +1,192 @@
+"""UlyssesAttention (HCMS) on CPU with gloo against SDPA on the whole sequence in one process."""
+import os
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "python"))
+
+from distributed import run_distributed  # noqa: E402
+
+from allscan.layers import UlyssesAttention  # noqa: E402
+from allscan.layers import ulysses as U  # noqa: E402
+
+
+def _inputs(B, S, Hq, Hkv, D, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    mk = lambda h: torch.randn(B, S, h, D, generator=g, dtype=torch.float64).to(dtype)  # noqa: E731
+    return mk(Hq), mk(Hkv), mk(Hkv), mk(Hq)
+
+
+def reference(q, k, v, w, causal, scale):
+    """Single-process SDPA on the whole sequence: output and gradients of sum(out * w)."""
+    q, k, v = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
+    rep = q.shape[2] // k.shape[2]
+    kk, vv = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
+    o = F.scaled_dot_product_attention(q.transpose(1, 2), kk.transpose(1, 2), vv.transpose(1, 2),
+                                       is_causal=causal, scale=scale).transpose(1, 2)
+    (o * w).sum().backward()
+    return o.detach(), q.grad, k.grad, v.grad
+
+
+def _check_layer(rank, world, B, Sl, Hq, Hkv, D, causal, chunks_list, scale):
+    S = Sl * world
+    q, k, v, w = _inputs(B, S, Hq, Hkv, D, torch.float64)
+    ro, rq, rk, rv = reference(q, k, v, w, causal, scale)
+    sl = slice(rank * Sl, (rank + 1) * Sl)
+    for C in chunks_list:
+        layer = UlyssesAttention(num_chunks=C)
+        ql, kl, vl = (t[:, sl].clone().requires_grad_(True) for t in (q, k, v))
+        out = layer(ql, kl, vl, causal=causal, scale=scale)
+        assert out.shape == (B, Sl, Hq, D)
+        torch.testing.assert_close(out, ro[:, sl], rtol=1e-10, atol=1e-10, msg=lambda m: f"output, C={C}: {m}")
+        (out * w[:, sl]).sum().backward()
+        for name, got, ref in (("dq", ql.grad, rq), ("dk", kl.grad, rk), ("dv", vl.grad, rv)):
+            torch.testing.assert_close(got, ref[:, sl], rtol=1e-10, atol=1e-10, msg=lambda m: f"{name}, C={C}: {m}")
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+@pytest.mark.parametrize("causal", [False, True])
+def test_even_heads(world, causal):
+    H = 2 * world
+    run_distributed(_check_layer, world, 2, 3, H, H, 8, causal, list(range(1, H + 1)), None)
+
+
+@pytest.mark.parametrize("world,H", [(2, 5), (4, 7)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_uneven_heads(world, H, causal):
+    run_distributed(_check_layer, world, 1, 4, H, H, 8, causal, list(range(1, H + 1)), 0.3)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_gqa_fewer_kv_heads_than_ranks(causal):
+    # 8 query heads, 2 k/v heads, P = 4: every k/v head is replicated on two ranks
+    run_distributed(_check_layer, 4, 2, 3, 8, 2, 8, causal, list(range(1, 9)), None)
+
+
+@pytest.mark.parametrize("world,Hq,Hkv", [(2, 8, 4), (3, 8, 4), (3, 6, 2)])
+def test_gqa_more_kv_heads(world, Hq, Hkv):
+    # k/v heads split alongside their query heads (unaligned splits included)
+    run_distributed(_check_layer, world, 1, 3, Hq, Hkv, 4, True, list(range(1, Hq + 1)), None)
+
+
+def _weights_and_nograd(rank, world):
+    B, Sl, H, D = 1, 4, 6, 4
+    S = Sl * world
+    q, k, v, w = _inputs(B, S, H, H, D, torch.float64, seed=3)
+    ro, rq, rk, rv = reference(q, k, v, w, True, None)
+    sl = slice(rank * Sl, (rank + 1) * Sl)
+    layer = UlyssesAttention(num_chunks=3, chunk_weights=[1, 2, 1])
+    ql, kl, vl = (t[:, sl].clone().requires_grad_(True) for t in (q, k, v))
+    out = layer(ql, kl, vl, causal=True)
+    (out * w[:, sl]).sum().backward()
+    torch.testing.assert_close(out, ro[:, sl], rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(kl.grad, rk[:, sl], rtol=1e-10, atol=1e-10)
+    # inference: no graph kept, same numbers; auto on CPU is C = 1
+    with torch.no_grad():
+        out2 = UlyssesAttention()(q[:, sl], k[:, sl], v[:, sl], causal=True)
+    torch.testing.assert_close(out2, ro[:, sl], rtol=1e-10, atol=1e-10)
+    # only k needs a gradient
+    kl2 = k[:, sl].clone().requires_grad_(True)
+    out3 = UlyssesAttention(num_chunks=2)(q[:, sl], kl2, v[:, sl], causal=True)
+    (out3 * w[:, sl]).sum().backward()
+    torch.testing.assert_close(kl2.grad, rk[:, sl], rtol=1e-10, atol=1e-10)
+
+
+def test_chunk_weights_nograd_partial_grads():
+    run_distributed(_weights_and_nograd, 2)
+
+
+def _float32(rank, world):
+    B, Sl, H, D = 2, 8, 4, 16
+    S = Sl * world
+    q, k, v, w = _inputs(B, S, H, 2, D, torch.float32, seed=5)
+    ro, rq, rk, rv = reference(q.double(), k.double(), v.double(), w.double(), True, None)
+    sl = slice(rank * Sl, (rank + 1) * Sl)
+    ql, kl, vl = (t[:, sl].clone().requires_grad_(True) for t in (q, k, v))
+    out = UlyssesAttention(num_chunks=2)(ql, kl, vl, causal=True)
+    (out * w[:, sl]).sum().backward()
+    for got, ref in ((out, ro), (ql.grad, rq), (kl.grad, rk), (vl.grad, rv)):
+        ref = ref[:, sl]
+        rms = (got.double() - ref).pow(2).mean().sqrt() / ref.pow(2).mean().sqrt()
+        assert rms <= 1e-5, rms
+
+
+def test_float32_rms():
+    run_distributed(_float32, 2)
+
+
+# ------------------------------------------------------------------------------------------------
+# Auto C: the model (pure functions)
+# ------------------------------------------------------------------------------------------------
+
+def test_choose_num_chunks_model():
+    # communication 2.2 ms and attention 17.7 ms over 20 heads, tiny per-chunk overheads: overlap pays
+    att = (0.05, 17.7 / 20)
+    comm = (0.06, 2.2 / 20)
+    C = U.choose_num_chunks(20, att, comm)
+    assert C > 1
+    assert U.model_time(C, 20, att, comm) < U.model_time(1, 20, att, comm)
+    # no communication to hide: C = 1
+    assert U.choose_num_chunks(20, (0.05, 1.0), (0.0, 0.0)) == 1
+    # per-chunk overhead larger than the communication: C = 1
+    assert U.choose_num_chunks(20, (5.0, 1.0), (1.0, 0.01)) == 1
+    assert U.choose_num_chunks(20, att, comm, max_chunks=3) <= 3
+    assert U.choose_num_chunks(1, att, comm) == 1
+
+
+# ------------------------------------------------------------------------------------------------
+# Errors
+# ------------------------------------------------------------------------------------------------
+
+def _errors_local(rank, world):
+    layer = UlyssesAttention(num_chunks=1)
+    x = torch.zeros(1, 2, 4, 8)
+    with pytest.raises(ValueError, match="4-D"):
+        layer(torch.zeros(2, 4, 8), x, x)
+    with pytest.raises(ValueError, match="multiple of the k/v heads"):
+        layer(x, torch.zeros(1, 2, 3, 8), torch.zeros(1, 2, 3, 8))
+    with pytest.raises(ValueError, match="k and v must have the same shape"):
+        layer(x, x, torch.zeros(1, 2, 2, 8))
+    with pytest.raises(ValueError, match="must match q"):
+        layer(x, torch.zeros(1, 3, 4, 8), torch.zeros(1, 3, 4, 8))
+    with pytest.raises(TypeError, match="one dtype"):
+        layer(x, x.double(), x.double())
+    with pytest.raises(TypeError, match="float32/float16/bfloat16/float64"):
+        layer(x.int(), x.int(), x.int())
+    with pytest.raises(ValueError, match="at least one query head per rank"):
+        layer(torch.zeros(1, 2, 1, 8), torch.zeros(1, 2, 1, 8), torch.zeros(1, 2, 1, 8))
+    with pytest.raises(ValueError, match="num_chunks"):
+        UlyssesAttention(num_chunks=5)(x, x, x)
+    with pytest.raises(ValueError, match="num_chunks"):
+        UlyssesAttention(num_chunks="fast")(x, x, x)
+    with pytest.raises(ValueError, match="chunk_weights"):
+        UlyssesAttention(num_chunks=2, chunk_weights=[1.0])(x, x, x)
+
+
+def test_errors_local():
+    run_distributed(_errors_local, 2)
+
+
+def _errors_cross_rank(rank, world, what):
+    layer = UlyssesAttention(num_chunks=1)
+    if what == "seq":
+        x = torch.zeros(1, 2 + rank, 4, 8)
+        with pytest.raises(ValueError, match="ranks disagree on local sequence length"):
+            layer(x, x, x)
+    elif what == "causal":
+        x = torch.zeros(1, 2, 4, 8)
+        with pytest.raises(ValueError, match="ranks disagree on causal"):
+            layer(x, x, x, causal=bool(rank))
+    elif what == "one_rank_bad":
+        x = torch.zeros(1, 2, 4, 8)
+        kv = x if rank == 0 else torch.zeros(1, 2, 3, 8)
+        with pytest.raises(ValueError, match="rejected their arguments" if rank == 0 else "multiple of the k/v heads"):
+            layer(x, kv, kv)
+
+
+@pytest.mark.parametrize("what", ["seq", "causal", "one_rank_bad"])
+def test_errors_cross_rank(what):
+    run_distributed(_errors_cross_rank, 2, what, timeout=60)
