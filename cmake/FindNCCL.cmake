@@ -18,13 +18,15 @@ foreach(_v NCCL_HOME NCCL_ROOT)
 endforeach()
 
 if(NOT _nccl_hints)
-  set(_py "${Python_EXECUTABLE}")
-  if(NOT _py)
-    find_program(_py NAMES python3 python)
+  if(Python_EXECUTABLE)
+    set(_nccl_py "${Python_EXECUTABLE}")
+  else()
+    find_program(_nccl_py_prog NAMES python3 python)
+    set(_nccl_py "${_nccl_py_prog}")
   endif()
-  if(_py)
+  if(_nccl_py)
     execute_process(
-      COMMAND "${_py}" -c "import importlib.util as u, os\nfor n in ('nvidia.nccl',):\n    s = u.find_spec(n)\n    if s and s.submodule_search_locations:\n        print(list(s.submodule_search_locations)[0]); break"
+      COMMAND "${_nccl_py}" -c "import importlib.util as u, os\nfor n in ('nvidia.nccl',):\n    s = u.find_spec(n)\n    if s and s.submodule_search_locations:\n        print(list(s.submodule_search_locations)[0]); break"
       OUTPUT_VARIABLE _nccl_wheel OUTPUT_STRIP_TRAILING_WHITESPACE ERROR_QUIET)
     if(_nccl_wheel AND EXISTS "${_nccl_wheel}/include/nccl.h")
       list(APPEND _nccl_hints "${_nccl_wheel}")

@@ -30,6 +30,13 @@
 #include <cuda_runtime.h>
 #include <nccl.h>
 
+#if defined(_WIN32)
+#define ALLSCAN_API
+#else
+/* The library is built with hidden visibility; only the C API is exported. */
+#define ALLSCAN_API __attribute__((visibility("default")))
+#endif
+
 #ifdef __cplusplus
 extern "C" {
 #endif
@@ -82,58 +89,61 @@ typedef struct {
  * size, and the link model used to choose the block count. */
 typedef struct allscanComm* allscanComm_t;
 
-const char* allscanGetErrorString(allscanResult_t result);
+ALLSCAN_API const char* allscanGetErrorString(allscanResult_t result);
 /* The message of the last error on this thread (names the argument at fault). */
-const char* allscanGetLastError(void);
-int allscanGetVersion(void); /* major*10000 + minor*100 + patch */
+ALLSCAN_API const char* allscanGetLastError(void);
+ALLSCAN_API int allscanGetVersion(void); /* major*10000 + minor*100 + patch */
 
-allscanResult_t allscanCommCreate(ncclComm_t nccl, allscanComm_t* comm);
+ALLSCAN_API allscanResult_t allscanCommCreate(ncclComm_t nccl, allscanComm_t* comm);
 /* Build a communicator with an explicit rank/size and no NCCL (for choosing blocks, workspace
  * sizes and argument checks without a GPU). Calls that need NCCL fail on it. */
-allscanResult_t allscanCommCreateDetached(int rank, int nranks, allscanComm_t* comm);
-allscanResult_t allscanCommDestroy(allscanComm_t comm);
-allscanResult_t allscanCommRank(allscanComm_t comm, int* rank);
-allscanResult_t allscanCommSize(allscanComm_t comm, int* nranks);
+ALLSCAN_API allscanResult_t allscanCommCreateDetached(int rank, int nranks, allscanComm_t* comm);
+ALLSCAN_API allscanResult_t allscanCommDestroy(allscanComm_t comm);
+ALLSCAN_API allscanResult_t allscanCommRank(allscanComm_t comm, int* rank);
+ALLSCAN_API allscanResult_t allscanCommSize(allscanComm_t comm, int* nranks);
 
 /* The link model: one message of n bytes between neighbours costs latency_us + n * us_per_byte.
  * Default: none set (auto block count is 1 until a model is set or calibrated). */
-allscanResult_t allscanSetLinkModel(allscanComm_t comm, double latency_us, double us_per_byte);
-allscanResult_t allscanGetLinkModel(allscanComm_t comm, double* latency_us, double* us_per_byte, int* is_set);
+ALLSCAN_API allscanResult_t allscanSetLinkModel(allscanComm_t comm, double latency_us, double us_per_byte);
+ALLSCAN_API allscanResult_t allscanGetLinkModel(allscanComm_t comm, double* latency_us, double* us_per_byte, int* is_set);
 /* Collective and synchronising (setup only, not for the hot path nor under capture): time
  * neighbour send/recv at two sizes on `stream`, fit the model, take the max over ranks so every
  * rank picks the same block count, and set it. */
-allscanResult_t allscanCalibrate(allscanComm_t comm, cudaStream_t stream);
+ALLSCAN_API allscanResult_t allscanCalibrate(allscanComm_t comm, cudaStream_t stream);
 
 /* The block count the pipelined method uses for a state of `bytes` bytes at this communicator's
  * size: the K minimising (P - 2 + K) * (latency + bytes/K * us_per_byte) (see DESIGN.md), at
  * least 1, at most allscanMaxBlocks, and no more than bytes/allscanMinBlockBytes. */
-allscanResult_t allscanChooseNumBlocks(allscanComm_t comm, size_t bytes, int* num_blocks);
+ALLSCAN_API allscanResult_t allscanChooseNumBlocks(allscanComm_t comm, size_t bytes, int* num_blocks);
 /* The same rule for any (P, model), so other runtimes (the torch.distributed path) share it. */
-int allscanChooseNumBlocksModel(int nranks, size_t bytes, double latency_us, double us_per_byte);
+ALLSCAN_API int allscanChooseNumBlocksModel(int nranks, size_t bytes, double latency_us, double us_per_byte);
 
 #define allscanMaxBlocks 64
 #define allscanMinBlockBytes 4096
 
 /* Bytes of device workspace one call with these arguments needs (0 is possible). */
-allscanResult_t allscanWorkspaceSize(allscanComm_t comm, const allscanScanArgs_t* args, size_t* bytes);
+ALLSCAN_API allscanResult_t allscanWorkspaceSize(allscanComm_t comm, const allscanScanArgs_t* args, size_t* bytes);
 /* Check the arguments without running anything (also works on a detached communicator). */
-allscanResult_t allscanCheckArgs(allscanComm_t comm, const allscanScanArgs_t* args);
+ALLSCAN_API allscanResult_t allscanCheckArgs(allscanComm_t comm, const allscanScanArgs_t* args);
 
 /* The All-Scan. Enqueued on `stream`; collective over the communicator. */
-allscanResult_t allscanScan(allscanComm_t comm, const allscanScanArgs_t* args, void* workspace,
+ALLSCAN_API allscanResult_t allscanScan(allscanComm_t comm, const allscanScanArgs_t* args, void* workspace,
                             size_t workspace_bytes, cudaStream_t stream);
 
 /* The floor the benchmarks compare with: every rank sends `bytes` to its successor and receives as
  * many from its predecessor (a ring shift; `reverse` flips it), one NCCL group call. With
  * `chain` != 0 the ring is cut at the ends (rank P-1 sends nothing, rank 0 receives nothing), which
  * is the set of transfers one All-Scan makes. */
-allscanResult_t allscanNeighborExchange(allscanComm_t comm, const void* sendbuf, void* recvbuf,
+ALLSCAN_API allscanResult_t allscanNeighborExchange(allscanComm_t comm, const void* sendbuf, void* recvbuf,
                                         size_t bytes, int reverse, int chain, cudaStream_t stream);
 
-/* Element-wise combine kernel alone, y = g*y_in + x in the storage dtype (y_in may be NULL for 0),
- * on `stream`: the building block, exposed for tests and for layers that fuse their own schedule. */
-allscanResult_t allscanCombine(const void* x, const void* y_in, const void* g, void* out, size_t count,
-                               size_t g_count, size_t offset, allscanDataType_t dtype,
+/* The combine kernel alone, out[i] = g[(offset+i)/inner] * y_in[i] + x[i] in the storage dtype,
+ * i in [0, count) (g == NULL: 1; y_in == NULL: out = x), enqueued on `stream`. x, y_in and out point
+ * at the first element of the range; g at the decay of the whole state, `inner` state elements per
+ * decay element (count/g_count of the whole state), `offset` the range's first element within the
+ * state. The building block, exposed for tests and for layers that fuse their own schedule. */
+ALLSCAN_API allscanResult_t allscanCombine(const void* x, const void* y_in, const void* g, void* out, size_t count,
+                               size_t inner, size_t offset, allscanDataType_t dtype,
                                allscanDataType_t g_dtype, cudaStream_t stream);
 
 #ifdef __cplusplus

@@ -1,0 +1,630 @@
+// The All-Scan core: combine kernels, the pipelined / serial / all-gather schedules on NCCL, the
+// communicator wrapper and the link model that chooses the block count. No libtorch.
+#include "allscan/allscan.h"
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <new>
+#include <string>
+
+#include "common/error.h"
+
+using allscan::detail::setError;
+
+struct allscanComm {
+  ncclComm_t nccl = nullptr;  // borrowed, never destroyed here (null for a detached communicator)
+  int rank = 0;
+  int nranks = 1;
+  bool model_set = false;
+  double latency_us = 0.0;
+  double us_per_byte = 0.0;
+};
+
+namespace {
+
+// ------------------------------------------------------------------------------------------------
+// Element types
+// ------------------------------------------------------------------------------------------------
+template <typename T> struct Acc { using type = float; };
+template <> struct Acc<double> { using type = double; };
+
+template <typename T> __device__ __forceinline__ typename Acc<T>::type toAcc(T v) { return static_cast<typename Acc<T>::type>(v); }
+template <> __device__ __forceinline__ float toAcc<__half>(__half v) { return __half2float(v); }
+template <> __device__ __forceinline__ float toAcc<__nv_bfloat16>(__nv_bfloat16 v) { return __bfloat162float(v); }
+
+template <typename T> __device__ __forceinline__ T fromAcc(typename Acc<T>::type v) { return static_cast<T>(v); }
+template <> __device__ __forceinline__ __half fromAcc<__half>(float v) { return __float2half_rn(v); }
+template <> __device__ __forceinline__ __nv_bfloat16 fromAcc<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
+
+// g*y + x as a separate multiply and add (no FMA contraction), so the CPU/torch reference, which
+// computes the same two rounded operations, is bitwise equal.
+__device__ __forceinline__ float combineOp(float g, float y, float x) { return __fadd_rn(__fmul_rn(g, y), x); }
+__device__ __forceinline__ double combineOp(double g, double y, double x) { return __dadd_rn(__dmul_rn(g, y), x); }
+
+template <typename G, typename A> __device__ __forceinline__ A loadG(const G* g, size_t i) {
+  return static_cast<A>(toAcc<G>(g[i]));
+}
+
+size_t dtypeSize(allscanDataType_t t) {
+  switch (t) {
+    case allscanFloat32: return 4;
+    case allscanFloat16: return 2;
+    case allscanBfloat16: return 2;
+    case allscanFloat64: return 8;
+  }
+  return 0;
+}
+
+bool validDtype(int t) { return t >= allscanFloat32 && t <= allscanFloat64; }
+
+const char* dtypeName(allscanDataType_t t) {
+  switch (t) {
+    case allscanFloat32: return "float32";
+    case allscanFloat16: return "float16";
+    case allscanBfloat16: return "bfloat16";
+    case allscanFloat64: return "float64";
+  }
+  return "?";
+}
+
+ncclDataType_t ncclType(allscanDataType_t t) {
+  switch (t) {
+    case allscanFloat32: return ncclFloat32;
+    case allscanFloat16: return ncclFloat16;
+    case allscanBfloat16: return ncclBfloat16;
+    case allscanFloat64: return ncclFloat64;
+  }
+  return ncclFloat32;
+}
+
+// ------------------------------------------------------------------------------------------------
+// Kernels
+// ------------------------------------------------------------------------------------------------
+constexpr int kThreads = 256;
+
+// out[i] = g[(offset+i)/inner] * y[i] + x[i]  (g == nullptr: 1), i in [0, n).
+// VEC consecutive elements per thread with 16-byte accesses when everything is aligned.
+template <typename T, typename G, int VEC>
+__global__ void __launch_bounds__(kThreads) combineKernel(const T* __restrict__ x, const T* __restrict__ y,
+                                                          const G* __restrict__ g, T* __restrict__ out, size_t n,
+                                                          size_t inner, size_t offset) {
+  using A = typename Acc<T>::type;
+  const size_t stride = static_cast<size_t>(gridDim.x) * blockDim.x;
+  const size_t nvec = n / VEC;
+  const bool shared_g = g != nullptr && (inner % VEC == 0) && (offset % VEC == 0);
+  for (size_t v = static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x; v < nvec; v += stride) {
+    const size_t i0 = v * VEC;
+    T xs[VEC], ys[VEC], os[VEC];
+    if constexpr (VEC > 1) {
+      using V = uint4;  // 16 bytes
+      *reinterpret_cast<V*>(xs) = reinterpret_cast<const V*>(x)[v];
+      *reinterpret_cast<V*>(ys) = reinterpret_cast<const V*>(y)[v];
+    } else {
+      xs[0] = x[i0];
+      ys[0] = y[i0];
+    }
+    A gs = A(1);
+    if (shared_g) gs = loadG<G, A>(g, (offset + i0) / inner);
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) {
+      A gj = gs;
+      if (g != nullptr && !shared_g) gj = loadG<G, A>(g, (offset + i0 + j) / inner);
+      os[j] = fromAcc<T>(combineOp(gj, toAcc<T>(ys[j]), toAcc<T>(xs[j])));
+    }
+    if constexpr (VEC > 1) {
+      reinterpret_cast<uint4*>(out)[v] = *reinterpret_cast<uint4*>(os);
+    } else {
+      out[i0] = os[0];
+    }
+  }
+  // Scalar tail.
+  for (size_t i = nvec * VEC + static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride) {
+    A gj = g != nullptr ? loadG<G, A>(g, (offset + i) / inner) : A(1);
+    out[i] = fromAcc<T>(combineOp(gj, toAcc<T>(y[i]), toAcc<T>(x[i])));
+  }
+}
+
+// The all-gather method's local fold. X: [P][count], Gs: [P][g_count] (or null), init: [count] or
+// null. Each element folds the chain up to `rank` in chain order, rounding to T at every boundary,
+// exactly as the pipelined method does.
+template <typename T, typename G>
+__global__ void __launch_bounds__(kThreads) foldKernel(const T* __restrict__ X, const G* __restrict__ Gs,
+                                                       const T* __restrict__ init, T* __restrict__ out, size_t count,
+                                                       size_t g_count, int nranks, int rank, int reverse, int inclusive) {
+  using A = typename Acc<T>::type;
+  const size_t inner = Gs != nullptr ? count / g_count : 1;
+  const int head = reverse ? nranks - 1 : 0;
+  const int step = reverse ? -1 : 1;
+  const size_t stride = static_cast<size_t>(gridDim.x) * blockDim.x;
+  for (size_t i = static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < count; i += stride) {
+    const size_t gi = i / inner;
+    // y entering the head.
+    bool zero = init == nullptr;
+    T y = zero ? fromAcc<T>(A(0)) : init[i];
+    const int last = inclusive ? rank + step : rank;  // fold ranks head .. last-step
+    for (int q = head; q != last; q += step) {
+      const T xq = X[static_cast<size_t>(q) * count + i];
+      if (zero) {
+        y = xq;  // y = 0 at the head without init: it sends x itself
+        zero = false;
+      } else {
+        const A gq = Gs != nullptr ? loadG<G, A>(Gs, static_cast<size_t>(q) * g_count + gi) : A(1);
+        y = fromAcc<T>(combineOp(gq, toAcc<T>(y), toAcc<T>(xq)));
+      }
+    }
+    out[i] = y;
+  }
+}
+
+int gridFor(size_t work) {
+  size_t blocks = (work + kThreads - 1) / kThreads;
+  // Enough blocks to fill any current GPU several times over; the loops are grid-strided.
+  return static_cast<int>(std::max<size_t>(1, std::min<size_t>(blocks, 4096)));
+}
+
+bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
+
+template <typename T, typename G>
+cudaError_t launchCombineT(const void* x, const void* y, const void* g, void* out, size_t n, size_t inner,
+                           size_t offset, cudaStream_t stream) {
+  if (n == 0) return cudaSuccess;
+  constexpr int VEC = 16 / sizeof(T);
+  const bool vec = aligned16(x) && aligned16(y) && aligned16(out);
+  if (vec) {
+    combineKernel<T, G, VEC><<<gridFor(n / VEC + 1), kThreads, 0, stream>>>(
+        static_cast<const T*>(x), static_cast<const T*>(y), static_cast<const G*>(g), static_cast<T*>(out), n,
+        inner, offset);
+  } else {
+    combineKernel<T, G, 1><<<gridFor(n), kThreads, 0, stream>>>(
+        static_cast<const T*>(x), static_cast<const T*>(y), static_cast<const G*>(g), static_cast<T*>(out), n,
+        inner, offset);
+  }
+  return cudaGetLastError();
+}
+
+template <typename T>
+cudaError_t launchCombineG(const void* x, const void* y, const void* g, void* out, size_t n, size_t inner,
+                           size_t offset, allscanDataType_t g_dtype, cudaStream_t stream) {
+  if (g == nullptr || g_dtype == allscanFloat32) return launchCombineT<T, float>(x, y, g, out, n, inner, offset, stream);
+  return launchCombineT<T, T>(x, y, g, out, n, inner, offset, stream);
+}
+
+cudaError_t launchCombine(allscanDataType_t dtype, allscanDataType_t g_dtype, const void* x, const void* y,
+                          const void* g, void* out, size_t n, size_t inner, size_t offset, cudaStream_t stream) {
+  switch (dtype) {
+    case allscanFloat32: return launchCombineG<float>(x, y, g, out, n, inner, offset, g_dtype, stream);
+    case allscanFloat16: return launchCombineG<__half>(x, y, g, out, n, inner, offset, g_dtype, stream);
+    case allscanBfloat16: return launchCombineG<__nv_bfloat16>(x, y, g, out, n, inner, offset, g_dtype, stream);
+    case allscanFloat64: return launchCombineG<double>(x, y, g, out, n, inner, offset, g_dtype, stream);
+  }
+  return cudaErrorInvalidValue;
+}
+
+template <typename T, typename G>
+cudaError_t launchFoldT(const allscanScanArgs_t& a, const void* X, const void* Gs, int nranks, int rank,
+                        cudaStream_t stream) {
+  if (a.count == 0) return cudaSuccess;
+  foldKernel<T, G><<<gridFor(a.count), kThreads, 0, stream>>>(
+      static_cast<const T*>(X), static_cast<const G*>(Gs), static_cast<const T*>(a.init), static_cast<T*>(a.y),
+      a.count, a.g_count, nranks, rank, a.reverse, a.inclusive);
+  return cudaGetLastError();
+}
+
+template <typename T>
+cudaError_t launchFoldG(const allscanScanArgs_t& a, const void* X, const void* Gs, int nranks, int rank,
+                        cudaStream_t stream) {
+  if (Gs == nullptr || a.g_dtype == allscanFloat32) return launchFoldT<T, float>(a, X, Gs, nranks, rank, stream);
+  return launchFoldT<T, T>(a, X, Gs, nranks, rank, stream);
+}
+
+cudaError_t launchFold(const allscanScanArgs_t& a, const void* X, const void* Gs, int nranks, int rank,
+                       cudaStream_t stream) {
+  switch (a.dtype) {
+    case allscanFloat32: return launchFoldG<float>(a, X, Gs, nranks, rank, stream);
+    case allscanFloat16: return launchFoldG<__half>(a, X, Gs, nranks, rank, stream);
+    case allscanBfloat16: return launchFoldG<__nv_bfloat16>(a, X, Gs, nranks, rank, stream);
+    case allscanFloat64: return launchFoldG<double>(a, X, Gs, nranks, rank, stream);
+  }
+  return cudaErrorInvalidValue;
+}
+
+// ------------------------------------------------------------------------------------------------
+// Blocks and workspace layout
+// ------------------------------------------------------------------------------------------------
+constexpr size_t kAlign = 256;
+size_t alignUp(size_t v, size_t a) { return (v + a - 1) / a * a; }
+
+// Elements per pipeline block: ceil(count/K) rounded up to 16 bytes' worth of elements, so every
+// block but the last starts 16-byte aligned. The number of blocks is then ceil(count / blockElems)
+// (<= K). Every rank computes the same partition from (count, K, dtype).
+size_t blockElems(size_t count, int K, size_t esize) {
+  const size_t vec = 16 / esize;
+  size_t b = (count + static_cast<size_t>(K) - 1) / static_cast<size_t>(K);
+  b = alignUp(std::max<size_t>(b, 1), vec);
+  return b;
+}
+
+allscanResult_t checkArgs(const allscanComm* comm, const allscanScanArgs_t* a) {
+  ALLSCAN_ARG_CHECK(comm != nullptr, "comm: null communicator");
+  ALLSCAN_ARG_CHECK(a != nullptr, "args: null argument struct");
+  ALLSCAN_ARG_CHECK(validDtype(a->dtype), "dtype: expected allscanFloat32, allscanFloat16, allscanBfloat16 or allscanFloat64, got " + std::to_string(static_cast<int>(a->dtype)));
+  ALLSCAN_ARG_CHECK(a->method == allscanPipelined || a->method == allscanSerial || a->method == allscanAllGather,
+                    "method: expected allscanPipelined, allscanSerial or allscanAllGather, got " + std::to_string(static_cast<int>(a->method)));
+  ALLSCAN_ARG_CHECK(a->num_blocks >= 0, "num_blocks: expected 0 (auto) or a positive block count, got " + std::to_string(a->num_blocks));
+  ALLSCAN_ARG_CHECK(a->reverse == 0 || a->reverse == 1, "reverse: expected 0 or 1");
+  ALLSCAN_ARG_CHECK(a->inclusive == 0 || a->inclusive == 1, "inclusive: expected 0 or 1");
+  if (a->count > 0) {
+    ALLSCAN_ARG_CHECK(a->x != nullptr, "x: null pointer for a state of " + std::to_string(a->count) + " elements");
+    ALLSCAN_ARG_CHECK(a->y != nullptr, "y: null pointer for a state of " + std::to_string(a->count) + " elements");
+    ALLSCAN_ARG_CHECK(a->x != a->y, "y: must not alias x");
+    ALLSCAN_ARG_CHECK(a->init != a->y, "y: must not alias init");
+  }
+  if (a->g != nullptr) {
+    ALLSCAN_ARG_CHECK(validDtype(a->g_dtype) && (a->g_dtype == allscanFloat32 || a->g_dtype == a->dtype),
+                      std::string("g_dtype: expected float32 or the state's dtype (") + dtypeName(a->dtype) + ")");
+    ALLSCAN_ARG_CHECK(a->g_count > 0 || a->count == 0, "g_count: expected a positive count for a non-null decay");
+    ALLSCAN_ARG_CHECK(a->g_count == 0 ? a->count == 0 : a->count % a->g_count == 0,
+                      "g_count: " + std::to_string(a->g_count) + " must divide count " + std::to_string(a->count) +
+                          " (the decay has a prefix shape of the state)");
+    ALLSCAN_ARG_CHECK(a->g != a->y, "y: must not alias g");
+  }
+  return allscanSuccess;
+}
+
+int effectiveBlocks(const allscanComm* comm, const allscanScanArgs_t* a) {
+  if (a->method == allscanSerial || a->method == allscanAllGather) return 1;
+  int K = a->num_blocks;
+  if (K == 0) {
+    allscanChooseNumBlocks(const_cast<allscanComm*>(comm), a->count * dtypeSize(a->dtype), &K);
+  }
+  return K;
+}
+
+size_t workspaceBytes(const allscanComm* comm, const allscanScanArgs_t* a) {
+  const int P = comm->nranks;
+  if (P == 1 || a->count == 0) return 0;
+  const size_t es = dtypeSize(a->dtype);
+  if (a->method == allscanAllGather) {
+    size_t bytes = alignUp(static_cast<size_t>(P) * a->count * es, kAlign);
+    if (a->g != nullptr) bytes += alignUp(static_cast<size_t>(P) * a->g_count * dtypeSize(a->g_dtype), kAlign);
+    return bytes;
+  }
+  return alignUp(a->count * es, kAlign);
+}
+
+}  // namespace
+
+// ------------------------------------------------------------------------------------------------
+// C API
+// ------------------------------------------------------------------------------------------------
+extern "C" {
+
+int allscanGetVersion(void) {
+  return ALLSCAN_VERSION_MAJOR * 10000 + ALLSCAN_VERSION_MINOR * 100 + ALLSCAN_VERSION_PATCH;
+}
+
+allscanResult_t allscanCommCreate(ncclComm_t nccl, allscanComm_t* comm) {
+  ALLSCAN_ARG_CHECK(nccl != nullptr, "nccl: null NCCL communicator");
+  ALLSCAN_ARG_CHECK(comm != nullptr, "comm: null output pointer");
+  int rank = 0, nranks = 0;
+  ALLSCAN_NCCL_CHECK(nccl, ncclCommUserRank(nccl, &rank));
+  ALLSCAN_NCCL_CHECK(nccl, ncclCommCount(nccl, &nranks));
+  auto* c = new (std::nothrow) allscanComm();
+  if (c == nullptr) return setError(allscanInternalError, "out of host memory");
+  c->nccl = nccl;
+  c->rank = rank;
+  c->nranks = nranks;
+  *comm = c;
+  return allscanSuccess;
+}
+
+allscanResult_t allscanCommCreateDetached(int rank, int nranks, allscanComm_t* comm) {
+  ALLSCAN_ARG_CHECK(comm != nullptr, "comm: null output pointer");
+  ALLSCAN_ARG_CHECK(nranks >= 1, "nranks: expected >= 1, got " + std::to_string(nranks));
+  ALLSCAN_ARG_CHECK(rank >= 0 && rank < nranks,
+                    "rank: expected 0 <= rank < nranks (" + std::to_string(nranks) + "), got " + std::to_string(rank));
+  auto* c = new (std::nothrow) allscanComm();
+  if (c == nullptr) return setError(allscanInternalError, "out of host memory");
+  c->rank = rank;
+  c->nranks = nranks;
+  *comm = c;
+  return allscanSuccess;
+}
+
+allscanResult_t allscanCommDestroy(allscanComm_t comm) {
+  delete comm;  // the NCCL communicator is borrowed: not destroyed here
+  return allscanSuccess;
+}
+
+allscanResult_t allscanCommRank(allscanComm_t comm, int* rank) {
+  ALLSCAN_ARG_CHECK(comm != nullptr && rank != nullptr, "comm/rank: null pointer");
+  *rank = comm->rank;
+  return allscanSuccess;
+}
+
+allscanResult_t allscanCommSize(allscanComm_t comm, int* nranks) {
+  ALLSCAN_ARG_CHECK(comm != nullptr && nranks != nullptr, "comm/nranks: null pointer");
+  *nranks = comm->nranks;
+  return allscanSuccess;
+}
+
+allscanResult_t allscanSetLinkModel(allscanComm_t comm, double latency_us, double us_per_byte) {
+  ALLSCAN_ARG_CHECK(comm != nullptr, "comm: null communicator");
+  ALLSCAN_ARG_CHECK(std::isfinite(latency_us) && latency_us > 0.0,
+                    "latency_us: expected a positive finite latency in microseconds");
+  ALLSCAN_ARG_CHECK(std::isfinite(us_per_byte) && us_per_byte > 0.0,
+                    "us_per_byte: expected a positive finite time per byte in microseconds");
+  comm->latency_us = latency_us;
+  comm->us_per_byte = us_per_byte;
+  comm->model_set = true;
+  return allscanSuccess;
+}
+
+allscanResult_t allscanGetLinkModel(allscanComm_t comm, double* latency_us, double* us_per_byte, int* is_set) {
+  ALLSCAN_ARG_CHECK(comm != nullptr, "comm: null communicator");
+  if (latency_us) *latency_us = comm->latency_us;
+  if (us_per_byte) *us_per_byte = comm->us_per_byte;
+  if (is_set) *is_set = comm->model_set ? 1 : 0;
+  return allscanSuccess;
+}
+
+int allscanChooseNumBlocksModel(int nranks, size_t bytes, double latency_us, double us_per_byte) {
+  // Chain of P ranks, K blocks: the first block crosses P-1 links, the other K-1 follow one step
+  // behind each other, every step costing one message: T(K) = (P - 2 + K) * (a + b*N/K).
+  // dT/dK = 0 at K* = sqrt((P-2) * b*N / a); at P <= 2, K = 1 is best whatever the link.
+  if (nranks <= 2 || bytes == 0 || !(latency_us > 0.0) || !(us_per_byte > 0.0)) return 1;
+  long kmax = static_cast<long>(std::min<size_t>(allscanMaxBlocks, std::max<size_t>(1, bytes / allscanMinBlockBytes)));
+  const double N = static_cast<double>(bytes);
+  auto T = [&](long K) { return (nranks - 2 + K) * (latency_us + us_per_byte * N / static_cast<double>(K)); };
+  const double kstar = std::sqrt((nranks - 2) * us_per_byte * N / latency_us);
+  long k0 = std::max(1L, std::min(kmax, static_cast<long>(std::floor(kstar))));
+  long k1 = std::max(1L, std::min(kmax, k0 + 1));
+  return static_cast<int>(T(k1) < T(k0) ? k1 : k0);
+}
+
+allscanResult_t allscanChooseNumBlocks(allscanComm_t comm, size_t bytes, int* num_blocks) {
+  ALLSCAN_ARG_CHECK(comm != nullptr && num_blocks != nullptr, "comm/num_blocks: null pointer");
+  *num_blocks = comm->model_set ? allscanChooseNumBlocksModel(comm->nranks, bytes, comm->latency_us, comm->us_per_byte) : 1;
+  return allscanSuccess;
+}
+
+allscanResult_t allscanCheckArgs(allscanComm_t comm, const allscanScanArgs_t* args) { return checkArgs(comm, args); }
+
+allscanResult_t allscanWorkspaceSize(allscanComm_t comm, const allscanScanArgs_t* args, size_t* bytes) {
+  ALLSCAN_CHECK(checkArgs(comm, args));
+  ALLSCAN_ARG_CHECK(bytes != nullptr, "bytes: null output pointer");
+  *bytes = workspaceBytes(comm, args);
+  return allscanSuccess;
+}
+
+allscanResult_t allscanCombine(const void* x, const void* y_in, const void* g, void* out, size_t count,
+                               size_t inner, size_t offset, allscanDataType_t dtype, allscanDataType_t g_dtype,
+                               cudaStream_t stream) {
+  ALLSCAN_ARG_CHECK(validDtype(dtype), "dtype: invalid");
+  if (count == 0) return allscanSuccess;
+  ALLSCAN_ARG_CHECK(x != nullptr && out != nullptr, "x/out: null pointer");
+  if (g != nullptr) {
+    ALLSCAN_ARG_CHECK(g_dtype == allscanFloat32 || g_dtype == dtype, "g_dtype: expected float32 or the state's dtype");
+    ALLSCAN_ARG_CHECK(inner > 0, "inner: expected > 0 state elements per decay element");
+  } else {
+    inner = 1;
+  }
+  if (y_in == nullptr) {
+    ALLSCAN_CUDA_CHECK(cudaMemcpyAsync(out, x, count * dtypeSize(dtype), cudaMemcpyDeviceToDevice, stream));
+    return allscanSuccess;
+  }
+  ALLSCAN_CUDA_CHECK(launchCombine(dtype, g_dtype, x, y_in, g, out, count, inner, offset, stream));
+  return allscanSuccess;
+}
+
+allscanResult_t allscanNeighborExchange(allscanComm_t comm, const void* sendbuf, void* recvbuf, size_t bytes,
+                                        int reverse, int chain, cudaStream_t stream) {
+  ALLSCAN_ARG_CHECK(comm != nullptr, "comm: null communicator");
+  ALLSCAN_ARG_CHECK(comm->nccl != nullptr, "comm: a detached communicator has no NCCL communicator");
+  const int P = comm->nranks, r = comm->rank;
+  if (P == 1 || bytes == 0) return allscanSuccess;
+  ALLSCAN_ARG_CHECK(sendbuf != nullptr && recvbuf != nullptr, "sendbuf/recvbuf: null pointer");
+  const int next = reverse ? (r - 1 + P) % P : (r + 1) % P;
+  const int prev = reverse ? (r + 1) % P : (r - 1 + P) % P;
+  const bool send = !chain || (reverse ? r > 0 : r < P - 1);
+  const bool recv = !chain || (reverse ? r < P - 1 : r > 0);
+  ALLSCAN_NCCL_CHECK(comm->nccl, ncclGroupStart());
+  if (send) ALLSCAN_NCCL_CHECK(comm->nccl, ncclSend(sendbuf, bytes, ncclUint8, next, comm->nccl, stream));
+  if (recv) ALLSCAN_NCCL_CHECK(comm->nccl, ncclRecv(recvbuf, bytes, ncclUint8, prev, comm->nccl, stream));
+  ALLSCAN_NCCL_CHECK(comm->nccl, ncclGroupEnd());
+  return allscanSuccess;
+}
+
+allscanResult_t allscanScan(allscanComm_t comm, const allscanScanArgs_t* a, void* workspace, size_t workspace_bytes,
+                            cudaStream_t stream) {
+  ALLSCAN_CHECK(checkArgs(comm, a));
+  const int P = comm->nranks, r = comm->rank;
+  const size_t count = a->count;
+  if (count == 0) return allscanSuccess;
+  const size_t es = dtypeSize(a->dtype);
+  const size_t bytes = count * es;
+  const size_t need = workspaceBytes(comm, a);
+  ALLSCAN_ARG_CHECK(workspace_bytes >= need && (need == 0 || workspace != nullptr),
+                    "workspace: " + std::to_string(need) + " bytes needed (allscanWorkspaceSize), got " +
+                        std::to_string(workspace_bytes));
+  const size_t inner = a->g != nullptr ? count / a->g_count : 1;
+  const void* g = a->g;
+
+  const int head = a->reverse ? P - 1 : 0;
+  const bool is_head = r == head;
+  const bool has_next = a->reverse ? r > 0 : r < P - 1;
+  const int prev = a->reverse ? r + 1 : r - 1;
+  const int next = a->reverse ? r - 1 : r + 1;
+
+  if (P == 1) {
+    // A chain of one: exclusive = init (or 0), inclusive = g*init + x (or x).
+    if (a->inclusive) {
+      if (a->init != nullptr) {
+        ALLSCAN_CUDA_CHECK(launchCombine(a->dtype, a->g_dtype, a->x, a->init, g, a->y, count, inner, 0, stream));
+      } else {
+        ALLSCAN_CUDA_CHECK(cudaMemcpyAsync(a->y, a->x, bytes, cudaMemcpyDeviceToDevice, stream));
+      }
+    } else if (a->init != nullptr) {
+      ALLSCAN_CUDA_CHECK(cudaMemcpyAsync(a->y, a->init, bytes, cudaMemcpyDeviceToDevice, stream));
+    } else {
+      ALLSCAN_CUDA_CHECK(cudaMemsetAsync(a->y, 0, bytes, stream));
+    }
+    return allscanSuccess;
+  }
+  ALLSCAN_ARG_CHECK(comm->nccl != nullptr, "comm: a detached communicator has no NCCL communicator");
+  ncclComm_t nc = comm->nccl;
+  const ncclDataType_t nt = ncclType(a->dtype);
+
+  if (a->method == allscanAllGather) {
+    // LASP-2 pattern: gather every rank's state (and decay), fold locally.
+    char* ws = static_cast<char*>(workspace);
+    void* X = ws;
+    void* Gs = nullptr;
+    ALLSCAN_NCCL_CHECK(nc, ncclGroupStart());
+    ALLSCAN_NCCL_CHECK(nc, ncclAllGather(a->x, X, count, nt, nc, stream));
+    if (g != nullptr) {
+      Gs = ws + alignUp(static_cast<size_t>(P) * bytes, kAlign);
+      ALLSCAN_NCCL_CHECK(nc, ncclAllGather(g, Gs, a->g_count, ncclType(a->g_dtype), nc, stream));
+    }
+    ALLSCAN_NCCL_CHECK(nc, ncclGroupEnd());
+    ALLSCAN_CUDA_CHECK(launchFold(*a, X, Gs, P, r, stream));
+    return allscanSuccess;
+  }
+
+  const int K = effectiveBlocks(comm, a);
+  const size_t be = blockElems(count, K, es);
+  const size_t nblocks = (count + be - 1) / be;
+  auto blk = [&](const void* base, size_t k) {
+    return static_cast<const char*>(base) + k * be * es;
+  };
+  auto blkm = [&](void* base, size_t k) { return static_cast<char*>(base) + k * be * es; };
+  auto blen = [&](size_t k) { return std::min(be, count - k * be); };
+
+  if (is_head) {
+    // The chain starts here: y = init (or 0); the value sent on is g*init + x (or x itself).
+    const void* s = a->x;
+    if (a->inclusive) {
+      if (a->init != nullptr) {
+        ALLSCAN_CUDA_CHECK(launchCombine(a->dtype, a->g_dtype, a->x, a->init, g, a->y, count, inner, 0, stream));
+      } else {
+        ALLSCAN_CUDA_CHECK(cudaMemcpyAsync(a->y, a->x, bytes, cudaMemcpyDeviceToDevice, stream));
+      }
+      s = a->y;
+    } else {
+      if (a->init != nullptr) {
+        ALLSCAN_CUDA_CHECK(launchCombine(a->dtype, a->g_dtype, a->x, a->init, g, workspace, count, inner, 0, stream));
+        s = workspace;
+        ALLSCAN_CUDA_CHECK(cudaMemcpyAsync(a->y, a->init, bytes, cudaMemcpyDeviceToDevice, stream));
+      } else {
+        ALLSCAN_CUDA_CHECK(cudaMemsetAsync(a->y, 0, bytes, stream));
+      }
+    }
+    // All blocks in one group call: they go out in order on the same peer connection, so the
+    // successor receives block 0 first and starts combining it while the rest is in flight.
+    ALLSCAN_NCCL_CHECK(nc, ncclGroupStart());
+    for (size_t k = 0; k < nblocks; ++k) ALLSCAN_NCCL_CHECK(nc, ncclSend(blk(s, k), blen(k), nt, next, nc, stream));
+    ALLSCAN_NCCL_CHECK(nc, ncclGroupEnd());
+    return allscanSuccess;
+  }
+
+  // Inner and tail ranks. R receives y_p; S holds g*y_p + x (what is sent on, or the inclusive
+  // result). Exclusive: R = y, S = workspace. Inclusive: R = workspace, S = y.
+  void* R = a->inclusive ? workspace : a->y;
+  void* S = a->inclusive ? a->y : workspace;
+  const bool combine = has_next || a->inclusive;
+  for (size_t k = 0; k < nblocks; ++k) {
+    ALLSCAN_NCCL_CHECK(nc, ncclGroupStart());
+    if (has_next && k > 0) ALLSCAN_NCCL_CHECK(nc, ncclSend(blk(S, k - 1), blen(k - 1), nt, next, nc, stream));
+    ALLSCAN_NCCL_CHECK(nc, ncclRecv(blkm(R, k), blen(k), nt, prev, nc, stream));
+    ALLSCAN_NCCL_CHECK(nc, ncclGroupEnd());
+    if (combine) {
+      ALLSCAN_CUDA_CHECK(launchCombine(a->dtype, a->g_dtype, blk(a->x, k), blk(R, k), g, blkm(S, k), blen(k), inner,
+                                       k * be, stream));
+    }
+  }
+  if (has_next) {
+    ALLSCAN_NCCL_CHECK(nc, ncclGroupStart());
+    ALLSCAN_NCCL_CHECK(nc, ncclSend(blk(S, nblocks - 1), blen(nblocks - 1), nt, next, nc, stream));
+    ALLSCAN_NCCL_CHECK(nc, ncclGroupEnd());
+  }
+  return allscanSuccess;
+}
+
+allscanResult_t allscanCalibrate(allscanComm_t comm, cudaStream_t stream) {
+  ALLSCAN_ARG_CHECK(comm != nullptr, "comm: null communicator");
+  ALLSCAN_ARG_CHECK(comm->nccl != nullptr, "comm: a detached communicator cannot be calibrated");
+  if (comm->nranks == 1) return allscanSuccess;
+  constexpr size_t kSmall = 8 << 10, kLarge = 8 << 20;
+  constexpr int kWarm = 5, kIters = 20;
+  void *sbuf = nullptr, *rbuf = nullptr;
+  double* dev = nullptr;
+  cudaEvent_t e0 = nullptr, e1 = nullptr;
+  allscanResult_t st = allscanSuccess;
+  double t[2] = {0, 0};
+  const size_t sizes[2] = {kSmall, kLarge};
+  double host[2];
+  float ms = 0.f;
+  auto fail = [&](allscanResult_t s) { st = s; };
+  do {
+    if (cudaMalloc(&sbuf, kLarge) != cudaSuccess || cudaMalloc(&rbuf, kLarge) != cudaSuccess ||
+        cudaMalloc(&dev, 2 * sizeof(double)) != cudaSuccess) {
+      fail(setError(allscanCudaError, "allscanCalibrate: cudaMalloc failed"));
+      break;
+    }
+    if (cudaMemsetAsync(sbuf, 0, kLarge, stream) != cudaSuccess || cudaEventCreate(&e0) != cudaSuccess ||
+        cudaEventCreate(&e1) != cudaSuccess) {
+      fail(setError(allscanCudaError, "allscanCalibrate: CUDA setup failed"));
+      break;
+    }
+    for (int s = 0; s < 2 && st == allscanSuccess; ++s) {
+      for (int i = 0; i < kWarm + kIters && st == allscanSuccess; ++i) {
+        if (i == kWarm) cudaEventRecord(e0, stream);
+        st = allscanNeighborExchange(comm, sbuf, rbuf, sizes[s], 0, 0, stream);
+      }
+      if (st != allscanSuccess) break;
+      cudaEventRecord(e1, stream);
+      if (cudaEventSynchronize(e1) != cudaSuccess || cudaEventElapsedTime(&ms, e0, e1) != cudaSuccess) {
+        fail(setError(allscanCudaError, "allscanCalibrate: timing failed"));
+        break;
+      }
+      t[s] = 1000.0 * ms / kIters;  // microseconds per message
+    }
+    if (st != allscanSuccess) break;
+    double b = (t[1] - t[0]) / static_cast<double>(kLarge - kSmall);
+    if (!(b > 0.0)) b = t[1] / static_cast<double>(kLarge);
+    double lat = t[0] - b * static_cast<double>(kSmall);
+    if (!(lat > 0.1)) lat = 0.1;
+    host[0] = lat;
+    host[1] = b;
+    // Every rank must choose the same block count: agree on the slowest link.
+    if (cudaMemcpyAsync(dev, host, sizeof(host), cudaMemcpyHostToDevice, stream) != cudaSuccess) {
+      fail(setError(allscanCudaError, "allscanCalibrate: copy failed"));
+      break;
+    }
+    ncclResult_t nr = allscan::detail::ncclSettle(comm->nccl, ncclAllReduce(dev, dev, 2, ncclFloat64, ncclMax, comm->nccl, stream));
+    if (nr != ncclSuccess) {
+      fail(setError(allscanNcclError, std::string("allscanCalibrate: ncclAllReduce: ") + ncclGetErrorString(nr)));
+      break;
+    }
+    if (cudaMemcpyAsync(host, dev, sizeof(host), cudaMemcpyDeviceToHost, stream) != cudaSuccess ||
+        cudaStreamSynchronize(stream) != cudaSuccess) {
+      fail(setError(allscanCudaError, "allscanCalibrate: copy back failed"));
+      break;
+    }
+    comm->latency_us = host[0];
+    comm->us_per_byte = host[1];
+    comm->model_set = true;
+  } while (false);
+  if (e0) cudaEventDestroy(e0);
+  if (e1) cudaEventDestroy(e1);
+  if (sbuf) cudaFree(sbuf);
+  if (rbuf) cudaFree(rbuf);
+  if (dev) cudaFree(dev);
+  return st;
+}
+
+}  // extern "C"

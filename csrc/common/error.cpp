@@ -1,0 +1,44 @@
+#include "common/error.h"
+
+#include <thread>
+
+namespace allscan {
+namespace detail {
+
+static thread_local std::string t_last_error;
+
+allscanResult_t setError(allscanResult_t code, const std::string& msg) {
+  t_last_error = msg;
+  return code;
+}
+
+const char* lastError() { return t_last_error.c_str(); }
+
+ncclResult_t ncclSettle(ncclComm_t comm, ncclResult_t r) {
+  // Communicators created non-blocking (torch may create them so) return ncclInProgress from
+  // enqueue calls; the operation is then completed by polling the communicator's async state.
+  if (r != ncclInProgress || comm == nullptr) return r;
+  ncclResult_t state = ncclInProgress;
+  while (state == ncclInProgress) {
+    ncclResult_t q = ncclCommGetAsyncError(comm, &state);
+    if (q != ncclSuccess) return q;
+    if (state == ncclInProgress) std::this_thread::yield();
+  }
+  return state;
+}
+
+}  // namespace detail
+}  // namespace allscan
+
+extern "C" const char* allscanGetLastError(void) { return allscan::detail::lastError(); }
+
+extern "C" const char* allscanGetErrorString(allscanResult_t r) {
+  switch (r) {
+    case allscanSuccess: return "success";
+    case allscanInvalidArgument: return "invalid argument";
+    case allscanCudaError: return "CUDA error";
+    case allscanNcclError: return "NCCL error";
+    case allscanInternalError: return "internal error";
+  }
+  return "unknown allscan result";
+}

@@ -1,0 +1,48 @@
+// Internal error plumbing shared by the core's C API implementations (not installed).
+#pragma once
+
+#include <cuda_runtime.h>
+#include <nccl.h>
+
+#include <string>
+
+#include "allscan/allscan.h"
+
+namespace allscan {
+namespace detail {
+
+// Records `msg` as this thread's last error and returns `code`.
+allscanResult_t setError(allscanResult_t code, const std::string& msg);
+
+// Waits for a non-blocking communicator's pending operation (ncclInProgress) to settle.
+ncclResult_t ncclSettle(ncclComm_t comm, ncclResult_t r);
+
+}  // namespace detail
+}  // namespace allscan
+
+#define ALLSCAN_ARG_CHECK(cond, msg)                                                        \
+  do {                                                                                      \
+    if (!(cond)) return ::allscan::detail::setError(allscanInvalidArgument, (msg));        \
+  } while (0)
+
+#define ALLSCAN_CUDA_CHECK(expr)                                                            \
+  do {                                                                                      \
+    cudaError_t _e = (expr);                                                                \
+    if (_e != cudaSuccess)                                                                  \
+      return ::allscan::detail::setError(                                                   \
+          allscanCudaError, std::string(#expr ": ") + cudaGetErrorString(_e));              \
+  } while (0)
+
+#define ALLSCAN_NCCL_CHECK(comm, expr)                                                      \
+  do {                                                                                      \
+    ncclResult_t _r = ::allscan::detail::ncclSettle((comm), (expr));                        \
+    if (_r != ncclSuccess)                                                                  \
+      return ::allscan::detail::setError(                                                   \
+          allscanNcclError, std::string(#expr ": ") + ncclGetErrorString(_r));              \
+  } while (0)
+
+#define ALLSCAN_CHECK(expr)                                                                 \
+  do {                                                                                      \
+    allscanResult_t _s = (expr);                                                            \
+    if (_s != allscanSuccess) return _s;                                                    \
+  } while (0)

@@ -1,0 +1,156 @@
+// allscan._C: a thin layer over the C API. Integers in (device pointers, cudaStream_t, ncclComm_t,
+// allscanComm_t), Python exceptions out. No libtorch: the Python side passes data_ptr()s.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+
+#include "allscan/allscan.h"
+
+namespace py = pybind11;
+
+void bind_a2a(py::module_& m);
+
+namespace {
+
+template <typename T> T* ptr(std::uintptr_t v) { return reinterpret_cast<T*>(v); }
+
+void check(allscanResult_t r) {
+  if (r == allscanSuccess) return;
+  std::string msg = std::string("allscan: ") + allscanGetLastError();
+  if (r == allscanInvalidArgument) throw py::value_error(msg);
+  throw std::runtime_error(msg + " (" + allscanGetErrorString(r) + ")");
+}
+
+void checkNccl(ncclResult_t r, const char* what) {
+  if (r != ncclSuccess) throw std::runtime_error(std::string("allscan: ") + what + ": " + ncclGetErrorString(r));
+}
+
+allscanScanArgs_t makeArgs(std::uintptr_t x, std::uintptr_t y, size_t count, int dtype, std::uintptr_t g,
+                           size_t g_count, int g_dtype, std::uintptr_t init, bool reverse, bool inclusive,
+                           int num_blocks, int method) {
+  allscanScanArgs_t a{};
+  a.x = ptr<const void>(x);
+  a.y = ptr<void>(y);
+  a.count = count;
+  a.dtype = static_cast<allscanDataType_t>(dtype);
+  a.g = ptr<const void>(g);
+  a.g_count = g_count;
+  a.g_dtype = static_cast<allscanDataType_t>(g_dtype);
+  a.init = ptr<const void>(init);
+  a.reverse = reverse ? 1 : 0;
+  a.inclusive = inclusive ? 1 : 0;
+  a.num_blocks = num_blocks;
+  a.method = static_cast<allscanMethod_t>(method);
+  return a;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "allscan C++/CUDA core (thin bindings over the C API)";
+
+  m.attr("FLOAT32") = static_cast<int>(allscanFloat32);
+  m.attr("FLOAT16") = static_cast<int>(allscanFloat16);
+  m.attr("BFLOAT16") = static_cast<int>(allscanBfloat16);
+  m.attr("FLOAT64") = static_cast<int>(allscanFloat64);
+  m.attr("PIPELINED") = static_cast<int>(allscanPipelined);
+  m.attr("SERIAL") = static_cast<int>(allscanSerial);
+  m.attr("ALLGATHER") = static_cast<int>(allscanAllGather);
+  m.attr("MAX_BLOCKS") = static_cast<int>(allscanMaxBlocks);
+  m.attr("MIN_BLOCK_BYTES") = static_cast<int>(allscanMinBlockBytes);
+
+  m.def("version", &allscanGetVersion);
+  m.def("nccl_version", []() {
+    int v = 0;
+    checkNccl(ncclGetVersion(&v), "ncclGetVersion");
+    return v;
+  });
+
+  // Owned NCCL communicators (when torch's cannot be borrowed).
+  m.def("nccl_get_unique_id", []() {
+    ncclUniqueId id;
+    checkNccl(ncclGetUniqueId(&id), "ncclGetUniqueId");
+    return py::bytes(id.internal, sizeof(id.internal));
+  });
+  m.def("nccl_comm_init_rank", [](int nranks, py::bytes id_bytes, int rank) {
+    std::string s = id_bytes;
+    if (s.size() != sizeof(ncclUniqueId)) throw py::value_error("allscan: id: expected " + std::to_string(sizeof(ncclUniqueId)) + " bytes");
+    ncclUniqueId id;
+    std::copy(s.begin(), s.end(), id.internal);
+    ncclComm_t c = nullptr;
+    {
+      py::gil_scoped_release nogil;
+      checkNccl(ncclCommInitRank(&c, nranks, id, rank), "ncclCommInitRank");
+    }
+    return reinterpret_cast<std::uintptr_t>(c);
+  });
+  m.def("nccl_comm_destroy", [](std::uintptr_t c) { checkNccl(ncclCommDestroy(ptr<ncclComm>(c)), "ncclCommDestroy"); });
+
+  m.def("comm_create", [](std::uintptr_t nccl) {
+    allscanComm_t c = nullptr;
+    check(allscanCommCreate(ptr<ncclComm>(nccl), &c));
+    return reinterpret_cast<std::uintptr_t>(c);
+  });
+  m.def("comm_create_detached", [](int rank, int nranks) {
+    allscanComm_t c = nullptr;
+    check(allscanCommCreateDetached(rank, nranks, &c));
+    return reinterpret_cast<std::uintptr_t>(c);
+  });
+  m.def("comm_destroy", [](std::uintptr_t c) { check(allscanCommDestroy(ptr<allscanComm>(c))); });
+  m.def("comm_rank", [](std::uintptr_t c) { int r; check(allscanCommRank(ptr<allscanComm>(c), &r)); return r; });
+  m.def("comm_size", [](std::uintptr_t c) { int n; check(allscanCommSize(ptr<allscanComm>(c), &n)); return n; });
+
+  m.def("set_link_model", [](std::uintptr_t c, double a, double b) { check(allscanSetLinkModel(ptr<allscanComm>(c), a, b)); });
+  m.def("get_link_model", [](std::uintptr_t c) {
+    double a = 0, b = 0;
+    int set = 0;
+    check(allscanGetLinkModel(ptr<allscanComm>(c), &a, &b, &set));
+    return py::make_tuple(a, b, set != 0);
+  });
+  m.def("calibrate", [](std::uintptr_t c, std::uintptr_t stream) {
+    py::gil_scoped_release nogil;
+    check(allscanCalibrate(ptr<allscanComm>(c), ptr<CUstream_st>(stream)));
+  });
+  m.def("choose_num_blocks", [](std::uintptr_t c, size_t bytes) {
+    int k = 0;
+    check(allscanChooseNumBlocks(ptr<allscanComm>(c), bytes, &k));
+    return k;
+  });
+  m.def("choose_num_blocks_model", &allscanChooseNumBlocksModel, py::arg("nranks"), py::arg("bytes"),
+        py::arg("latency_us"), py::arg("us_per_byte"));
+
+  m.def("workspace_size",
+        [](std::uintptr_t c, size_t count, int dtype, std::uintptr_t g, size_t g_count, int g_dtype, std::uintptr_t init,
+           bool reverse, bool inclusive, int num_blocks, int method) {
+          // x/y are not dereferenced: any distinct non-null placeholders do.
+          allscanScanArgs_t a = makeArgs(16, 32, count, dtype, g, g_count, g_dtype, init, reverse, inclusive, num_blocks, method);
+          size_t bytes = 0;
+          check(allscanWorkspaceSize(ptr<allscanComm>(c), &a, &bytes));
+          return bytes;
+        });
+  m.def("scan",
+        [](std::uintptr_t c, std::uintptr_t x, std::uintptr_t y, size_t count, int dtype, std::uintptr_t g, size_t g_count,
+           int g_dtype, std::uintptr_t init, bool reverse, bool inclusive, int num_blocks, int method,
+           std::uintptr_t ws, size_t ws_bytes, std::uintptr_t stream) {
+          allscanScanArgs_t a = makeArgs(x, y, count, dtype, g, g_count, g_dtype, init, reverse, inclusive, num_blocks, method);
+          check(allscanScan(ptr<allscanComm>(c), &a, ptr<void>(ws), ws_bytes, ptr<CUstream_st>(stream)));
+        });
+  m.def("combine",
+        [](std::uintptr_t x, std::uintptr_t y_in, std::uintptr_t g, std::uintptr_t out, size_t count, size_t inner,
+           size_t offset, int dtype, int g_dtype, std::uintptr_t stream) {
+          check(allscanCombine(ptr<const void>(x), ptr<const void>(y_in), ptr<const void>(g), ptr<void>(out), count, inner,
+                               offset, static_cast<allscanDataType_t>(dtype), static_cast<allscanDataType_t>(g_dtype),
+                               ptr<CUstream_st>(stream)));
+        });
+  m.def("neighbor_exchange",
+        [](std::uintptr_t c, std::uintptr_t send, std::uintptr_t recv, size_t bytes, bool reverse, bool chain,
+           std::uintptr_t stream) {
+          check(allscanNeighborExchange(ptr<allscanComm>(c), ptr<const void>(send), ptr<void>(recv), bytes, reverse ? 1 : 0,
+                                        chain ? 1 : 0, ptr<CUstream_st>(stream)));
+        });
+
+  bind_a2a(m);
+}

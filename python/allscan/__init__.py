@@ -1,0 +1,49 @@
+"""allscan: All-Scan and chunked all-to-all collectives for sequence parallelism.
+
+    import allscan
+    y = allscan.scan(state, gamma, group)          # the state entering this rank
+
+See README.md for the contract. CUDA tensors on NCCL groups run through the C++/CUDA core;
+CPU tensors (or any other backend) through a pure torch.distributed implementation.
+"""
+from __future__ import annotations
+
+import ctypes
+import importlib.util
+import os
+
+import torch  # noqa: F401  (import torch first: its libnccl.so.2 is the one the core uses)
+
+
+def _preload_nccl() -> None:
+    """Make sure one libnccl.so.2 is loaded before the core is: torch's when torch loaded one,
+    else the nvidia-nccl wheel's (CPU builds of torch load none)."""
+    try:
+        with open("/proc/self/maps") as f:
+            if "libnccl.so" in f.read():
+                return
+    except OSError:
+        return
+    spec = importlib.util.find_spec("nvidia.nccl")
+    if spec is None or not spec.submodule_search_locations:
+        return
+    lib = os.path.join(list(spec.submodule_search_locations)[0], "lib", "libnccl.so.2")
+    if os.path.exists(lib):
+        ctypes.CDLL(lib, mode=ctypes.RTLD_GLOBAL)
+
+
+_preload_nccl()
+
+from ._scan import ScanHandle, scan, set_check_every_call  # noqa: E402
+from ._comm import destroy_communicators  # noqa: E402
+from .reference import scan_reference  # noqa: E402
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "scan",
+    "ScanHandle",
+    "set_check_every_call",
+    "destroy_communicators",
+    "scan_reference",
+]

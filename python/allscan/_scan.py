@@ -1,0 +1,354 @@
+"""``allscan.scan``: argument checks, the cross-rank signature check, the custom op with autograd and
+fake implementation, the NCCL path through the C++ core, and the async handle."""
+from __future__ import annotations
+
+import os
+import threading
+from typing import Dict, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from . import _comm, _dist
+from .reference import acc_dtype, combine, expand_decay
+
+__all__ = ["scan", "ScanHandle", "set_check_every_call"]
+
+METHODS = ("pipelined", "serial", "allgather")
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+_DTYPE_CODE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.float64: 3}
+_CODE_NAME = {0: "float32", 1: "float16", 2: "bfloat16", 3: "float64", -1: "none"}
+
+_check_every_call = os.environ.get("ALLSCAN_CHECK", "").lower() in ("always", "1", "every")
+
+
+def set_check_every_call(enabled: bool) -> None:
+    """Exchange the argument signature across ranks on every call (not only the first time a
+    signature is seen). Costs one small all-gather and a host synchronisation per call; catches a
+    rank that changes its arguments while the others keep a signature they already checked."""
+    global _check_every_call
+    _check_every_call = bool(enabled)
+
+
+# ------------------------------------------------------------------------------------------------
+# Argument checks (local) and the signature check (across ranks)
+# ------------------------------------------------------------------------------------------------
+def _validate(tensor, gamma, init, method, num_blocks) -> None:
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"allscan.scan: tensor must be a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.dtype not in _DTYPES:
+        raise TypeError(
+            f"allscan.scan: tensor must be float32, float16, bfloat16 or float64, got {tensor.dtype}"
+        )
+    if gamma is not None:
+        if not isinstance(gamma, torch.Tensor):
+            raise TypeError(f"allscan.scan: gamma must be a torch.Tensor or None, got {type(gamma).__name__}")
+        if gamma.dtype not in (torch.float32, tensor.dtype):
+            raise TypeError(
+                f"allscan.scan: gamma must be float32 or the tensor's dtype ({tensor.dtype}), got {gamma.dtype}"
+            )
+        if gamma.dim() > tensor.dim() or tuple(gamma.shape) != tuple(tensor.shape[: gamma.dim()]):
+            raise ValueError(
+                f"allscan.scan: gamma's shape {list(gamma.shape)} must be a prefix of the tensor's shape "
+                f"{list(tensor.shape)} (it is broadcast over the trailing dimensions it lacks)"
+            )
+        if gamma.device != tensor.device:
+            raise ValueError(f"allscan.scan: gamma is on {gamma.device}, the tensor on {tensor.device}")
+    if init is not None:
+        if not isinstance(init, torch.Tensor):
+            raise TypeError(f"allscan.scan: init must be a torch.Tensor or None, got {type(init).__name__}")
+        if tuple(init.shape) != tuple(tensor.shape) or init.dtype != tensor.dtype:
+            raise ValueError(
+                f"allscan.scan: init must have the tensor's shape and dtype ({tensor.dtype}{list(tensor.shape)}), "
+                f"got {init.dtype}{list(init.shape)}"
+            )
+        if init.device != tensor.device:
+            raise ValueError(f"allscan.scan: init is on {init.device}, the tensor on {tensor.device}")
+    if method not in METHODS:
+        raise ValueError(f"allscan.scan: method must be one of {METHODS}, got {method!r}")
+    if num_blocks is not None and (
+        isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 1
+    ):
+        raise ValueError(f"allscan.scan: num_blocks must be None (auto) or a positive int, got {num_blocks!r}")
+
+
+_SIG_LEN = 24
+_MAX_DIMS = 8
+_sig_cache: Dict[str, set] = {}
+_sig_lock = threading.Lock()
+
+
+def _signature(x, g, init, reverse, inclusive, num_blocks, method) -> Tuple[int, ...]:
+    shape = list(x.shape)
+    dims = shape[:_MAX_DIMS] + [-1] * (_MAX_DIMS - min(len(shape), _MAX_DIMS))
+    sig = [
+        0x5CA4,
+        _DTYPE_CODE[x.dtype],
+        x.dim(),
+        x.numel(),
+        *dims,
+        -1 if g is None else _DTYPE_CODE[g.dtype],
+        -1 if g is None else g.dim(),
+        -1 if g is None else g.numel(),
+        int(init is not None),
+        int(reverse),
+        int(inclusive),
+        METHODS.index(method),
+        num_blocks,
+    ]
+    sig += [0] * (_SIG_LEN - len(sig))
+    return tuple(sig)
+
+
+def _describe(sig) -> str:
+    ndim = sig[2]
+    shape = [d for d in sig[4 : 4 + min(ndim, _MAX_DIMS)]]
+    g = "none" if sig[12] < 0 else f"{_CODE_NAME[sig[12]]} with {sig[13]} dims ({sig[14]} elements)"
+    k = "auto" if sig[20] == 0 else str(sig[20])
+    return (
+        f"tensor {_CODE_NAME[sig[1]]}{shape}, gamma {g}, init {'given' if sig[15] else 'none'}, "
+        f"reverse={bool(sig[16])}, inclusive={bool(sig[17])}, method={METHODS[sig[18]]!r}, num_blocks={k}"
+    )
+
+
+def _check_signature(group, device: torch.device, sig) -> None:
+    name = group.group_name
+    with _sig_lock:
+        seen = _sig_cache.setdefault(name, set())
+        if sig in seen and not _check_every_call:
+            return
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        if sig in seen:
+            return  # checked before capture; a check would synchronise, which capture forbids
+        raise RuntimeError(
+            "allscan.scan: these arguments were never checked across ranks, and the check cannot run "
+            "while a CUDA graph is being captured; call allscan.scan once with them before capturing"
+        )
+    P = dist.get_world_size(group)
+    if P > 1:
+        local = torch.tensor(sig, dtype=torch.int64, device=device)
+        gathered = [torch.empty_like(local) for _ in range(P)]
+        dist.all_gather(gathered, local, group=group)
+        rows = [tuple(int(v) for v in t.tolist()) for t in gathered]
+        if any(row != rows[0] for row in rows):
+            desc = "; ".join(f"rank {q}: {_describe(row)}" for q, row in enumerate(rows))
+            raise ValueError(
+                "allscan.scan: ranks passed different arguments (an NCCL scan would hang); every rank "
+                f"must pass the same shapes, dtypes and options. {desc}"
+            )
+    with _sig_lock:
+        seen.add(sig)
+
+
+# ------------------------------------------------------------------------------------------------
+# The NCCL path
+# ------------------------------------------------------------------------------------------------
+def _nccl_scan(x, g, init, group, reverse, inclusive, num_blocks, method) -> torch.Tensor:
+    from . import _C
+
+    bound = getattr(group, "bound_device_id", None)
+    if bound is not None and bound != x.device:
+        raise ValueError(f"allscan.scan: the tensor is on {x.device}, but the group is bound to {bound}")
+    comm = _comm.get_communicator(group, x.device)
+    y = torch.empty_like(x)
+    dt = _DTYPE_CODE[x.dtype]
+    gptr = 0 if g is None else g.data_ptr()
+    gcount = 0 if g is None else g.numel()
+    gdt = dt if g is None else _DTYPE_CODE[g.dtype]
+    iptr = 0 if init is None else init.data_ptr()
+    midx = METHODS.index(method)
+    ws_bytes = _C.workspace_size(comm.handle, x.numel(), dt, gptr, gcount, gdt, iptr, reverse, inclusive, num_blocks, midx)
+    ws = torch.empty(ws_bytes, dtype=torch.uint8, device=x.device) if ws_bytes else None
+    stream = torch.cuda.current_stream(x.device).cuda_stream
+    _C.scan(
+        comm.handle, x.data_ptr(), y.data_ptr(), x.numel(), dt, gptr, gcount, gdt, iptr, reverse, inclusive,
+        num_blocks, midx, 0 if ws is None else ws.data_ptr(), ws_bytes, stream,
+    )
+    return y
+
+
+def _run(x, g, init, group_name, reverse, inclusive, num_blocks, method) -> torch.Tensor:
+    group = _comm.resolve_group(group_name)
+    _check_signature(group, x.device if _comm.uses_nccl(group, x) else torch.device("cpu"),
+                     _signature(x, g, init, reverse, inclusive, num_blocks, method))
+    if x.numel() == 0:
+        return torch.empty_like(x)
+    if _comm.uses_nccl(group, x):
+        return _nccl_scan(x, g, init, group, reverse, inclusive, num_blocks, method)
+    return _dist.scan(x, g, init, group, reverse, inclusive, num_blocks, method)
+
+
+# ------------------------------------------------------------------------------------------------
+# The custom op and its autograd
+# ------------------------------------------------------------------------------------------------
+@torch.library.custom_op("allscan::scan", mutates_args=())
+def scan_op(
+    x: torch.Tensor,
+    g: Optional[torch.Tensor],
+    init: Optional[torch.Tensor],
+    group_name: str,
+    reverse: bool,
+    inclusive: bool,
+    num_blocks: int,
+    method: str,
+) -> torch.Tensor:
+    """The All-Scan of contiguous tensors (``num_blocks`` 0 = auto). Use :func:`allscan.scan`."""
+    return _run(x, g, init, group_name, reverse, inclusive, num_blocks, method)
+
+
+@scan_op.register_fake
+def _scan_fake(x, g, init, group_name, reverse, inclusive, num_blocks, method):
+    return x.new_empty(x.shape)
+
+
+def _setup_context(ctx, inputs, output):
+    x, g, init, group_name, reverse, inclusive, num_blocks, method = inputs
+    ctx.group_name = group_name
+    ctx.reverse = reverse
+    ctx.inclusive = inclusive
+    ctx.num_blocks = num_blocks
+    ctx.method = method
+    ctx.has_g = g is not None
+    ctx.has_init = init is not None
+    ctx.g_shape = None if g is None else tuple(g.shape)
+    ctx.g_dtype = None if g is None else g.dtype
+    need_y = g is not None and ctx.needs_input_grad[1]
+    ctx.save_for_backward(g, output if need_y else None)
+
+
+def _backward(ctx, dy):
+    if ctx.inclusive:
+        raise RuntimeError(
+            "allscan::scan with inclusive=True has no registered gradient; allscan.scan() computes the "
+            "inclusive result as the exclusive scan plus one combine, which is differentiable"
+        )
+    g, y = ctx.saved_tensors
+    dy = dy.contiguous()
+    # The gradient of the forward scan with respect to x is the reverse exclusive scan of the
+    # incoming gradient with the same decays: r_{p-1} = g_p * r_p + dy_p, r at the chain's end = 0.
+    dx = scan_op(dy, g, None, ctx.group_name, not ctx.reverse, False, ctx.num_blocks, ctx.method)
+    dg = dinit = None
+    if ctx.needs_input_grad[1] and g is not None:
+        acc = acc_dtype(dy.dtype)
+        prod = y.to(acc) * dx.to(acc)
+        dg = prod.reshape(tuple(ctx.g_shape) + (-1,)).sum(-1).to(ctx.g_dtype)
+    if ctx.has_init and ctx.needs_input_grad[2]:
+        group = _comm.resolve_group(ctx.group_name)
+        P = dist.get_world_size(group)
+        head = P - 1 if ctx.reverse else 0
+        if dist.get_rank(group) == head:
+            # d/d init of y_head = init (its own output) and of y_next = g_head*init + x_head.
+            acc = acc_dtype(dy.dtype)
+            gb = 1.0 if g is None else expand_decay(g, dy.dim()).to(acc)
+            dinit = (gb * dx.to(acc) + dy.to(acc)).to(dy.dtype)
+        else:
+            dinit = torch.zeros_like(dy)
+    return dx, dg, dinit, None, None, None, None, None
+
+
+scan_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+# ------------------------------------------------------------------------------------------------
+# The public function and the async handle
+# ------------------------------------------------------------------------------------------------
+class ScanHandle:
+    """What ``scan(..., async_op=True)`` returns. ``wait()`` returns the result; on CUDA it makes the
+    current stream wait for the side stream the scan ran on (the host does not block)."""
+
+    def __init__(self, result: torch.Tensor, event: Optional["torch.cuda.Event"] = None):
+        self._result = result
+        self._event = event
+
+    def is_completed(self) -> bool:
+        return self._event is None or self._event.query()
+
+    def wait(self) -> torch.Tensor:
+        if self._event is not None:
+            cur = torch.cuda.current_stream(self._result.device)
+            cur.wait_event(self._event)
+            # The result was allocated on the side stream; it is now used on this one too.
+            self._result.record_stream(cur)
+        return self._result
+
+
+_side_streams: Dict[int, "torch.cuda.Stream"] = {}
+
+
+def _side_stream(device: torch.device) -> "torch.cuda.Stream":
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    s = _side_streams.get(idx)
+    if s is None:
+        s = torch.cuda.Stream(device=idx)
+        _side_streams[idx] = s
+    return s
+
+
+def _scan_impl(x, g, init, name, reverse, inclusive, num_blocks, method):
+    needs_grad = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (x, g, init)
+    )
+    if inclusive and needs_grad:
+        # Differentiable composite: the exclusive scan, then the rank's own combine.
+        y = scan_op(x, g, init, name, reverse, False, num_blocks, method)
+        acc = acc_dtype(x.dtype)
+        if g is None:
+            return (y.to(acc) + x.to(acc)).to(x.dtype)
+        return (expand_decay(g, x.dim()).to(acc) * y.to(acc) + x.to(acc)).to(x.dtype)
+    return scan_op(x, g, init, name, reverse, inclusive, num_blocks, method)
+
+
+def scan(
+    tensor: torch.Tensor,
+    gamma: Optional[torch.Tensor] = None,
+    group=None,
+    *,
+    reverse: bool = False,
+    inclusive: bool = False,
+    init: Optional[torch.Tensor] = None,
+    num_blocks: Optional[int] = None,
+    method: str = "pipelined",
+    async_op: bool = False,
+):
+    """All-Scan over the ranks of ``group`` (default: the default group), in group-rank order.
+
+    Rank p holds ``tensor`` = x_p and ``gamma`` = g_p (a prefix shape of x_p, broadcast over the
+    trailing dimensions it lacks; ``None`` = 1)::
+
+        forward:  y_0 = init (zeros if None)       y_{p+1} = g_p * y_p + x_p
+        reverse:  y_{P-1} = init (zeros if None)   y_{p-1} = g_p * y_p + x_p
+
+    Returns y_p (the state entering rank p), or g_p * y_p + x_p with ``inclusive=True``. Arithmetic
+    is fp32 (fp64 for fp64 tensors), rounded to the tensor's dtype at each rank boundary; every method
+    gives bitwise the same answer. ``method``: "pipelined" (ZeCO All-Scan, ``num_blocks`` blocks,
+    chosen from the link model when None), "serial" (LASP-1 pattern) or "allgather" (LASP-2
+    pattern). Differentiable in ``tensor``, ``gamma`` and ``init`` (through the reverse All-Scan).
+    Every rank must pass the same shapes, dtypes and options; a mismatch raises ``ValueError`` on
+    every rank the first time a signature is seen (or on every call, see
+    :func:`set_check_every_call`).
+
+    With ``async_op=True`` returns a :class:`ScanHandle`; ``handle.wait()`` gives the result.
+    """
+    _validate(tensor, gamma, init, method, num_blocks)
+    group = _comm.normalize_group(group)
+    name = group.group_name
+    x = tensor.contiguous()
+    g = None if gamma is None else gamma.contiguous()
+    i0 = None if init is None else init.contiguous()
+    k = 0 if num_blocks is None else int(num_blocks)
+    if not async_op:
+        return _scan_impl(x, g, i0, name, reverse, inclusive, k, method)
+    if not (x.is_cuda and _comm.uses_nccl(group, x)):
+        # The torch.distributed path computes on the host thread; the handle is complete at once.
+        return ScanHandle(_scan_impl(x, g, i0, name, reverse, inclusive, k, method))
+    cur = torch.cuda.current_stream(x.device)
+    side = _side_stream(x.device)
+    side.wait_stream(cur)
+    with torch.cuda.stream(side):
+        out = _scan_impl(x, g, i0, name, reverse, inclusive, k, method)
+        ev = torch.cuda.Event()
+        ev.record(side)
+    for t in (x, g, i0):
+        if t is not None:
+            t.record_stream(side)  # inputs stay valid until the side stream is done with them
+    return ScanHandle(out, ev)

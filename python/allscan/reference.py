@@ -1,0 +1,74 @@
+"""Sequential references of the All-Scan contract (one process holds every rank's tensors).
+
+``scan_reference(..., exact=False)`` mirrors the library's arithmetic: fp32 (fp64 for fp64 states),
+``g*y + x`` as a separate multiply and add, rounded to the storage dtype at every rank boundary; every
+allscan method (NCCL or torch.distributed) is bitwise equal to it. ``exact=True`` computes the same
+recurrence in float64 without intermediate rounding (the ground truth for error bounds).
+"""
+from __future__ import annotations
+
+from typing import List, Optional, Sequence
+
+import torch
+
+__all__ = ["scan_reference", "combine", "acc_dtype", "expand_decay"]
+
+
+def acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The arithmetic dtype of a storage dtype: float64 for float64, float32 otherwise."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def expand_decay(g: torch.Tensor, ndim: int) -> torch.Tensor:
+    """View a prefix-shaped decay so that it broadcasts over the state's trailing dimensions."""
+    return g.reshape(tuple(g.shape) + (1,) * (ndim - g.dim()))
+
+
+def combine(g: Optional[torch.Tensor], y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """``g*y + x`` in the arithmetic dtype, rounded once to ``x.dtype`` (the library's one operation)."""
+    acc = acc_dtype(x.dtype)
+    if g is None:
+        out = y.to(acc) + x.to(acc)
+    else:
+        out = expand_decay(g, x.dim()).to(acc) * y.to(acc) + x.to(acc)
+    return out.to(x.dtype)
+
+
+def scan_reference(
+    xs: Sequence[torch.Tensor],
+    gs: Optional[Sequence[Optional[torch.Tensor]]] = None,
+    init: Optional[torch.Tensor] = None,
+    *,
+    reverse: bool = False,
+    inclusive: bool = False,
+    exact: bool = False,
+) -> List[torch.Tensor]:
+    """Every rank's result of ``allscan.scan`` for states ``xs[p]`` and decays ``gs[p]``."""
+    P = len(xs)
+    if P == 0:
+        return []
+    if gs is None:
+        gs = [None] * P
+    if len(gs) != P:
+        raise ValueError(f"gs: expected {P} decays (one per rank), got {len(gs)}")
+    order = range(P - 1, -1, -1) if reverse else range(P)
+    out: List[Optional[torch.Tensor]] = [None] * P
+    if exact:
+        f64 = torch.float64
+        y = torch.zeros_like(xs[0], dtype=f64) if init is None else init.to(f64)
+        for p in order:
+            g = None if gs[p] is None else expand_decay(gs[p], xs[p].dim()).to(f64)
+            nxt = (y if g is None else g * y) + xs[p].to(f64)
+            out[p] = nxt if inclusive else y
+            y = nxt
+        return out  # type: ignore[return-value]
+    y = None if init is None else init.clone()  # None: the chain head's zero state
+    for p in order:
+        x = xs[p]
+        nxt = x.clone() if y is None else combine(gs[p], y, x)
+        if inclusive:
+            out[p] = nxt
+        else:
+            out[p] = torch.zeros_like(x) if y is None else y
+        y = nxt
+    return out  # type: ignore[return-value]

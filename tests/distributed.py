@@ -1,0 +1,104 @@
+"""Run a function on N spawned ranks with torch.distributed initialised (gloo, or NCCL on GPUs).
+
+    run_distributed(fn, world_size, *args, timeout=120, backend="gloo")
+
+calls ``fn(rank, world_size, *args)`` in each of ``world_size`` processes and re-raises, in the
+parent, the first failure (with the rank's traceback). A run that does not finish within ``timeout``
+seconds is killed and raises ``TimeoutError``: a hang is a test failure, never a stuck CI. ``fn``
+must be a module-level function (it is pickled into the children).
+"""
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import socket
+import tempfile
+import time
+import traceback
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _child(fn, rank, world_size, backend, init_file, q, args):
+    try:
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
+        import torch
+        import torch.distributed as dist
+
+        torch.set_num_threads(1)
+        kwargs = {}
+        if backend == "nccl":
+            torch.cuda.set_device(rank % torch.cuda.device_count())
+            kwargs["device_id"] = torch.device("cuda", rank % torch.cuda.device_count())
+        dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank,
+                                world_size=world_size, **kwargs)
+        try:
+            result = fn(rank, world_size, *args)
+        finally:
+            try:
+                dist.barrier()
+            except Exception:  # noqa: BLE001 - a failed rank may be gone already
+                pass
+            dist.destroy_process_group()
+        q.put((rank, "ok", result))
+    except BaseException:  # noqa: BLE001 - report everything to the parent
+        q.put((rank, "error", traceback.format_exc()))
+
+
+def run_distributed(fn, world_size, *args, timeout=120, backend="gloo"):
+    """Returns the list of every rank's return value (rank order)."""
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    fd, init_file = tempfile.mkstemp(prefix="allscan_pg_")
+    os.close(fd)
+    os.unlink(init_file)
+    procs = [ctx.Process(target=_child, args=(fn, r, world_size, backend, init_file, q, args), daemon=True)
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    results = {}
+    errors = []
+    deadline = time.monotonic() + timeout
+    try:
+        while len(results) + len(errors) < world_size:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(
+                    f"run_distributed: {fn.__name__} on {world_size} ranks did not finish in {timeout} s "
+                    f"(finished: {sorted(results)}; failed: {[r for r, _ in errors]})")
+            try:
+                rank, status, payload = q.get(timeout=min(left, 1.0))
+            except queue.Empty:
+                if errors and all(not p.is_alive() or i in results or i in [r for r, _ in errors]
+                                  for i, p in enumerate(procs)):
+                    break
+                # A rank that died without reporting (a crash) is a failure too.
+                dead = [i for i, p in enumerate(procs)
+                        if not p.is_alive() and p.exitcode not in (0, None) and i not in results
+                        and i not in [r for r, _ in errors]]
+                for i in dead:
+                    errors.append((i, f"rank {i} exited with code {procs[i].exitcode} without reporting"))
+                continue
+            if status == "ok":
+                results[rank] = payload
+            else:
+                errors.append((rank, payload))
+                # Give the other ranks a moment to report their own errors, then stop.
+                deadline = min(deadline, time.monotonic() + 15)
+    finally:
+        for p in procs:
+            p.join(timeout=5)
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+    if errors:
+        errors.sort()
+        rank, tb = errors[0]
+        raise AssertionError(f"rank {rank} of {world_size} failed in {fn.__name__}:\n{tb}")
+    return [results[r] for r in range(world_size)]
