@@ -80,15 +80,35 @@ class _Plan:
         self.kv_accumulate = self.q_per_kv > 1
 
 
-def _attend(plan: _Plan, ch: _Chunk, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """SDPA of one chunk on [B, S, n, D] tensors -> [B, S, nq, D] contiguous."""
-    if ch.kv_index is not None:
-        idx = torch.tensor(ch.kv_index, device=k.device)
-        k = k.index_select(2, idx)
-        v = v.index_select(2, idx)
+def _expand_kv(ch: _Chunk, k: torch.Tensor, v: torch.Tensor):
+    """Grouped-query attention: the chunk's k/v heads repeated for each local query head."""
+    if ch.kv_index is None:
+        return k, v
+    idx = torch.tensor(ch.kv_index, device=k.device)
+    return k.index_select(2, idx), v.index_select(2, idx)
+
+
+def _reduce_kv(ch: _Chunk, g: torch.Tensor) -> torch.Tensor:
+    """The adjoint of :func:`_expand_kv`: sum the expanded heads' gradients in fp32 (fp64), round once."""
+    if ch.kv_index is None:
+        return g.contiguous()
+    acc_dtype = torch.float64 if g.dtype == torch.float64 else torch.float32
+    B, S, _, D = g.shape
+    acc = torch.zeros(B, S, ch.nkv, D, dtype=acc_dtype, device=g.device)
+    acc.index_add_(2, torch.tensor(ch.kv_index, device=g.device), g.to(acc_dtype))
+    return acc.to(g.dtype)
+
+
+def _sdpa(plan: _Plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """SDPA on [B, S, n, D] tensors (k, v already expanded) -> [B, S, n, D] contiguous."""
     o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                        is_causal=plan.causal, scale=plan.scale)
     return o.transpose(1, 2).contiguous()
+
+
+def _attend(plan: _Plan, ch: _Chunk, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    k, v = _expand_kv(ch, k, v)
+    return _sdpa(plan, q, k, v)
 
 
 def _streams_for(device: torch.device):
@@ -180,9 +200,12 @@ def _forward(plan: _Plan, q, k, v, keep_graph: bool):
         if ch.nq == 0:
             return qc.new_empty(B, S, 0, D)
         if keep_graph:
+            # The graph starts at the expanded k/v: their gradients are reduced in fp32 (_reduce_kv)
+            # rather than by autograd's index_select backward, which adds in the storage dtype.
+            kc, vc = _expand_kv(ch, kc, vc)
             qc, kc, vc = (t.detach().requires_grad_(True) for t in (qc, kc, vc))
             with torch.enable_grad():
-                oc = _attend(plan, ch, qc, kc, vc)
+                oc = _sdpa(plan, qc, kc, vc)
             graphs[c] = (oc, qc, kc, vc)
             return oc.detach()
         return _attend(plan, ch, qc, kc, vc)
@@ -227,7 +250,7 @@ def _backward(plan: _Plan, graphs, dout, needs):
         oc, qc, kc, vc = g
         gq, gk, gv = torch.autograd.grad(oc, (qc, kc, vc), douts[c])
         graphs[c] = None
-        return gq.contiguous(), gk.contiguous(), gv.contiguous()
+        return gq.contiguous(), _reduce_kv(ch, gk), _reduce_kv(ch, gv)
 
     def gather(c, res, stream):
         ch = chunks[c]
