@@ -39,12 +39,15 @@ def _child(fn, rank, world_size, backend, init_file, q, args):
                                 world_size=world_size, **kwargs)
         try:
             result = fn(rank, world_size, *args)
-        finally:
-            try:
-                dist.barrier()
-            except Exception:  # noqa: BLE001 - a failed rank may be gone already
-                pass
-            dist.destroy_process_group()
+        except BaseException:  # noqa: BLE001
+            # Report first: the other ranks may be blocked in a collective this rank never joins,
+            # so no barrier or teardown here (the parent kills what is left).
+            q.put((rank, "error", traceback.format_exc()))
+            q.close()
+            q.join_thread()
+            os._exit(1)
+        dist.barrier()
+        dist.destroy_process_group()
         q.put((rank, "ok", result))
     except BaseException:  # noqa: BLE001 - report everything to the parent
         q.put((rank, "error", traceback.format_exc()))

@@ -22,6 +22,11 @@ struct allscanComm {
   bool model_set = false;
   double latency_us = 0.0;
   double us_per_byte = 0.0;
+  // The chain head writes its own result (zeros or init) off the critical path: forked onto this
+  // stream while the send runs, joined back before the call returns (capturable fork/join).
+  cudaStream_t side = nullptr;
+  cudaEvent_t fork = nullptr;
+  cudaEvent_t join = nullptr;
 };
 
 namespace {
@@ -313,11 +318,24 @@ allscanResult_t allscanCommCreate(ncclComm_t nccl, allscanComm_t* comm) {
   int rank = 0, nranks = 0;
   ALLSCAN_NCCL_CHECK(nccl, ncclCommUserRank(nccl, &rank));
   ALLSCAN_NCCL_CHECK(nccl, ncclCommCount(nccl, &nranks));
+  int dev = -1, cur = -1;
+  ALLSCAN_NCCL_CHECK(nccl, ncclCommCuDevice(nccl, &dev));
   auto* c = new (std::nothrow) allscanComm();
   if (c == nullptr) return setError(allscanInternalError, "out of host memory");
   c->nccl = nccl;
   c->rank = rank;
   c->nranks = nranks;
+  // The side stream and events live on the communicator's device.
+  cudaError_t e = cudaGetDevice(&cur);
+  if (e == cudaSuccess && cur != dev) e = cudaSetDevice(dev);
+  if (e == cudaSuccess) e = cudaStreamCreateWithFlags(&c->side, cudaStreamNonBlocking);
+  if (e == cudaSuccess) e = cudaEventCreateWithFlags(&c->fork, cudaEventDisableTiming);
+  if (e == cudaSuccess) e = cudaEventCreateWithFlags(&c->join, cudaEventDisableTiming);
+  if (cur >= 0 && cur != dev) cudaSetDevice(cur);
+  if (e != cudaSuccess) {
+    allscanCommDestroy(c);
+    return setError(allscanCudaError, std::string("allscanCommCreate: stream/event creation failed: ") + cudaGetErrorString(e));
+  }
   *comm = c;
   return allscanSuccess;
 }
@@ -336,6 +354,10 @@ allscanResult_t allscanCommCreateDetached(int rank, int nranks, allscanComm_t* c
 }
 
 allscanResult_t allscanCommDestroy(allscanComm_t comm) {
+  if (comm == nullptr) return allscanSuccess;
+  if (comm->join) cudaEventDestroy(comm->join);
+  if (comm->fork) cudaEventDestroy(comm->fork);
+  if (comm->side) cudaStreamDestroy(comm->side);
   delete comm;  // the NCCL communicator is borrowed: not destroyed here
   return allscanSuccess;
 }
@@ -514,20 +536,29 @@ allscanResult_t allscanScan(allscanComm_t comm, const allscanScanArgs_t* a, void
         ALLSCAN_CUDA_CHECK(cudaMemcpyAsync(a->y, a->x, bytes, cudaMemcpyDeviceToDevice, stream));
       }
       s = a->y;
-    } else {
+    } else if (a->init != nullptr) {
+      ALLSCAN_CUDA_CHECK(launchCombine(a->dtype, a->g_dtype, a->x, a->init, g, workspace, count, inner, 0, stream));
+      s = workspace;
+    }
+    // The exclusive result (init or zeros) is not on the chain's critical path: write it on the
+    // side stream while the send runs, and join before returning.
+    const bool fill = !a->inclusive;
+    if (fill) {
+      ALLSCAN_CUDA_CHECK(cudaEventRecord(comm->fork, stream));
+      ALLSCAN_CUDA_CHECK(cudaStreamWaitEvent(comm->side, comm->fork, 0));
       if (a->init != nullptr) {
-        ALLSCAN_CUDA_CHECK(launchCombine(a->dtype, a->g_dtype, a->x, a->init, g, workspace, count, inner, 0, stream));
-        s = workspace;
-        ALLSCAN_CUDA_CHECK(cudaMemcpyAsync(a->y, a->init, bytes, cudaMemcpyDeviceToDevice, stream));
+        ALLSCAN_CUDA_CHECK(cudaMemcpyAsync(a->y, a->init, bytes, cudaMemcpyDeviceToDevice, comm->side));
       } else {
-        ALLSCAN_CUDA_CHECK(cudaMemsetAsync(a->y, 0, bytes, stream));
+        ALLSCAN_CUDA_CHECK(cudaMemsetAsync(a->y, 0, bytes, comm->side));
       }
+      ALLSCAN_CUDA_CHECK(cudaEventRecord(comm->join, comm->side));
     }
     // All blocks in one group call: they go out in order on the same peer connection, so the
     // successor receives block 0 first and starts combining it while the rest is in flight.
     ALLSCAN_NCCL_CHECK(nc, ncclGroupStart());
     for (size_t k = 0; k < nblocks; ++k) ALLSCAN_NCCL_CHECK(nc, ncclSend(blk(s, k), blen(k), nt, next, nc, stream));
     ALLSCAN_NCCL_CHECK(nc, ncclGroupEnd());
+    if (fill) ALLSCAN_CUDA_CHECK(cudaStreamWaitEvent(stream, comm->join, 0));
     return allscanSuccess;
   }
 

@@ -22,6 +22,7 @@ __all__ = [
     "group_name",
     "resolve_group",
     "uses_nccl",
+    "check_device",
     "get_communicator",
     "destroy_communicators",
 ]
@@ -147,6 +148,22 @@ def _link_model_from_env() -> Optional[Tuple[float, float]]:
             f"ALLSCAN_LINK_MODEL must be 'latency_us,us_per_byte' (two floats), got {v!r}"
         ) from e
     return a, b
+
+
+def check_device(group, device: torch.device) -> None:
+    """Raise if ``device`` is not the one ``group`` communicates on (a local check, no collective)."""
+    group = normalize_group(group)
+    bound = getattr(group, "bound_device_id", None)
+    if bound is not None and bound != device:
+        raise ValueError(f"allscan: the tensor is on {device}, but the group is bound to {bound}")
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    with _lock:
+        others = [c.device for (n, i), c in _comms.items() if n == group.group_name and i != index]
+    if others:
+        raise ValueError(
+            f"allscan: the tensor is on {device}, but group {group.group_name!r} communicates on "
+            f"{others[0]} (one device per process and group)"
+        )
 
 
 def get_communicator(group, device: torch.device) -> Communicator:

@@ -1,0 +1,72 @@
+#!/usr/bin/env bash
+# Build allscan on a GPU machine and run the GPU suite and the benchmarks in one go.
+#
+#   scripts/gpu_suite.sh [stage ...]      (default: every stage)
+#
+# Stages: build tests perf scanbench glatest glabench glatrain ulysses ulysses_host
+# Logs and JSON go to $OUT (default ./gpu_out); a short table is printed last.
+# Needs: python3 with torch (CUDA), nvcc, cmake, ninja, pybind11, scikit-build-core; fla-core and
+# yunchang wheels in .whl/ for the GLA and Ulysses comparisons (../shared/tools/device_wheels.sh).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$PWD/gpu_out}
+mkdir -p "$OUT"
+# Never turn NVLink multicast on (shared machines).
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=4
+STAGES=${*:-build tests perf scanbench glatest glabench glatrain ulysses ulysses_host}
+NGPU=$(python3 -c 'import torch; print(torch.cuda.device_count())')
+SUMMARY="$OUT/summary.txt"
+: > "$SUMMARY"
+note() { echo "$*" | tee -a "$SUMMARY"; }
+
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+
+run_stage() {  # name, command...
+  local name=$1; shift
+  local t0=$(date +%s)
+  echo "=== $name: $*"
+  "$@" > "$OUT/$name.log" 2>&1
+  local rc=$?
+  note "$(printf '%-14s rc=%-3s %4ss  %s' "$name" "$rc" "$(( $(date +%s) - t0 ))" "$OUT/$name.log")"
+  tail -n 25 "$OUT/$name.log"
+  return $rc
+}
+
+PERF=""
+for s in $STAGES; do
+  case $s in
+    build)
+      nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee -a "$SUMMARY"
+      run_stage build python3 -m pip install --no-build-isolation --no-deps -v -e . || { cat "$SUMMARY"; exit 1; }
+      ;;
+    tests)
+      run_stage tests python3 -m pytest -q -m gpu ${TESTS:-tests} -p no:cacheprovider --timeout 900 ;;
+    perf)
+      PERF=$(ls build/*/bench/allscan_perf 2>/dev/null | head -1)
+      [ -n "$PERF" ] || { note "perf: allscan_perf not built"; continue; }
+      run_stage perf "$PERF" -b 4K -e 256M -f 2 -g "$NGPU" -K auto,4 -j "$OUT/perf.json"
+      run_stage perf_graph "$PERF" -b 4K -e 256M -f 4 -g "$NGPU" -G 5 -K auto -j "$OUT/perf_graph.json"
+      run_stage ksweep "$PERF" -b 64K -e 256M -f 4 -g "$NGPU" -m pipelined -K 1,2,4,8,16,32,64 -x chain -N 3 -j "$OUT/ksweep.json"
+      ;;
+    scanbench)
+      run_stage scanbench torchrun --nproc-per-node "$NGPU" bench/scan_bench.py --out "$OUT" ;;
+    glatest)
+      run_stage glatest python3 -m pytest -q -m gpu tests/test_gla_gpu.py -p no:cacheprovider ;;
+    glabench)
+      run_stage glabench torchrun --nproc-per-node "$NGPU" bench/gla_bench.py --out "$OUT" ;;
+    glatrain)
+      run_stage glatrain torchrun --nproc-per-node "$NGPU" bench/gla_train.py --out "$OUT" ;;
+    ulysses)
+      run_stage ulysses torchrun --nproc-per-node "$NGPU" bench/ulysses_bench.py --out "$OUT" ;;
+    ulysses_host)
+      NCCL_P2P_DISABLE=1 run_stage ulysses_host torchrun --nproc-per-node "$NGPU" bench/ulysses_bench.py --out "$OUT" --tag host ;;
+    *) note "unknown stage $s" ;;
+  esac
+done
+# The device tool returns at most 8 files: pack everything but the summary into one archive.
+(cd "$OUT" && tar czf all.tgz --exclude=all.tgz --exclude=summary.txt . && find . -type f ! -name all.tgz ! -name summary.txt -delete)
+echo; echo "=== summary"; cat "$SUMMARY"

@@ -1,0 +1,194 @@
+"""All-Scan on GPUs through the C++/NCCL core (marked gpu; skipped without CUDA).
+
+Every rank generates every rank's inputs from one seed, so each can check its own result against
+the sequential reference (bitwise: the reference does the same fp32 multiply and add).
+"""
+import itertools
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import allscan
+from allscan.reference import scan_reference
+from distributed import run_distributed
+
+pytestmark = pytest.mark.gpu
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
+STATE = (2, 4, 16, 33)  # 4224 elements, odd trailing dimension
+DECAYS = [None, (), (2,), (2, 4), (2, 4, 16), STATE]
+METHODS = [("pipelined", 1), ("pipelined", 2), ("pipelined", 8), ("pipelined", None), ("serial", None),
+           ("allgather", None)]
+
+
+def _need(n):
+    if torch.cuda.device_count() < n:
+        pytest.skip(f"needs {n} GPUs")
+
+
+def _inputs(P, dtype, decay, seed, device, shape=STATE, g_fp32=True):
+    gen = torch.Generator(device=device).manual_seed(seed)
+    xs = [torch.randn(shape, generator=gen, device=device, dtype=torch.float32).to(dtype) for _ in range(P)]
+    gs = None
+    if decay is not None:
+        gdt = torch.float32 if g_fp32 else dtype
+        gs = [(0.5 + 0.5 * torch.rand(decay, generator=gen, device=device)).to(gdt) for _ in range(P)]
+    init = torch.randn(shape, generator=gen, device=device).to(dtype)
+    return xs, gs, init
+
+
+def _matrix(rank, P):
+    dev = torch.device("cuda", torch.cuda.current_device())
+    n = 0
+    for case, (dtype, decay, reverse, inclusive, use_init) in enumerate(
+        itertools.product(DTYPES, DECAYS, (False, True), (False, True), (False, True))
+    ):
+        xs, gs, init = _inputs(P, dtype, decay, 100 + case, dev, g_fp32=case % 2 == 0)
+        i0 = init if use_init else None
+        ref = scan_reference([x.cpu() for x in xs], None if gs is None else [g.cpu() for g in gs],
+                             None if i0 is None else i0.cpu(), reverse=reverse, inclusive=inclusive)
+        for method, k in METHODS:
+            y = allscan.scan(xs[rank], None if gs is None else gs[rank], reverse=reverse, inclusive=inclusive,
+                             init=i0, num_blocks=k, method=method)
+            assert y.is_cuda and y.dtype == dtype
+            assert torch.equal(y.cpu(), ref[rank]), (dtype, decay, reverse, inclusive, use_init, method, k)
+            n += 1
+    # The NCCL path against the torch.distributed (gloo) path of the same inputs.
+    gloo = dist.new_group(backend="gloo")
+    xs, gs, init = _inputs(P, torch.float32, (2, 4), 7, dev)
+    a = allscan.scan(xs[rank], gs[rank], init=init)
+    b = allscan.scan(xs[rank].cpu(), gs[rank].cpu(), group=gloo, init=init.cpu())
+    assert torch.equal(a.cpu(), b)
+    return n
+
+
+@pytest.mark.parametrize("P", [1, 2])
+def test_nccl_matrix(P):
+    _need(P)
+    counts = run_distributed(_matrix, P, backend="nccl", timeout=600)
+    assert counts[0] == len(DTYPES) * len(DECAYS) * 8 * len(METHODS)
+
+
+def _sizes(rank, P):
+    dev = torch.device("cuda", torch.cuda.current_device())
+    for nbytes in (4 << 10, 64 << 10, 1 << 20, 2 << 20, 16 << 20, 256 << 20):
+        n = nbytes // 4
+        gen = torch.Generator(device=dev).manual_seed(nbytes)
+        xs = [torch.randn(n, generator=gen, device=dev) for _ in range(P)]
+        gs = [0.5 + 0.5 * torch.rand((), generator=gen, device=dev) for _ in range(P)]
+        # Reference on the GPU with the library's arithmetic (reference.combine runs on any device).
+        ref = scan_reference(xs, gs)
+        for k in (1, 2, 8, None):
+            y = allscan.scan(xs[rank], gs[rank], num_blocks=k)
+            assert torch.equal(y, ref[rank]), (nbytes, k)
+        yb = allscan.scan(xs[rank].bfloat16(), gs[rank])
+        refb = scan_reference([x.bfloat16() for x in xs], gs)
+        assert torch.equal(yb, refb[rank]), ("bf16", nbytes)
+
+
+def test_nccl_sizes_4k_to_256m():
+    _need(2)
+    run_distributed(_sizes, 2, backend="nccl", timeout=600)
+
+
+def _streams_graphs_grads(rank, P):
+    dev = torch.device("cuda", torch.cuda.current_device())
+    xs, gs, init = _inputs(P, torch.float32, (2, 4), 11, dev)
+    ref = scan_reference(xs, gs)
+    # A non-default stream.
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        y = allscan.scan(xs[rank], gs[rank], num_blocks=2)
+    torch.cuda.current_stream().wait_stream(s)
+    assert torch.equal(y, ref[rank])
+
+    # CUDA graph capture and replay (called once eagerly first: communicator and signature check).
+    x_static = xs[rank].clone()
+    g_static = gs[rank].clone()
+    for k in (1, 2):
+        allscan.scan(x_static, g_static, num_blocks=k)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            y_static = allscan.scan(x_static, g_static, num_blocks=k)
+        for trial in range(3):
+            xs2, gs2, _ = _inputs(P, torch.float32, (2, 4), 50 + trial, dev)
+            x_static.copy_(xs2[rank])
+            g_static.copy_(gs2[rank])
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(y_static, scan_reference(xs2, gs2)[rank]), (k, trial)
+
+    # Autograd on the NCCL path equals the gloo path's.
+    gloo = dist.new_group(backend="gloo")
+    w = torch.randn(STATE, generator=torch.Generator().manual_seed(5)).to(dev)
+    grads = []
+    for group, device in ((None, dev), (gloo, torch.device("cpu"))):
+        x = xs[rank].to(device).requires_grad_()
+        g = gs[rank].to(device).requires_grad_()
+        i0 = init.to(device).requires_grad_()
+        out = allscan.scan(x, g, group, init=i0, inclusive=True)
+        (out * w.to(device)).sum().backward()
+        grads.append([t.grad.cpu() for t in (x, g, i0)])
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+    # A tensor on another GPU than the group's communicator.
+    if torch.cuda.device_count() > 1:
+        other = torch.device("cuda", (dev.index + 1) % torch.cuda.device_count())
+        with pytest.raises(ValueError, match="cuda"):
+            allscan.scan(xs[rank].to(other))
+
+
+@pytest.mark.parametrize("P", [1, 2])
+def test_streams_graphs_grads(P):
+    _need(P)
+    run_distributed(_streams_graphs_grads, P, backend="nccl", timeout=600)
+
+
+def _async_overlap(rank, P):
+    dev = torch.device("cuda", torch.cuda.current_device())
+    n = (256 << 20) // 4
+    gen = torch.Generator(device=dev).manual_seed(1)
+    xs = [torch.randn(n, generator=gen, device=dev) for _ in range(P)]
+    gs = [torch.rand((), generator=gen, device=dev) for _ in range(P)]
+    ref = scan_reference(xs, gs)
+    a = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
+
+    def timed(fn, reps=10):
+        fn()
+        torch.cuda.synchronize()
+        dist.barrier()
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+        return (time.perf_counter() - t0) / reps
+
+    def scan_only():
+        allscan.scan(xs[rank], gs[rank])
+
+    def mm_only():
+        a @ a
+
+    def both():
+        h = allscan.scan(xs[rank], gs[rank], async_op=True)
+        a @ a
+        return h.wait()
+
+    y = both()
+    torch.cuda.synchronize()
+    assert torch.equal(y, ref[rank])
+    t_scan, t_mm, t_both = timed(scan_only), timed(mm_only), timed(both)
+    return t_scan, t_mm, t_both
+
+
+def test_async_overlaps_matmul():
+    _need(2)
+    res = run_distributed(_async_overlap, 2, backend="nccl", timeout=300)
+    for t_scan, t_mm, t_both in res:
+        # Overlapped: clearly less than running one after the other.
+        assert t_both < 0.9 * (t_scan + t_mm), (t_scan, t_mm, t_both)
