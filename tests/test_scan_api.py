@@ -1,0 +1,255 @@
+"""allscan.scan's errors, the custom op (opcheck, torch.compile), the async handle on CPU, and the C
+core's argument checks and block-count rule through the bindings (no GPU needed)."""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import allscan
+from allscan import _dist
+from allscan.reference import scan_reference
+from distributed import run_distributed
+
+
+@pytest.fixture(scope="module")
+def single_rank():
+    """A one-rank gloo group in this process."""
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        from distributed import _free_port
+
+        os.environ["MASTER_PORT"] = str(_free_port())
+        dist.init_process_group("gloo", rank=0, world_size=1)
+    yield dist.group.WORLD
+
+
+X = torch.randn(2, 3, 4)
+
+
+@pytest.mark.parametrize(
+    "kwargs, exc, match",
+    [
+        (dict(tensor=[1.0, 2.0]), TypeError, "tensor must be a torch.Tensor"),
+        (dict(tensor=torch.ones(3, dtype=torch.int32)), TypeError, "tensor must be float32"),
+        (dict(gamma=torch.ones(3)), ValueError, r"gamma's shape \[3\] must be a prefix"),
+        (dict(gamma=torch.ones(2, 4)), ValueError, "must be a prefix"),
+        (dict(gamma=torch.ones(2, 3, 4, 1)), ValueError, "must be a prefix"),
+        (dict(gamma=torch.ones(2, dtype=torch.float64)), TypeError, "gamma must be float32 or the tensor's dtype"),
+        (dict(gamma=[1.0]), TypeError, "gamma must be a torch.Tensor or None"),
+        (dict(gamma=torch.ones(2, device="meta")), ValueError, "gamma is on meta"),
+        (dict(init=torch.ones(2, 3)), ValueError, "init must have the tensor's shape and dtype"),
+        (dict(init=torch.ones(2, 3, 4, dtype=torch.float64)), ValueError, "init must have the tensor's shape"),
+        (dict(init=torch.ones(2, 3, 4, device="meta")), ValueError, "init is on meta"),
+        (dict(method="ring"), ValueError, "method must be one of"),
+        (dict(num_blocks=0), ValueError, "num_blocks must be None"),
+        (dict(num_blocks=-2), ValueError, "num_blocks must be None"),
+        (dict(num_blocks=True), ValueError, "num_blocks must be None"),
+        (dict(num_blocks=2.0), ValueError, "num_blocks must be None"),
+        (dict(group=42), TypeError, "group must be a torch.distributed ProcessGroup"),
+    ],
+)
+def test_bad_arguments(single_rank, kwargs, exc, match):
+    args = dict(tensor=X)
+    args.update(kwargs)
+    tensor = args.pop("tensor")
+    with pytest.raises(exc, match=match):
+        allscan.scan(tensor, **args)
+
+
+def test_not_initialised_message():
+    # A fresh interpreter: this one has a process group already.
+    code = ("import torch, allscan\n"
+            "try:\n    allscan.scan(torch.ones(3))\nexcept RuntimeError as e:\n    print('ERR', e)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert "ERR" in out.stdout and "init_process_group" in out.stdout, out.stdout + out.stderr
+
+
+def test_single_rank_results(single_rank):
+    g = torch.rand(2, 3)
+    init = torch.randn(2, 3, 4)
+    assert torch.equal(allscan.scan(X, g), torch.zeros_like(X))
+    assert torch.equal(allscan.scan(X, g, init=init), init)
+    assert torch.equal(allscan.scan(X, g, inclusive=True), X)
+    assert torch.equal(allscan.scan(X, g, init=init, inclusive=True), scan_reference([X], [g], init, inclusive=True)[0])
+    h = allscan.scan(X, g, init=init, inclusive=True, async_op=True)
+    assert isinstance(h, allscan.ScanHandle) and h.is_completed()
+    assert torch.equal(h.wait(), scan_reference([X], [g], init, inclusive=True)[0])
+    # Non-contiguous input is accepted (made contiguous).
+    xt = torch.randn(4, 3, 2).transpose(0, 2)
+    assert torch.equal(allscan.scan(xt, init=xt.contiguous()), xt.contiguous())
+
+
+def test_opcheck_single_rank(single_rank):
+    name = single_rank.group_name
+    x = torch.randn(2, 3, 4, dtype=torch.float64, requires_grad=True)
+    g = torch.rand(2, 3, dtype=torch.float64, requires_grad=True)
+    init = torch.randn(2, 3, 4, dtype=torch.float64, requires_grad=True)
+    for args in [(x, g, init, name, False, False, 0, "pipelined"), (x, None, None, name, True, False, 2, "serial"),
+                 (x, g, None, name, False, False, 0, "allgather")]:
+        torch.library.opcheck(torch.ops.allscan.scan.default, args)
+
+
+def _opcheck_and_compile(rank, P):
+    name = dist.group.WORLD.group_name
+    gen = torch.Generator().manual_seed(0)
+    xs = [torch.randn(2, 3, 4, generator=gen, dtype=torch.float64) for _ in range(P)]
+    gs = [torch.rand(2, 3, generator=gen, dtype=torch.float64) for _ in range(P)]
+    x = xs[rank].clone().requires_grad_()
+    g = gs[rank].clone().requires_grad_()
+    torch.library.opcheck(torch.ops.allscan.scan.default, (x, g, None, name, False, False, 0, "pipelined"))
+    torch.library.opcheck(torch.ops.allscan.scan.default, (x, g, None, name, True, False, 0, "allgather"))
+
+    def f(x, g):
+        return allscan.scan(x * 2, g, reverse=True, inclusive=True).sin()
+
+    compiled = torch.compile(f, backend="aot_eager", fullgraph=True)
+    out = compiled(x, g)
+    ref = scan_reference([2 * t for t in xs], gs, reverse=True, inclusive=True)[rank].sin()
+    torch.testing.assert_close(out, ref, rtol=0, atol=0)
+    out.sum().backward()
+    x2 = xs[rank].clone().requires_grad_()
+    g2 = gs[rank].clone().requires_grad_()
+    f(x2, g2).sum().backward()
+    torch.testing.assert_close(x.grad, x2.grad)
+    torch.testing.assert_close(g.grad, g2.grad)
+
+
+def test_opcheck_and_compile_two_ranks():
+    run_distributed(_opcheck_and_compile, 2, timeout=300)
+
+
+def _mismatch(rank, P, kind):
+    shape = (2, 3, 4)
+    x = torch.randn(shape)
+    g = torch.rand(2, 3)
+    kwargs = {}
+    if kind == "shape" and rank == 1:
+        x = torch.randn(2, 3, 5)
+    elif kind == "dtype" and rank == 1:
+        x = x.double()
+    elif kind == "gamma" and rank == 1:
+        g = None
+    elif kind == "method" and rank == 1:
+        kwargs["method"] = "allgather"
+    elif kind == "blocks" and rank == 1:
+        kwargs["num_blocks"] = 3
+    with pytest_raises(ValueError, "ranks passed different arguments"):
+        allscan.scan(x, g, **kwargs)
+    return True
+
+
+class pytest_raises:  # pytest.raises is not picklable into spawned ranks' frames; keep it tiny
+    def __init__(self, exc, match):
+        self.exc, self.match = exc, match
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, tp, val, tb):
+        assert tp is not None, f"expected {self.exc.__name__} matching {self.match!r}, nothing was raised"
+        assert issubclass(tp, self.exc) and self.match in str(val), f"unexpected {tp.__name__}: {val}"
+        return True
+
+
+@pytest.mark.parametrize("kind", ["shape", "dtype", "gamma", "method", "blocks"])
+def test_mismatch_across_ranks_raises(kind):
+    # Must raise on every rank, not hang: the helper kills and fails the test after the timeout.
+    assert run_distributed(_mismatch, 2, kind, timeout=90) == [True, True]
+
+
+def _mismatch_after_cache(rank, P):
+    x = torch.randn(4)
+    allscan.scan(x)  # this signature is now checked and cached on both ranks
+    allscan.set_check_every_call(True)
+    try:
+        bad = torch.randn(5) if rank == 1 else x
+        with pytest_raises(ValueError, "ranks passed different arguments"):
+            allscan.scan(bad)
+    finally:
+        allscan.set_check_every_call(False)
+    return True
+
+
+def test_check_every_call_catches_a_later_mismatch():
+    assert run_distributed(_mismatch_after_cache, 3, timeout=90) == [True] * 3
+
+
+def _async(rank, P):
+    xs = [torch.full((5,), float(q + 1)) for q in range(P)]
+    h = allscan.scan(xs[rank], torch.tensor(0.5), async_op=True)
+    y = h.wait()
+    assert torch.equal(y, scan_reference(xs, [torch.tensor(0.5)] * P)[rank])
+    return True
+
+
+def test_async_cpu():
+    run_distributed(_async, 3)
+
+
+# ------------------------------------------------------------------------------------------------
+# The C core through the bindings (compiled and linked in CI; no GPU needed for these calls)
+# ------------------------------------------------------------------------------------------------
+C = pytest.importorskip("allscan._C")
+
+
+def test_choose_num_blocks_python_equals_core():
+    for P in (1, 2, 3, 4, 8, 64, 256):
+        for nbytes in (0, 1, 4096, 65536, 2 << 20, 256 << 20):
+            for a, b in ((10.0, 1 / 300e3), (2.0, 1 / 50e3), (50.0, 1e-7)):
+                assert C.choose_num_blocks_model(P, nbytes, a, b) == _dist.choose_num_blocks_model(P, nbytes, a, b)
+
+
+def test_choose_num_blocks_minimises_the_model():
+    a, b = 10.0, 1 / 300e3
+    for P in (3, 8, 64):
+        for nbytes in (1 << 20, 64 << 20):
+            k = C.choose_num_blocks_model(P, nbytes, a, b)
+            cost = lambda K: (P - 2 + K) * (a + b * nbytes / K)  # noqa: E731
+            kmax = min(C.MAX_BLOCKS, nbytes // C.MIN_BLOCK_BYTES)
+            assert cost(k) == min(cost(K) for K in range(1, kmax + 1))
+    assert C.choose_num_blocks_model(2, 1 << 30, a, b) == 1  # two ranks: one block whatever the size
+
+
+def test_core_argument_checks():
+    h = C.comm_create_detached(1, 4)
+    try:
+        assert C.comm_rank(h) == 1 and C.comm_size(h) == 4
+        f32, bf16 = C.FLOAT32, C.BFLOAT16
+        # count, dtype, g, g_count, g_dtype, init, reverse, inclusive, num_blocks, method
+        assert C.workspace_size(h, 100, f32, 0, 0, f32, 0, False, False, 0, C.PIPELINED) == 512
+        assert C.workspace_size(h, 100, f32, 1, 10, f32, 0, False, False, 0, C.ALLGATHER) == 2048
+        with pytest.raises(ValueError, match="g_count: 7 must divide count 100"):
+            C.workspace_size(h, 100, f32, 1, 7, f32, 0, False, False, 0, C.PIPELINED)
+        with pytest.raises(ValueError, match="g_dtype: expected float32 or the state's dtype"):
+            C.workspace_size(h, 100, bf16, 1, 10, C.FLOAT16, 0, False, False, 0, C.PIPELINED)
+        with pytest.raises(ValueError, match="dtype: expected"):
+            C.workspace_size(h, 100, 9, 0, 0, f32, 0, False, False, 0, C.PIPELINED)
+        with pytest.raises(ValueError, match="method: expected"):
+            C.workspace_size(h, 100, f32, 0, 0, f32, 0, False, False, 0, 7)
+        with pytest.raises(ValueError, match="num_blocks: expected"):
+            C.workspace_size(h, 100, f32, 0, 0, f32, 0, False, False, -1, C.PIPELINED)
+        with pytest.raises(ValueError, match="detached communicator"):
+            C.neighbor_exchange(h, 16, 32, 8, False, True, 0)
+        with pytest.raises(ValueError, match="latency_us"):
+            C.set_link_model(h, -1.0, 1e-6)
+        assert C.get_link_model(h) == (0.0, 0.0, False)
+        assert C.choose_num_blocks(h, 1 << 20) == 1  # no model: one block
+        C.set_link_model(h, 10.0, 1 / 300e3)
+        assert C.choose_num_blocks(h, 64 << 20) == C.choose_num_blocks_model(4, 64 << 20, 10.0, 1 / 300e3) > 1
+    finally:
+        C.comm_destroy(h)
+    with pytest.raises(ValueError, match="rank: expected 0 <= rank < nranks"):
+        C.comm_create_detached(4, 4)
+    with pytest.raises(ValueError, match="nccl: null NCCL communicator"):
+        C.comm_create(0)
+
+
+def test_block_partition_matches_core_rule():
+    # The Python path's partition is the core's: ceil(count/K) rounded up to 16 bytes of elements.
+    assert _dist.block_elems(210, 4, 4) == 56
+    assert _dist.block_elems(210, 1000, 4) == 4
+    assert _dist.block_elems(210, 3, 2) == 72
+    assert _dist.block_elems(1, 64, 8) == 2
