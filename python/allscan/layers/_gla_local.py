@@ -1,0 +1,280 @@
+"""Local (one-rank) gated linear attention kernels used by :mod:`allscan.layers.gla`.
+
+Two backends with the same staged interface, so that the sequence-parallel layer can overlap its
+All-Scan with the local work:
+
+- :class:`TorchGLA`: chunked GLA written in torch (chunk size 64, fp32 math), backward by autograd
+  through a recomputation. Runs anywhere (CPU CI with gloo ranks); it is the oracle for the algorithm.
+- :class:`FlaGLA`: flash-linear-attention's (fla-core) Triton kernels for ``chunk_gla``, called stage
+  by stage: local cumulative gates and chunk states first (so the final state can be sent as early as
+  possible), then the intra-chunk attention and output; in backward, the recomputed states and the
+  intra-chunk gradients first, the state-gradient recurrence (which needs the gradient arriving from
+  the next rank) last.
+
+Both take the local shard cut into segments (``bounds``: local sequence boundaries ``[0, ..., T]``);
+every segment is an independent sequence with its own initial state (``None`` = zeros).
+
+Also here: :func:`recurrent_gla_reference`, the token-by-token float64 reference used by the tests.
+"""
+from __future__ import annotations
+
+import math
+from typing import List, Optional, Sequence
+
+import torch
+
+CHUNK = 64
+
+
+# ---------------------------------------------------------------------------------------------------
+# torch chunked GLA (one segment)
+# ---------------------------------------------------------------------------------------------------
+def torch_chunk_gla(q, k, v, g, scale: float, h0: Optional[torch.Tensor] = None, chunk: int = CHUNK):
+    """Chunked GLA of one sequence in fp32 torch ops (differentiable by autograd).
+
+    q, k, g: ``[B, T, H, K]``; v: ``[B, T, H, V]``; g: log decays (<= 0); h0: ``[B, H, K, V]`` or None.
+    Returns ``(o [B, T, H, V] fp32, h_T [B, H, K, V] fp32)``.
+    """
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    q, k, v, g = (x.float() for x in (q, k, v, g))
+    pad = (-T) % chunk
+    if pad:
+        # padding after the sequence (g = 0, k = v = q = 0) changes neither outputs nor final state
+        q, k, v, g = (torch.nn.functional.pad(x, (0, 0, 0, 0, 0, pad)) for x in (q, k, v, g))
+    N = (T + pad) // chunk
+    C = chunk
+    q = q.view(B, N, C, H, K)
+    k = k.view(B, N, C, H, K)
+    v = v.view(B, N, C, H, V)
+    b = g.view(B, N, C, H, K).cumsum(2)  # within-chunk cumulative log decay (<= 0, decreasing)
+
+    # intra-chunk: A[i, j] = sum_k q_i k_j exp(b_i - b_j), j <= i (exponent <= 0: no overflow)
+    diff = b.unsqueeze(3) - b.unsqueeze(2)  # [B, N, C(i), C(j), H, K]
+    causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril().view(1, 1, C, C, 1, 1)
+    decay = torch.where(causal, diff, torch.full_like(diff, -math.inf)).exp()
+    A = torch.einsum("bnihk,bnjhk,bnijhk->bnhij", q, k, decay)
+    o = torch.einsum("bnhij,bnjhv->bnihv", A, v)
+
+    # inter-chunk: the state entering each chunk
+    h = q.new_zeros(B, H, K, V) if h0 is None else h0.float()
+    outs = []
+    for n in range(N):
+        bn = b[:, n]  # [B, C, H, K]
+        outs.append(torch.einsum("bihk,bhkv->bihv", q[:, n] * bn.exp(), h))
+        last = bn[:, -1]  # [B, H, K]
+        kd = k[:, n] * (last.unsqueeze(1) - bn).exp()
+        h = last.exp().unsqueeze(-1) * h + torch.einsum("bjhk,bjhv->bhkv", kd, v[:, n])
+    o = (o + torch.stack(outs, 1)) * scale
+    return o.reshape(B, N * C, H, V)[:, :T], h
+
+
+def recurrent_gla_reference(q, k, v, g, scale=None, initial_state=None, cu_seqlens=None):
+    """Token-by-token GLA in float64: the reference of the tests.
+
+    g: ``[B, T, H, K]`` (GLA), ``[B, T, H]`` (simple GLA) or None (linear attention).
+    With ``cu_seqlens`` (B = 1): every sequence starts from ``initial_state[i]`` (or zeros), and the
+    final states are ``[N, H, K, V]``. Returns ``(o float64, final_states float64)``.
+    """
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    scale = K ** -0.5 if scale is None else scale
+    q, k, v = (x.double() for x in (q, k, v))
+    if g is None:
+        g = torch.zeros(B, T, H, K, dtype=torch.float64, device=q.device)
+    elif g.dim() == 3:
+        g = g.double().unsqueeze(-1).expand(B, T, H, K)
+    g = g.double()
+    starts = {0} if cu_seqlens is None else set(int(c) for c in cu_seqlens[:-1])
+    bounds = [0, T] if cu_seqlens is None else [int(c) for c in cu_seqlens]
+    o = torch.zeros(B, T, H, V, dtype=torch.float64, device=q.device)
+    finals = []
+    for i in range(len(bounds) - 1):
+        if cu_seqlens is None:
+            h = torch.zeros(B, H, K, V, dtype=torch.float64) if initial_state is None else initial_state.double().clone()
+        else:
+            h = torch.zeros(1, H, K, V, dtype=torch.float64) if initial_state is None else initial_state[i:i + 1].double().clone()
+        for t in range(bounds[i], bounds[i + 1]):
+            h = h * g[:, t].exp().unsqueeze(-1) + k[:, t].unsqueeze(-1) * v[:, t].unsqueeze(-2)
+            o[:, t] = torch.einsum("bhk,bhkv->bhv", q[:, t] * scale, h)
+        finals.append(h)
+    del starts
+    return o, torch.cat(finals, 0)
+
+
+# ---------------------------------------------------------------------------------------------------
+# staged backends
+# ---------------------------------------------------------------------------------------------------
+class _State:
+    """What a backend's forward leaves for the rest of the forward and for the backward."""
+
+    def __init__(self, **kw):
+        self.__dict__.update(kw)
+
+
+class TorchGLA:
+    """Chunked GLA in torch ops; backward by autograd through a recomputation."""
+
+    name = "torch"
+
+    @staticmethod
+    def fwd_states(q, k, v, g, scale, bounds: Sequence[int], h0s: List[Optional[torch.Tensor]]):
+        outs, finals = [], []
+        with torch.no_grad():
+            for j in range(len(bounds) - 1):
+                s, e = bounds[j], bounds[j + 1]
+                o_j, h_j = torch_chunk_gla(q[:, s:e], k[:, s:e], v[:, s:e], g[:, s:e], scale, h0s[j])
+                outs.append(o_j)
+                finals.append(h_j)
+        return _State(o=torch.cat(outs, 1), finals=finals)
+
+    @staticmethod
+    def fwd_output(st, q, k, v, g, scale, bounds):
+        return st.o.to(v.dtype)
+
+    @staticmethod
+    def saved(st):
+        return None
+
+    @staticmethod
+    def bwd_prepare(saved, q, k, v, g, scale, bounds, h0s, do):
+        return None
+
+    @staticmethod
+    def bwd_finish(prep, q, k, v, g, scale, bounds, h0s, do, dhts):
+        with torch.enable_grad():
+            qq, kk, vv, gg = (x.detach().requires_grad_(True) for x in (q, k, v, g))
+            hh = [None if h is None else h.detach().float().requires_grad_(True) for h in h0s]
+            outs, roots, grads = [], [], []
+            for j in range(len(bounds) - 1):
+                s, e = bounds[j], bounds[j + 1]
+                o_j, h_j = torch_chunk_gla(qq[:, s:e], kk[:, s:e], vv[:, s:e], gg[:, s:e], scale, hh[j])
+                outs.append(o_j)
+                if dhts[j] is not None:
+                    roots.append(h_j)
+                    grads.append(dhts[j].float())
+            roots.insert(0, torch.cat(outs, 1))
+            grads.insert(0, do.float())
+            wrt = [qq, kk, vv, gg] + [h for h in hh if h is not None]
+            res = torch.autograd.grad(roots, wrt, grads, allow_unused=True)
+        dq, dk, dv, dg = (torch.zeros_like(x) if r is None else r.to(x.dtype) for r, x in zip(res[:4], (q, k, v, g)))
+        it = iter(res[4:])
+        dh0s = []
+        for h in hh:
+            if h is None:
+                dh0s.append(None)
+            else:
+                r = next(it)
+                dh0s.append(torch.zeros_like(h) if r is None else r)
+        return dq, dk, dv, dg, dh0s
+
+
+def fla_available() -> bool:
+    try:
+        import fla.ops.gla.chunk  # noqa: F401
+        return True
+    except Exception:  # ImportError, or triton failing to initialise
+        return False
+
+
+class FlaGLA:
+    """fla-core's ``chunk_gla`` Triton kernels, called stage by stage (CUDA only)."""
+
+    name = "fla"
+
+    @staticmethod
+    def _mods():
+        from fla.ops.common.chunk_h import chunk_bwd_dh, chunk_fwd_h
+        from fla.ops.gla import chunk as gc
+        from fla.ops.utils import prepare_chunk_indices
+        from fla.ops.utils.constant import RCP_LN2
+        from fla.ops.utils.cumsum import chunk_local_cumsum
+        return _State(chunk_fwd_h=chunk_fwd_h, chunk_bwd_dh=chunk_bwd_dh, gla=gc,
+                      prepare_chunk_indices=prepare_chunk_indices, RCP_LN2=RCP_LN2,
+                      chunk_local_cumsum=chunk_local_cumsum)
+
+    @staticmethod
+    def _layout(q, bounds):
+        T = q.shape[1]
+        BT = min(64, max(16, 1 << max(0, (T - 1).bit_length())))  # as fla's ChunkGLAFunction
+        if len(bounds) == 2:
+            return BT, None, None
+        m = FlaGLA._mods()
+        cu = torch.tensor(bounds, dtype=torch.long, device=q.device)
+        return BT, cu, m.prepare_chunk_indices(cu, BT)
+
+    @staticmethod
+    def _stack(hs, like_shape, device):
+        if all(h is None for h in hs):
+            return None
+        if len(hs) == 1:
+            return hs[0].float().contiguous()
+        return torch.cat([torch.zeros(like_shape, dtype=torch.float, device=device) if h is None else h.float()
+                          for h in hs], 0).contiguous()
+
+    @staticmethod
+    def _split(ht, n):
+        return [ht] if n == 1 else [ht[j:j + 1] for j in range(n)]
+
+    @staticmethod
+    def fwd_states(q, k, v, g, scale, bounds, h0s):
+        m = FlaGLA._mods()
+        BT, cu, ci = FlaGLA._layout(q, bounds)
+        B, T, H, K = k.shape
+        V = v.shape[-1]
+        h0 = FlaGLA._stack(h0s, (1, H, K, V), q.device)
+        gcum = m.chunk_local_cumsum(g, BT, scale=m.RCP_LN2, cu_seqlens=cu)
+        h, ht = m.chunk_fwd_h(k=k, v=v, g=None, gk=gcum, gv=None, h0=h0, output_final_state=True,
+                              cu_seqlens=cu, chunk_size=BT, states_in_fp32=False)
+        return _State(gcum=gcum, h=h, BT=BT, cu=cu, ci=ci, finals=FlaGLA._split(ht, len(bounds) - 1))
+
+    @staticmethod
+    def fwd_output(st, q, k, v, g, scale, bounds):
+        m = FlaGLA._mods()
+        A = m.gla.chunk_gla_fwd_intra_gk(q=q, k=k, g=st.gcum, scale=scale, cu_seqlens=st.cu,
+                                         chunk_size=st.BT, chunk_indices=st.ci)
+        o = m.gla.chunk_gla_fwd_o_gk(q=q, v=v, g=st.gcum, A=A, h=st.h, scale=scale, cu_seqlens=st.cu,
+                                     chunk_size=st.BT, chunk_indices=st.ci)
+        st.A = A
+        st.h = None  # recomputed in backward (in fp32, from the true incoming state), as fla does
+        return o
+
+    @staticmethod
+    def saved(st):
+        return st.A
+
+    @staticmethod
+    def bwd_prepare(saved_A, q, k, v, g, scale, bounds, h0s, do):
+        """Everything of the local backward that does not need the gradient of the final state."""
+        m = FlaGLA._mods()
+        BT, cu, ci = FlaGLA._layout(q, bounds)
+        B, T, H, K = k.shape
+        V = v.shape[-1]
+        h0 = FlaGLA._stack(h0s, (1, H, K, V), q.device)
+        gcum = m.chunk_local_cumsum(g, BT, scale=m.RCP_LN2, cu_seqlens=cu)
+        h, _ = m.chunk_fwd_h(k=k, v=v, g=None, gk=gcum, gv=None, h0=h0, output_final_state=False,
+                             cu_seqlens=cu, chunk_size=BT, states_in_fp32=True)
+        dA = m.gla.chunk_gla_bwd_dA(v=v, do=do, scale=scale, cu_seqlens=cu, chunk_size=BT, chunk_indices=ci)
+        dq, dk = m.gla.chunk_gla_bwd_dqk_intra(q=q, k=k, g=gcum, dA=dA, cu_seqlens=cu, chunk_size=BT,
+                                               chunk_indices=ci)
+        return _State(BT=BT, cu=cu, ci=ci, h0=h0, gcum=gcum, h=h, dq=dq, dk=dk, A=saved_A)
+
+    @staticmethod
+    def bwd_finish(p, q, k, v, g, scale, bounds, h0s, do, dhts):
+        m = FlaGLA._mods()
+        B, T, H, K = k.shape
+        V = v.shape[-1]
+        dht = FlaGLA._stack(dhts, (1, H, K, V), q.device)
+        dh, dh0 = m.chunk_bwd_dh(q=q, k=k, v=v, do=do, h0=p.h0, dht=dht, scale=scale, g=None, gk=p.gcum,
+                                 gv=None, cu_seqlens=p.cu, chunk_size=p.BT, states_in_fp32=True)
+        dv = m.gla.chunk_gla_bwd_dv(k=k, g=p.gcum, A=p.A, do=do, dh=dh, cu_seqlens=p.cu, chunk_size=p.BT,
+                                    chunk_indices=p.ci)
+        dq, dk, dg = m.gla.chunk_gla_bwd_dqkg(q=q, k=k, v=v, h=p.h, g=p.gcum, do=do, dh=dh, dq=p.dq, dk=p.dk,
+                                              scale=scale, cu_seqlens=p.cu, chunk_size=p.BT, chunk_indices=p.ci)
+        n = len(bounds) - 1
+        if dh0 is None:
+            dh0s = [None] * n
+        else:
+            parts = FlaGLA._split(dh0, n)
+            dh0s = [None if h is None else parts[j] for j, h in enumerate(h0s)]
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dg, dh0s

@@ -1,0 +1,282 @@
+"""Sequence-parallel GLA (ZeCO) on CPU: gloo ranks against a single-process float64 recurrent reference.
+
+Checks the whole algorithm (local chunked GLA from a zero state, All-Scan of the final states with the
+shard decays, the incoming-state correction, the reverse All-Scan of the state gradient and the local
+backward) at P = 1..4, for GLA, simple GLA and plain linear attention, with packed sequences whose
+boundaries fall inside ranks, on rank boundaries and across several ranks; the three methods (zeco,
+lasp1, lasp2) give the same answer; the layer has fla's parameter names and shapes.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(__file__))
+from distributed import run_distributed  # noqa: E402
+
+from allscan.layers.gla import GatedLinearAttention, recurrent_gla_reference, zeco_gla  # noqa: E402
+from allscan.layers._gla_local import torch_chunk_gla  # noqa: E402
+
+H, K, V = 2, 8, 4
+TOL = 2e-4  # fp32 chunked math against float64 token-by-token, relative to the largest magnitude
+
+
+def _rel(a, b):
+    a, b = a.double(), b.double()
+    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
+
+
+def _data(seed, B, T, decay, h0_rows):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, T, H, K, generator=gen)
+    k = torch.randn(B, T, H, K, generator=gen)
+    v = torch.randn(B, T, H, V, generator=gen)
+    if decay == "gla":
+        g = F.logsigmoid(torch.randn(B, T, H, K, generator=gen) + 2.0)
+    elif decay == "simple":
+        g = F.logsigmoid(torch.randn(B, T, H, generator=gen) + 3.0)
+    else:
+        g = None
+    h0 = torch.randn(h0_rows, H, K, V, generator=gen)
+    do = torch.randn(B, T, H, V, generator=gen)
+    return q, k, v, g, h0, do
+
+
+def _reference(q, k, v, g, h0, do, cu, T_local, world, dfinals):
+    """float64 reference: output, loss gradients for the loss sum(o*do) + sum_p <final_p, dfinal_p>."""
+    ins = [x.double().requires_grad_(True) if x is not None else None for x in (q, k, v, g, h0)]
+    o, fin = recurrent_gla_reference(*ins[:4], initial_state=ins[4], cu_seqlens=cu)
+    loss = (o * do.double()).sum()
+    finals = []
+    if cu is None:
+        # the state after each rank's last token: the reference on the prefix
+        for p in range(world):
+            e = (p + 1) * T_local
+            _, f = recurrent_gla_reference(ins[0][:, :e], ins[1][:, :e], ins[2][:, :e],
+                                           None if ins[3] is None else ins[3][:, :e], initial_state=ins[4])
+            finals.append(f)
+            loss = loss + (f * dfinals[p].double()).sum()
+    else:
+        finals = [fin] * world
+        loss = loss + sum((fin * d.double()).sum() for d in dfinals)
+    wrt = [x for x in ins if x is not None]
+    grads = torch.autograd.grad(loss, wrt)
+    it = iter(grads)
+    full = [next(it) if x is not None else None for x in ins]
+    return o, finals, full
+
+
+def _final_rows(cu, rank, T_local):
+    off = rank * T_local
+    return [i for i in range(len(cu) - 1) if off < cu[i + 1] <= off + T_local]
+
+
+def _check_rank(rank, world, cases):
+    """Runs every case on this rank; returns nothing, asserts."""
+    group = dist.group.WORLD if world > 1 else None
+    for case in cases:
+        decay, cu_list, T_local, B, methods = case["decay"], case["cu"], case["T_local"], case["B"], case["methods"]
+        cu = None if cu_list is None else torch.tensor(cu_list, dtype=torch.long)
+        T = T_local * world
+        n_h0 = B if cu is None else len(cu_list) - 1
+        q, k, v, g, h0, do = _data(1234 + T, B, T, decay, n_h0)
+        gen = torch.Generator().manual_seed(99)
+        dfinals = [torch.randn(n_h0, H, K, V, generator=gen) for _ in range(world)]
+        if cu is not None:  # each row's gradient is given by the rank where that sequence ends
+            masked = []
+            for p in range(world):
+                m = torch.zeros_like(dfinals[p])
+                for i in _final_rows(cu_list, p, T_local):
+                    m[i] = dfinals[p][i]
+                masked.append(m)
+            dfinals = masked
+        ref_o, ref_finals, ref_grads = _reference(q, k, v, g, h0, do, cu_list, T_local, world, dfinals)
+        sl = slice(rank * T_local, (rank + 1) * T_local)
+        results = {}
+        for method in methods:
+            ins = [x[:, sl].clone().requires_grad_(True) if x is not None else None for x in (q, k, v, g)]
+            h0_in = h0.clone().requires_grad_(True)
+            o, fin = zeco_gla(*ins, group, initial_state=h0_in, output_final_state=True, cu_seqlens=cu,
+                              method=method)
+            tag = f"{method} decay={decay} cu={cu_list} B={B} P={world} rank={rank}"
+            assert o.shape == (B, T_local, H, V) and o.dtype == torch.float32, tag
+            assert _rel(o, ref_o[:, sl]) < TOL, f"output: {tag}: {_rel(o, ref_o[:, sl])}"
+            if cu is None:
+                assert fin.shape == (B, H, K, V), tag
+                assert _rel(fin, ref_finals[rank]) < TOL, f"final state: {tag}"
+            else:
+                assert fin.shape == (len(cu_list) - 1, H, K, V), tag
+                rows = _final_rows(cu_list, rank, T_local)
+                for i in range(len(cu_list) - 1):
+                    if i in rows:
+                        assert _rel(fin[i], ref_finals[0][i]) < TOL, f"final state row {i}: {tag}"
+                    else:
+                        assert torch.count_nonzero(fin[i]) == 0, f"final row {i} not ending here is nonzero: {tag}"
+            loss = (o * do[:, sl]).sum() + (fin * dfinals[rank]).sum()
+            wrt = [x for x in ins if x is not None] + [h0_in]
+            grads = torch.autograd.grad(loss, wrt)
+            it = iter(grads)
+            got = [next(it) if x is not None else None for x in ins] + [next(it)]
+            names = ["dq", "dk", "dv", "dg", "dh0"]
+            for name, gr, rf in zip(names[:4], got[:4], ref_grads[:4]):
+                if rf is None:
+                    continue
+                assert gr.shape == rf[:, sl].shape, f"{name} shape: {tag}"
+                err = _rel(gr, rf[:, sl])
+                assert err < TOL, f"{name}: {tag}: {err}"
+            dh0 = got[4].clone()
+            if world > 1:  # each rank returns the gradient of the rows it used: sum over ranks
+                dist.all_reduce(dh0)
+            err = _rel(dh0, ref_grads[4])
+            assert err < TOL, f"dh0: {tag}: {err}"
+            results[method] = [o.detach(), fin.detach()] + [x for x in got if x is not None]
+        base = results[methods[0]]
+        for m in methods[1:]:
+            for a, b in zip(base, results[m]):
+                assert torch.allclose(a, b, rtol=1e-5, atol=1e-6), f"method {m} differs from {methods[0]}"
+
+
+def _cases(world):
+    T_local = 80  # more than one 64-token chunk per rank, and a partial one
+    T = T_local * world
+    cases = []
+    for decay in ("gla", "simple", "none"):
+        cases.append(dict(decay=decay, cu=None, T_local=T_local, B=2, methods=["zeco", "lasp1", "lasp2"]))
+    # packed sequences: cuts inside ranks, exactly on rank boundaries, and sequences spanning ranks
+    cus = [[0, 17, T_local, T_local + 3 if world > 1 else 70, T] if world > 1 else [0, 17, 70, T],
+           [0, 5, T - 7, T],  # one sequence across every rank boundary (middle ranks have no start)
+           [0, T]]
+    if world >= 3:
+        cus.append([0, 30, T_local + 50, 2 * T_local, 2 * T_local + 1, T])
+    for decay in ("gla", "simple", "none"):
+        for cu in cus:
+            cases.append(dict(decay=decay, cu=sorted(set(cu)), T_local=T_local, B=1,
+                              methods=["zeco", "lasp2"] if decay != "gla" else ["zeco", "lasp1", "lasp2"]))
+    return cases
+
+
+def _run_world(rank, world):
+    torch.manual_seed(0)
+    _check_rank(rank, world, _cases(world))
+
+
+def test_chunked_matches_recurrent_single_process():
+    torch.manual_seed(0)
+    for decay in ("gla", "simple", "none"):
+        for T in (1, 63, 64, 130):
+            q, k, v, g, h0, do = _data(7, 2, T, decay, 2)
+            gf = torch.zeros(2, T, H, K) if g is None else (g.unsqueeze(-1).expand(2, T, H, K) if g.dim() == 3 else g)
+            o, ht = torch_chunk_gla(q, k, v, gf, K ** -0.5, h0)
+            ro, rh = recurrent_gla_reference(q, k, v, g, initial_state=h0)
+            assert _rel(o, ro) < TOL and _rel(ht, rh) < TOL, (decay, T)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_zeco_gla_distributed(world):
+    if world == 1:
+        _run_world(0, 1)  # no group: no communication
+    else:
+        run_distributed(_run_world, world, timeout=600)
+
+
+def _run_layer(rank, world):
+    torch.manual_seed(0)
+    hidden, heads, T_local = 64, 4, 40
+    layer = GatedLinearAttention(hidden_size=hidden, num_heads=heads, group=dist.group.WORLD)
+    ref = GatedLinearAttention(hidden_size=hidden, num_heads=heads)
+    ref.load_state_dict(layer.state_dict())
+    x = torch.randn(2, T_local * world, hidden, generator=torch.Generator().manual_seed(5))
+    dy = torch.randn(2, T_local * world, hidden, generator=torch.Generator().manual_seed(6))
+    sl = slice(rank * T_local, (rank + 1) * T_local)
+    y_ref = ref(x)[0]
+    (y_ref * dy).sum().backward()
+    y = layer(x[:, sl])[0]
+    assert _rel(y, y_ref[:, sl]) < TOL
+    (y * dy[:, sl]).sum().backward()
+    for (name, p), (_, pr) in zip(layer.named_parameters(), ref.named_parameters()):
+        grad = p.grad.clone()
+        dist.all_reduce(grad)  # parameters are replicated: their gradient is the sum over shards
+        assert _rel(grad, pr.grad) < TOL, name
+
+
+def test_layer_sequence_parallel_matches_single():
+    run_distributed(_run_layer, 2, timeout=300)
+
+
+# fla.layers.gla.GatedLinearAttention's parameters for hidden_size=64, num_heads=4 and fla's defaults
+# (expand_k=0.5, expand_v=1.0, gate_low_rank_dim=16, use_output_gate, fused swish-gated RMSNorm)
+FLA_PARAMS = {
+    "q_proj.weight": (32, 64),
+    "k_proj.weight": (32, 64),
+    "v_proj.weight": (64, 64),
+    "g_proj.weight": (64, 64),
+    "gk_proj.0.weight": (16, 64),
+    "gk_proj.1.weight": (32, 16),
+    "gk_proj.1.bias": (32,),
+    "o_proj.weight": (64, 64),
+    "g_norm_swish_gate.weight": (16,),
+}
+
+
+def test_layer_parameters_match_fla():
+    layer = GatedLinearAttention(hidden_size=64, num_heads=4)
+    got = {n: tuple(p.shape) for n, p in layer.state_dict().items()}
+    assert got == FLA_PARAMS
+    sd = {n: torch.randn(s) for n, s in FLA_PARAMS.items()}
+    layer.load_state_dict(sd, strict=True)
+    for n, t in layer.state_dict().items():
+        assert torch.equal(t, sd[n]), n
+    # the unfused norm (gate_fn != swish or fuse_norm=False) is fla's g_norm
+    layer2 = GatedLinearAttention(hidden_size=64, num_heads=4, fuse_norm=False)
+    names = set(layer2.state_dict())
+    assert "g_norm.weight" in names and "g_norm_swish_gate.weight" not in names
+    # grouped keys/values (num_kv_heads): k/v/gk projections shrink as in fla
+    layer3 = GatedLinearAttention(hidden_size=64, num_heads=4, num_kv_heads=2)
+    shapes = {n: tuple(p.shape) for n, p in layer3.state_dict().items()}
+    assert shapes["k_proj.weight"] == (16, 64) and shapes["v_proj.weight"] == (32, 64)
+    assert shapes["gk_proj.1.weight"] == (16, 16)
+    y = layer3(torch.randn(1, 10, 64))[0]
+    assert y.shape == (1, 10, 64)
+
+
+def test_errors():
+    q = torch.randn(1, 8, H, K)
+    v = torch.randn(1, 8, H, V)
+    with pytest.raises(ValueError, match="method"):
+        zeco_gla(q, q, v, None, method="ring")
+    with pytest.raises(ValueError, match="g must be"):
+        zeco_gla(q, q, v, torch.zeros(1, 8, H, K + 1))
+    with pytest.raises(ValueError, match="k must"):
+        zeco_gla(q, torch.randn(1, 8, H, K + 1), v, None)
+    with pytest.raises(ValueError, match="v must"):
+        zeco_gla(q, q, torch.randn(1, 9, H, V), None)
+    with pytest.raises(ValueError, match="initial_state must be float32"):
+        zeco_gla(q, q, v, None, initial_state=torch.zeros(1, H, K, V, dtype=torch.float64))
+    with pytest.raises(ValueError, match="initial_state must be"):
+        zeco_gla(q, q, v, None, initial_state=torch.zeros(2, H, K, V))
+    with pytest.raises(ValueError, match="cu_seqlens must start at 0 and end at"):
+        zeco_gla(q, q, v, None, cu_seqlens=torch.tensor([0, 3, 9]))
+    with pytest.raises(ValueError, match="strictly increasing"):
+        zeco_gla(q, q, v, None, cu_seqlens=torch.tensor([0, 3, 3, 8]))
+    with pytest.raises(ValueError, match="batch size must be 1"):
+        zeco_gla(torch.randn(2, 8, H, K), torch.randn(2, 8, H, K), torch.randn(2, 8, H, V), None,
+                 cu_seqlens=torch.tensor([0, 16]))
+    with pytest.raises(NotImplementedError, match="use_short_conv"):
+        GatedLinearAttention(hidden_size=64, num_heads=4, use_short_conv=True)
+
+
+def _run_mismatch(rank, world):
+    # ranks disagreeing on the state shape must raise (in the All-Scan's cross-rank check), not hang
+    q = torch.randn(1, 8, H, K + rank)
+    v = torch.randn(1, 8, H, V)
+    with pytest.raises(Exception):
+        zeco_gla(q, q, v, None, dist.group.WORLD)
+
+
+def test_mismatched_shapes_across_ranks_raise():
+    run_distributed(_run_mismatch, 2, timeout=120)
