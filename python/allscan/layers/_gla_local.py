@@ -18,7 +18,10 @@ Also here: :func:`recurrent_gla_reference`, the token-by-token float64 reference
 """
 from __future__ import annotations
 
+import functools
 import math
+import os
+import warnings
 from typing import List, Optional, Sequence
 
 import torch
@@ -103,6 +106,43 @@ def recurrent_gla_reference(q, k, v, g, scale=None, initial_state=None, cu_seqle
 
 
 # ---------------------------------------------------------------------------------------------------
+# the incoming-state terms in torch ops
+# ---------------------------------------------------------------------------------------------------
+def _decay_factor(q, g, L1):
+    """``exp(G_t)`` over the first L1 tokens, broadcastable to ``[B, L1, H, K]`` (None: no decay)."""
+    if g is None:
+        return None
+    e = torch.cumsum(g[:, :L1].float(), dim=1).exp()
+    return e.unsqueeze(-1) if e.dim() == 3 else e
+
+
+def _total(e, like):
+    """The total decay over the segment as a multiplier of a ``[B, H, K, V]`` state (None: 1)."""
+    if e is None:
+        return None
+    return e[:, -1].unsqueeze(-1)  # [B, H, K, 1] or [B, H, 1, 1]
+
+
+def torch_correct_(q, g, o, S_in, scale, L1):
+    """In place ``o[:, :L1] += scale * (q * exp(G)) @ S_in``; returns the state multiplier exp(G_L1)."""
+    e = _decay_factor(q, g, L1)
+    qe = q[:, :L1].float() * scale
+    if e is not None:
+        qe = qe * e
+    o[:, :L1] = (o[:, :L1].float() + torch.einsum("bthk,bhkv->bthv", qe, S_in.float())).to(o.dtype)
+    return _total(e, S_in)
+
+
+def torch_state_grad(q, g, do, scale, L1):
+    """``X = scale * sum_t (q_t * exp(G_t)) do_t^T`` over the first L1 tokens, and exp(G_L1)."""
+    e = _decay_factor(q, g, L1)
+    qe = q[:, :L1].float() * scale
+    if e is not None:
+        qe = qe * e
+    return torch.einsum("bthk,bthv->bhkv", qe, do[:, :L1].float()), _total(e, None)
+
+
+# ---------------------------------------------------------------------------------------------------
 # staged backends
 # ---------------------------------------------------------------------------------------------------
 class _State:
@@ -136,8 +176,25 @@ class TorchGLA:
     def saved(st):
         return None
 
+    # the incoming-state terms over the first L1 tokens (g: the caller's decay, natural log, or None)
     @staticmethod
-    def bwd_prepare(saved, q, k, v, g, scale, bounds, h0s, do):
+    def correct(st, q, g, o, S_in, scale, L1):
+        return torch_correct_(q, g, o, S_in, scale, L1)
+
+    @staticmethod
+    def shard_gamma(st, g):
+        return torch.exp(g.float().sum(1))
+
+    @staticmethod
+    def bwd_begin(q, k, v, gf, bounds):
+        return None
+
+    @staticmethod
+    def xgrad(prep, q, g, do, scale, L1):
+        return torch_state_grad(q, g, do, scale, L1)
+
+    @staticmethod
+    def bwd_prepare(prep, saved, q, k, v, g, scale, bounds, h0s, do):
         return None
 
     @staticmethod
@@ -169,6 +226,20 @@ class TorchGLA:
         return dq, dk, dv, dg, dh0s
 
 
+_FUSED = {"ok": os.environ.get("ALLSCAN_GLA_FUSED", "1") != "0"}
+
+
+def _fused_ok():
+    return _FUSED["ok"]
+
+
+def _fused_failed(e):
+    _FUSED["ok"] = False
+    warnings.warn(f"allscan.layers.gla: the fused Triton correction failed ({type(e).__name__}: {e}); "
+                  f"using torch ops from now on")
+
+
+@functools.lru_cache(maxsize=None)
 def fla_available() -> bool:
     try:
         import fla.ops.gla.chunk  # noqa: F401
@@ -244,14 +315,47 @@ class FlaGLA:
         return st.A
 
     @staticmethod
-    def bwd_prepare(saved_A, q, k, v, g, scale, bounds, h0s, do):
-        """Everything of the local backward that does not need the gradient of the final state."""
+    def correct(st, q, g, o, S_in, scale, L1):
+        if _fused_ok():
+            try:
+                from ._gla_triton import correct_output_
+                return correct_output_(o, q, st.gcum, S_in, scale, L1, st.BT).unsqueeze(-1)
+            except Exception as e:  # noqa: BLE001 - a Triton failure must not stop training
+                _fused_failed(e)
+        return torch_correct_(q, g, o, S_in, scale, L1)
+
+    @staticmethod
+    def shard_gamma(st, g):
+        # the shard is one segment here; its total decay from fla's chunk-local cumulative gates
+        from ._gla_triton import chunk_offsets
+        return torch.exp2(chunk_offsets(st.gcum, st.gcum.shape[1], st.BT)[1])
+
+    @staticmethod
+    def bwd_begin(q, k, v, gf, bounds):
         m = FlaGLA._mods()
         BT, cu, ci = FlaGLA._layout(q, bounds)
+        gcum = m.chunk_local_cumsum(gf, BT, scale=m.RCP_LN2, cu_seqlens=cu)
+        return _State(BT=BT, cu=cu, ci=ci, gcum=gcum)
+
+    @staticmethod
+    def xgrad(prep, q, g, do, scale, L1):
+        if _fused_ok():
+            try:
+                from ._gla_triton import state_grad
+                X, e = state_grad(q, prep.gcum, do, scale, L1, prep.BT)
+                return X, e.unsqueeze(-1)
+            except Exception as e:  # noqa: BLE001
+                _fused_failed(e)
+        return torch_state_grad(q, g, do, scale, L1)
+
+    @staticmethod
+    def bwd_prepare(prep, saved_A, q, k, v, g, scale, bounds, h0s, do):
+        """Everything of the local backward that does not need the gradient of the final state."""
+        m = FlaGLA._mods()
+        BT, cu, ci, gcum = prep.BT, prep.cu, prep.ci, prep.gcum
         B, T, H, K = k.shape
         V = v.shape[-1]
         h0 = FlaGLA._stack(h0s, (1, H, K, V), q.device)
-        gcum = m.chunk_local_cumsum(g, BT, scale=m.RCP_LN2, cu_seqlens=cu)
         h, _ = m.chunk_fwd_h(k=k, v=v, g=None, gk=gcum, gv=None, h0=h0, output_final_state=False,
                              cu_seqlens=cu, chunk_size=BT, states_in_fp32=True)
         dA = m.gla.chunk_gla_bwd_dA(v=v, do=do, scale=scale, cu_seqlens=cu, chunk_size=BT, chunk_indices=ci)

@@ -51,11 +51,8 @@ _SCAN_METHOD = {"zeco": "pipelined", "lasp1": "serial", "lasp2": "allgather"}
 
 
 def _scan(*args, **kwargs):
-    import allscan
-    fn = getattr(allscan, "scan", None)
-    if fn is None:  # the library's scan not importable (e.g. during development): same contract
-        from ._gla_refscan import scan as fn
-    return fn(*args, **kwargs)
+    from allscan import scan
+    return scan(*args, **kwargs)
 
 
 def _backend(q):
@@ -130,38 +127,11 @@ def _full_decay(g, q):
     return g.contiguous()
 
 
-def _first_decay(g, L1):
-    """Cumulative log decay over the first ``L1`` tokens, fp32: ``[B, L1, H(, K)]`` or None."""
-    if g is None:
-        return None
-    return torch.cumsum(g[:, :L1].float(), dim=1)
-
-
-def _qdecay(q, G, scale):
-    """``scale * q * exp(G)`` in fp32 over the first segment (G None: no decay)."""
-    L1 = G.shape[1] if G is not None else None
-    qf = q.float() if G is None else q[:, :L1].float()
-    if G is None:
-        return qf * scale
-    e = G.exp()
-    if e.dim() == 3:
-        e = e.unsqueeze(-1)
-    return qf * e * scale
-
-
-def _total_decay_vec(G):
-    """exp(G at the segment end) with a trailing singleton for V: ``[B, H(, K), 1]``; None -> None."""
-    if G is None:
-        return None
-    e = G[:, -1].exp()
-    return e.unsqueeze(-1) if e.dim() == 3 else e.unsqueeze(-1).unsqueeze(-1)
-
-
 def _scale_state(S, evec):
     return S if evec is None else S * evec
 
 
-def _gamma(plan, g, B, device):
+def _gamma_fixed(plan, g, B, device):
     """The decay this rank passes to the All-Scan (a prefix shape of the state [B, H, K, V])."""
     if g is None:
         shape = (B,)
@@ -171,7 +141,7 @@ def _gamma(plan, g, B, device):
         return torch.zeros(shape, dtype=torch.float32, device=device)
     if g is None:  # plain linear attention: decay 1 (a tensor when varlen, so every rank passes one)
         return torch.ones(shape, dtype=torch.float32, device=device) if plan.varlen else None
-    return torch.exp(g.float().sum(1))
+    return None  # computed by the backend from the shard's decays
 
 
 class _ZecoGLA(torch.autograd.Function):
@@ -198,7 +168,11 @@ class _ZecoGLA(torch.autograd.Function):
                 h0s.append(h0)
 
         st = be.fwd_states(q, k, v, gf, scale, plan.bounds, h0s)
-        gamma = _gamma(plan, g, B, q.device) if sp else None
+        gamma = None
+        if sp:
+            gamma = _gamma_fixed(plan, g, B, q.device)
+            if gamma is None and g is not None:
+                gamma = be.shard_gamma(st, g)
         handle = None
         S_in = None
         if sp:
@@ -212,14 +186,9 @@ class _ZecoGLA(torch.autograd.Function):
             S_in = handle.wait()
 
         finals = list(st.finals)
-        G1 = None
-        if plan.continued:
-            L1 = plan.bounds[1]
-            G1 = _first_decay(g, L1)
-            qe = _qdecay(q, G1, scale) if G1 is not None else q[:, :L1].float() * scale
-            corr = torch.einsum("bthk,bhkv->bthv", qe, S_in)
-            o[:, :L1] = (o[:, :L1].float() + corr).to(o.dtype)
-            finals[0] = finals[0] + _scale_state(S_in, _total_decay_vec(G1))
+        if plan.continued:  # the incoming state's contribution to the first segment, no recomputation
+            evec = be.correct(st, q, g, o, S_in, scale, plan.bounds[1])
+            finals[0] = finals[0] + _scale_state(S_in, evec)
 
         final = None
         if want_final:
@@ -260,15 +229,13 @@ class _ZecoGLA(torch.autograd.Function):
 
         # the part of dS_in this rank contributes (needs only q, g, do): start the reverse scan on it
         y = None
+        prep = be.bwd_begin(q, k, v, gf, plan.bounds)
         if sp:
             x = q.new_zeros(B, H, K, V, dtype=torch.float32)
             if plan.continued:
-                L1 = plan.bounds[1]
-                G1 = _first_decay(g, L1)
-                qe = _qdecay(q, G1, scale) if G1 is not None else q[:, :L1].float() * scale
-                x = torch.einsum("bthk,bthv->bhkv", qe, do[:, :L1].float())
+                x, evec = be.xgrad(prep, q, g, do, scale, plan.bounds[1])
                 if dfin[0] is not None:
-                    x = x + _scale_state(dfin[0], _total_decay_vec(G1))
+                    x = x + _scale_state(dfin[0], evec)
             smethod = _SCAN_METHOD[method]
             if method == "lasp1":
                 y = _scan(x.contiguous(), ctx.gamma, plan.group, reverse=True, method=smethod)
@@ -288,7 +255,7 @@ class _ZecoGLA(torch.autograd.Function):
             else:
                 h0s.append(h0)
 
-        prep = be.bwd_prepare(saved, q, k, v, gf, scale, plan.bounds, h0s, do)
+        prep = be.bwd_prepare(prep, saved, q, k, v, gf, scale, plan.bounds, h0s, do)
         if sp and y is None:
             y = handle.wait()
         dhts = list(dfin)
