@@ -42,7 +42,7 @@ __all__ = ["UlyssesAttention", "ulysses_attention", "choose_num_chunks", "clear_
 # ------------------------------------------------------------------------------------------------
 
 class _Chunk:
-    __slots__ = ("q_map", "kv_map", "q_lo", "q_hi", "kv_lo", "kv_hi", "kv_index")
+    __slots__ = ("q_map", "kv_map", "q_lo", "q_hi", "kv_lo", "kv_hi", "kv_index", "new_map", "done_map", "_idx")
 
     def __init__(self, q_map, kv_map, me, q_per_kv):
         self.q_map = q_map
@@ -53,6 +53,21 @@ class _Chunk:
         if q_per_kv > 1 and self.q_hi > self.q_lo:
             # local query head i uses local k/v head (q_lo + i) // g - kv_lo
             self.kv_index = [(h // q_per_kv) - self.kv_lo for h in range(self.q_lo, self.q_hi)]
+        # k/v heads this chunk brings to each rank (first use) and whose gradients it sends back
+        # (last use); with grouped-query attention consecutive chunks of a rank may share a k/v head,
+        # which then moves once each way. Filled in by _Plan.
+        self.new_map = kv_map
+        self.done_map = kv_map
+        self._idx = {}
+
+    def index(self, device, offset=0):
+        """kv_index (+ offset) as a tensor on device, cached (no host-to-device copy per call)."""
+        key = (str(device), offset)
+        t = self._idx.get(key)
+        if t is None:
+            t = torch.tensor([j + offset for j in self.kv_index], dtype=torch.long, device=device)
+            self._idx[key] = t
+        return t
 
     @property
     def nq(self):
@@ -61,6 +76,26 @@ class _Chunk:
     @property
     def nkv(self):
         return self.kv_hi - self.kv_lo
+
+
+def _first_last_maps(chunks, world):
+    """new_map[c][r]: the k/v heads of rank r first used by chunk c; done_map: last used."""
+    for r in range(world):
+        first: Dict[int, int] = {}
+        last: Dict[int, int] = {}
+        for c, ch in enumerate(chunks):
+            lo, hi = ch.kv_map[r]
+            for h in range(lo, hi):
+                first.setdefault(h, c)
+                last[h] = c
+        for c, ch in enumerate(chunks):
+            for attr, table in (("new_map", first), ("done_map", last)):
+                heads = [h for h, cc in table.items() if cc == c]
+                rng = (min(heads), max(heads) + 1) if heads else (ch.kv_map[r][0], ch.kv_map[r][0])
+                assert not heads or rng[1] - rng[0] == len(heads)
+                m = list(getattr(ch, attr))
+                m[r] = rng
+                setattr(ch, attr, m)
 
 
 class _Plan:
@@ -76,27 +111,35 @@ class _Plan:
                 continue  # no rank has a head in this chunk
             chunks.append(_Chunk(qm, _a2a.kv_head_ranges(qm, self.q_per_kv), me, self.q_per_kv))
         self.chunks = chunks
-        # k/v gradients need summing when several ranks or chunks hold the same k/v head.
+        # this rank's k/v heads over all chunks
+        self.kv_lo, self.kv_hi = _a2a.kv_head_ranges(_a2a.split_heads(0, Hq, world), self.q_per_kv)[me]
+        # Grouped-query attention: a k/v head is moved once to each rank that needs it, and its
+        # gradient is accumulated on that rank in fp32 over the chunks that use it, then summed over
+        # the ranks that hold it (gather-heads with accumulation: ranks may finish it in different chunks).
         self.kv_accumulate = self.q_per_kv > 1
+        if self.kv_accumulate:
+            _first_last_maps(chunks, world)
+
+
+def _kv_for_chunk(ch: "_Chunk", pieces):
+    """The chunk's k/v heads [kv_lo, kv_hi) from the pieces received so far [(lo, hi, k, v)]."""
+    parts_k, parts_v = [], []
+    for lo, hi, k, v in pieces:
+        a, b = max(lo, ch.kv_lo), min(hi, ch.kv_hi)
+        if a < b:
+            if a == lo and b == hi and ch.kv_lo == lo and ch.kv_hi == hi:
+                return k, v
+            parts_k.append(k[:, :, a - lo:b - lo])
+            parts_v.append(v[:, :, a - lo:b - lo])
+    return torch.cat(parts_k, 2), torch.cat(parts_v, 2)
 
 
 def _expand_kv(ch: _Chunk, k: torch.Tensor, v: torch.Tensor):
     """Grouped-query attention: the chunk's k/v heads repeated for each local query head."""
     if ch.kv_index is None:
         return k, v
-    idx = torch.tensor(ch.kv_index, device=k.device)
+    idx = ch.index(k.device)
     return k.index_select(2, idx), v.index_select(2, idx)
-
-
-def _reduce_kv(ch: _Chunk, g: torch.Tensor) -> torch.Tensor:
-    """The adjoint of :func:`_expand_kv`: sum the expanded heads' gradients in fp32 (fp64), round once."""
-    if ch.kv_index is None:
-        return g.contiguous()
-    acc_dtype = torch.float64 if g.dtype == torch.float64 else torch.float32
-    B, S, _, D = g.shape
-    acc = torch.zeros(B, S, ch.nkv, D, dtype=acc_dtype, device=g.device)
-    acc.index_add_(2, torch.tensor(ch.kv_index, device=g.device), g.to(acc_dtype))
-    return acc.to(g.dtype)
 
 
 def _sdpa(plan: _Plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -186,21 +229,30 @@ def _forward(plan: _Plan, q, k, v, keep_graph: bool):
     cuda = q.device if _use_streams(plan, q) else None
     out = q.new_empty(B, Sl, plan.Hq, D)
     # Buffers for the head-sharded chunks, allocated up front on the current stream.
-    ins = [(q.new_empty(B, S, ch.nq, D), k.new_empty(B, S, ch.nkv, D), v.new_empty(B, S, ch.nkv, D)) for ch in chunks]
+    me = plan.me
+
+    def n_new(ch):
+        lo, hi = ch.new_map[me]
+        return hi - lo
+
+    ins = [(q.new_empty(B, S, ch.nq, D), k.new_empty(B, S, n_new(ch), D), v.new_empty(B, S, n_new(ch), D))
+           for ch in chunks]
+    pieces = [(ch.new_map[me][0], ch.new_map[me][1], ins[c][1], ins[c][2]) for c, ch in enumerate(chunks)]
     graphs: List[Optional[tuple]] = [None] * len(chunks)
 
     def scatter(c, stream, event):
         ch = chunks[c]
-        _a2a.a2a_multi(_a2a.SCATTER, [q, k, v], [ch.q_map, ch.kv_map, ch.kv_map], [plan.Hq, plan.Hkv, plan.Hkv],
+        _a2a.a2a_multi(_a2a.SCATTER, [q, k, v], [ch.q_map, ch.new_map, ch.new_map], [plan.Hq, plan.Hkv, plan.Hkv],
                        group, outs=list(ins[c]), stream=stream, event=event, check=False, names=["q", "k", "v"])
 
     def attend(c):
         ch = chunks[c]
-        qc, kc, vc = ins[c]
+        qc = ins[c][0]
         if ch.nq == 0:
             return qc.new_empty(B, S, 0, D)
+        kc, vc = _kv_for_chunk(ch, pieces[:c + 1])
         if keep_graph:
-            # The graph starts at the expanded k/v: their gradients are reduced in fp32 (_reduce_kv)
+            # The graph starts at the expanded k/v: their gradients are reduced in fp32 in _backward
             # rather than by autograd's index_select backward, which adds in the storage dtype.
             kc, vc = _expand_kv(ch, kc, vc)
             qc, kc, vc = (t.detach().requires_grad_(True) for t in (qc, kc, vc))
@@ -229,12 +281,19 @@ def _backward(plan: _Plan, graphs, dout, needs):
     cuda = dout.device if _use_streams(plan, dout) else None
     dq = dout.new_empty(B, Sl, plan.Hq, D)
     if plan.kv_accumulate:
-        dk = dout.new_zeros(B, Sl, plan.Hkv, D)
-        dv = dout.new_zeros(B, Sl, plan.Hkv, D)
+        # k/v gradients travel and are summed in fp32 (fp64) and rounded once at the end
+        acc_dtype = torch.float64 if dout.dtype == torch.float64 else torch.float32
+        dk = torch.zeros(B, Sl, plan.Hkv, D, dtype=acc_dtype, device=dout.device)
+        dv = torch.zeros(B, Sl, plan.Hkv, D, dtype=acc_dtype, device=dout.device)
     else:
         dk = dout.new_empty(B, Sl, plan.Hkv, D)
         dv = dout.new_empty(B, Sl, plan.Hkv, D)
     douts = [dout.new_empty(B, S, ch.nq, D) for ch in chunks]
+    me = plan.me
+    if plan.kv_accumulate:
+        n_kv = plan.kv_hi - plan.kv_lo
+        acc_k = torch.zeros(B, S, n_kv, D, dtype=acc_dtype, device=dout.device)
+        acc_v = torch.zeros(B, S, n_kv, D, dtype=acc_dtype, device=dout.device)
 
     def scatter(c, stream, event):
         ch = chunks[c]
@@ -244,22 +303,35 @@ def _backward(plan: _Plan, graphs, dout, needs):
     def attend(c):
         ch = chunks[c]
         g = graphs[c]
-        if g is None:  # no query head of this chunk on this rank
-            return (dout.new_empty(B, S, 0, D), dout.new_empty(B, S, ch.nkv, D).zero_(),
-                    dout.new_empty(B, S, ch.nkv, D).zero_())
+        if g is None:  # no query head of this chunk on this rank (so no k/v head either)
+            return tuple(dout.new_empty(B, S, 0, D) for _ in range(3))
         oc, qc, kc, vc = g
         gq, gk, gv = torch.autograd.grad(oc, (qc, kc, vc), douts[c])
         graphs[c] = None
-        return gq.contiguous(), _reduce_kv(ch, gk), _reduce_kv(ch, gv)
+        if not plan.kv_accumulate:
+            return gq.contiguous(), gk.contiguous(), gv.contiguous()
+        idx = ch.index(gk.device, ch.kv_lo - plan.kv_lo)
+        acc_k.index_add_(2, idx, gk.to(acc_k.dtype))
+        acc_v.index_add_(2, idx, gv.to(acc_v.dtype))
+        lo, hi = ch.done_map[me]
+        a, b = lo - plan.kv_lo, hi - plan.kv_lo
+        return gq.contiguous(), acc_k[:, :, a:b].contiguous(), acc_v[:, :, a:b].contiguous()
 
     def gather(c, res, stream):
         ch = chunks[c]
         acc = plan.kv_accumulate
-        _a2a.a2a_multi(_a2a.GATHER, list(res), [ch.q_map, ch.kv_map, ch.kv_map], [plan.Hq, plan.Hkv, plan.Hkv], group,
-                       outs=[dq, dk, dv], accumulate=[False, acc, acc], stream=stream, check=False,
-                       names=["dq", "dk", "dv"])
+        if not acc:
+            _a2a.a2a_multi(_a2a.GATHER, list(res), [ch.q_map, ch.kv_map, ch.kv_map], [plan.Hq, plan.Hkv, plan.Hkv],
+                           group, outs=[dq, dk, dv], stream=stream, check=False, names=["dq", "dk", "dv"])
+        else:
+            _a2a.a2a_multi(_a2a.GATHER, [res[0]], [ch.q_map], [plan.Hq], group, outs=[dq], stream=stream, check=False,
+                           names=["dq"])
+            _a2a.a2a_multi(_a2a.GATHER, list(res[1:]), [ch.done_map, ch.done_map], [plan.Hkv, plan.Hkv], group,
+                           outs=[dk, dv], accumulate=[True, True], stream=stream, check=False, names=["dk", "dv"])
 
     _run_pipeline(len(chunks), scatter, attend, gather, cuda)
+    if plan.kv_accumulate:
+        dk, dv = dk.to(dout.dtype), dv.to(dout.dtype)
     return (dq if needs[0] else None, dk if needs[1] else None, dv if needs[2] else None)
 
 
@@ -268,10 +340,12 @@ def _backward(plan: _Plan, graphs, dout, needs):
 # ------------------------------------------------------------------------------------------------
 
 _AUTO_CACHE: Dict[tuple, Tuple[int, dict]] = {}
+_PLANS: Dict[tuple, "_Plan"] = {}
 
 
 def clear_auto_cache() -> None:
     _AUTO_CACHE.clear()
+    _PLANS.clear()
 
 
 def _time_cuda(fn, reps: int) -> float:
@@ -462,7 +536,14 @@ def ulysses_attention(q, k, v, group=None, *, causal: bool = False, scale: Optio
             num_chunks, info = hit
         else:
             num_chunks = 1  # no second stream: nothing to overlap
-    plan = _Plan(group, world, me, B, Sl, Hq, Hkv, D, int(num_chunks), chunk_weights, causal, scale)
+    pkey = (group.group_name, world, me, B, Sl, Hq, Hkv, D, int(num_chunks),
+            tuple(chunk_weights) if chunk_weights is not None else None, bool(causal), scale)
+    plan = _PLANS.get(pkey)
+    if plan is None:
+        plan = _Plan(group, world, me, B, Sl, Hq, Hkv, D, int(num_chunks), chunk_weights, causal, scale)
+        if len(_PLANS) > 256:
+            _PLANS.clear()
+        _PLANS[pkey] = plan
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
         out = _UlyssesFn.apply(q, k, v, plan)
     else:
