@@ -393,7 +393,6 @@ def _measure(plan_args, q, k, v) -> Tuple[int, dict]:
     """Measure (collectively) attention and all-to-all costs at 1 head and all heads per rank, agree
     on the maxima across ranks, and choose C."""
     group, world, me, B, Sl, Hq, Hkv, D, causal, scale, max_chunks = plan_args
-    n = len(range(*_a2a.split_heads(0, Hq, world)[me]))
     n_min = min(hi - lo for lo, hi in _a2a.split_heads(0, Hq, world))
     full = _Plan(group, world, me, B, Sl, Hq, Hkv, D, 1, None, causal, scale)
     one = _Plan(group, world, me, B, Sl, Hq, Hkv, D, max(1, n_min), None, causal, scale) if n_min > 1 else full
@@ -423,10 +422,12 @@ def _measure(plan_args, q, k, v) -> Tuple[int, dict]:
     dist.barrier(group=group)
     t_comm_full = comm_time(full)
     t_comm_one = comm_time(one)
-    vals = torch.tensor([t_att_full, t_att_one, t_comm_full, t_comm_one], dtype=torch.float64, device=q.device)
+    # Every rank must choose the same C: the maxima over ranks (head counts included) feed the model.
+    vals = torch.tensor([t_att_full, t_att_one, t_comm_full, t_comm_one, n_full, n_one], dtype=torch.float64,
+                        device=q.device)
     dist.all_reduce(vals, op=dist.ReduceOp.MAX, group=group)
-    t_att_full, t_att_one, t_comm_full, t_comm_one = vals.tolist()
-    n_full = max(n_full, 1)
+    t_att_full, t_att_one, t_comm_full, t_comm_one, n_full, n_one = vals.tolist()
+    n_full, n_one = max(int(n_full), 1), int(n_one)
     if n_full > n_one:
         att_slope = max(0.0, (t_att_full - t_att_one) / (n_full - n_one))
         comm_slope = max(0.0, (t_comm_full - t_comm_one) / (n_full - n_one))
