@@ -23,7 +23,6 @@ On CPU (or any non-NCCL group) the same code runs sequentially through the torch
 """
 from __future__ import annotations
 
-import math
 import os
 from typing import Dict, List, Optional, Sequence, Tuple, Union
 
