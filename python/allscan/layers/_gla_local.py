@@ -328,7 +328,8 @@ class FlaGLA:
     def shard_gamma(st, g):
         # the shard is one segment here; its total decay from fla's chunk-local cumulative gates
         from ._gla_triton import chunk_offsets
-        return torch.exp2(chunk_offsets(st.gcum, st.gcum.shape[1], st.BT)[1])
+        e = torch.exp2(chunk_offsets(st.gcum, st.gcum.shape[1], st.BT)[1])  # [B, H, K]
+        return e[..., 0].contiguous() if g.dim() == 3 else e  # simple GLA: [B, H], as on every other rank
 
     @staticmethod
     def bwd_begin(q, k, v, gf, bounds):

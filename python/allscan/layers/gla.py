@@ -147,6 +147,11 @@ def _gamma_fixed(plan, g, B, device):
 class _ZecoGLA(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, g, h0, scale, plan: _Plan, method: str, want_final: bool):
+        with torch.autocast(device_type=q.device.type, enabled=False):  # our own precision choices
+            return _ZecoGLA._forward(ctx, q, k, v, g, h0, scale, plan, method, want_final)
+
+    @staticmethod
+    def _forward(ctx, q, k, v, g, h0, scale, plan: _Plan, method: str, want_final: bool):
         be = _backend(q)
         B, T, H, K = q.shape
         V = v.shape[-1]
@@ -209,6 +214,11 @@ class _ZecoGLA(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, do, dfinal):
+        with torch.autocast(device_type=do.device.type, enabled=False):
+            return _ZecoGLA._backward(ctx, do, dfinal)
+
+    @staticmethod
+    def _backward(ctx, do, dfinal):
         q, k, v, g, h0, S_in, saved = ctx.saved_tensors
         be, scale, plan, method = ctx.be, ctx.scale, ctx.plan, ctx.method
         B, T, H, K = q.shape

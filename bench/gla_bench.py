@@ -1,0 +1,280 @@
+#!/usr/bin/env python3
+"""Sequence-parallel GLA operator benchmark (the ZeCO paper's Tables 3-4, on our GPUs).
+
+    torchrun --nproc-per-node 2 bench/gla_bench.py --out DIR            # on the GPU machine
+    python3 bench/gla_bench.py --plot DIR/gla_bench.json --out DIR      # redraw the plot on CPU
+
+Forward + backward time of one GLA operator (B = 1, H = 16, K = V = 128, bf16 by default) with the
+sequence cut over the ranks, T_local tokens per rank, for every T_local in --tlocal. Rows, measured
+side by side in one process, interleaved (each repeat runs every row once), CUDA events around
+--inner back-to-back fwd+bwd calls after warm-up, the slowest rank's time per call, median of the
+repeats:
+
+    ideal        fla ``chunk_gla`` on the local shard alone, no communication (the floor)
+    zeco         ``zeco_gla(method="zeco")``: pipelined All-Scan overlapped with the local work
+    lasp2        ``zeco_gla(method="lasp2")``: all-gather of every rank's state (LASP-2 pattern)
+    lasp1        ``zeco_gla(method="lasp1")``: serial chain of the states, waited for (LASP-1's
+                 communication pattern; the local work is still parallel)
+    lasp1_strict LASP-1 as its paper runs it: rank p receives the state, then runs its whole local
+                 ``chunk_gla`` from it, then sends its final state on (and the reverse in backward):
+                 the ranks' computations are serialised
+
+Peak memory (max_memory_allocated above the inputs, one fwd+bwd) per row. Writes DIR/gla_bench.json
+and DIR/gla_bench.png and prints a table with the ratios and the goals (zeco <= 1.03x ideal,
+>= 1.8x faster than LASP-1, never slower than LASP-2).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import sys
+import time
+
+ROWS = ["ideal", "zeco", "lasp2", "lasp1", "lasp1_strict"]
+
+
+def _lasp1_strict_fn():
+    import torch
+    import torch.distributed as dist
+    from fla.ops.gla import chunk_gla
+
+    class Lasp1Strict(torch.autograd.Function):
+        """recv S_in from rank p-1 -> chunk_gla(initial_state=S_in) -> send S_out to rank p+1."""
+
+        @staticmethod
+        def forward(ctx, q, k, v, g, group):
+            rank, world = dist.get_rank(group), dist.get_world_size(group)
+            B, T, H, K = q.shape
+            V = v.shape[-1]
+            S_in = None
+            if rank > 0:
+                S_in = torch.empty(B, H, K, V, device=q.device, dtype=torch.float32)
+                dist.recv(S_in, group=group, group_src=rank - 1)
+            with torch.enable_grad():
+                qq, kk, vv, gg = (x.detach().requires_grad_(True) for x in (q, k, v, g))
+                h0 = None if S_in is None else S_in.requires_grad_(True)
+                o, ht = chunk_gla(qq, kk, vv, gg, initial_state=h0, output_final_state=True)
+            if rank < world - 1:
+                dist.send(ht.detach().contiguous(), group=group, group_dst=rank + 1)
+            ctx.save = (qq, kk, vv, gg, h0, o, ht, group)
+            return o.detach()
+
+        @staticmethod
+        def backward(ctx, do):
+            qq, kk, vv, gg, h0, o, ht, group = ctx.save
+            rank, world = dist.get_rank(group), dist.get_world_size(group)
+            dht = torch.zeros_like(ht)
+            if rank < world - 1:
+                dist.recv(dht, group=group, group_src=rank + 1)
+            wrt = [qq, kk, vv, gg] + ([h0] if h0 is not None else [])
+            grads = torch.autograd.grad([o, ht], wrt, [do, dht])
+            if h0 is not None:
+                dist.send(grads[4].contiguous(), group=group, group_dst=rank - 1)
+            return grads[0], grads[1], grads[2], grads[3], None
+
+    return Lasp1Strict.apply
+
+
+def run(args):
+    import torch
+    import torch.distributed as dist
+    from fla.ops.gla import chunk_gla
+
+    from allscan.layers.gla import zeco_gla
+
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    torch.cuda.set_device(local)
+    dev = torch.device("cuda", local)
+    dist.init_process_group("nccl", device_id=dev)
+    group = dist.group.WORLD
+    rank, world = dist.get_rank(), dist.get_world_size()
+    dtype = getattr(torch, args.dtype)
+    H, K, V, B = args.heads, args.head_dim, args.head_dim, 1
+    lasp1_strict = _lasp1_strict_fn()
+    results = []
+    checks = {}
+    for T in args.tlocal:
+        gen = torch.Generator(device=dev).manual_seed(1000 + rank)
+        q = torch.randn(B, T, H, K, device=dev, generator=gen, dtype=dtype).requires_grad_(True)
+        k = torch.randn(B, T, H, K, device=dev, generator=gen, dtype=dtype).requires_grad_(True)
+        v = torch.randn(B, T, H, V, device=dev, generator=gen, dtype=dtype).requires_grad_(True)
+        g = (torch.nn.functional.logsigmoid(torch.randn(B, T, H, K, device=dev, generator=gen)) / 16).to(dtype)
+        g.requires_grad_(True)
+        do = torch.randn(B, T, H, V, device=dev, generator=gen, dtype=dtype)
+        ins = [q, k, v, g]
+
+        def fwd_bwd(name):
+            if name == "ideal":
+                o, _ = chunk_gla(q, k, v, g)
+            elif name == "lasp1_strict":
+                o = lasp1_strict(q, k, v, g, group)
+            else:
+                o, _ = zeco_gla(q, k, v, g, group, method=name)
+            grads = torch.autograd.grad(o, ins, do)
+            return o, grads
+
+        # agreement of the SP rows (same math, different communication)
+        outs = {n: fwd_bwd(n) for n in ROWS if n != "ideal"}
+        ref_o, ref_g = outs["lasp2"]
+        for n, (o, gr) in outs.items():
+            err = max([((o.float() - ref_o.float()).norm() / ref_o.float().norm()).item()] +
+                      [((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
+                       for a, b in zip(gr, ref_g)])
+            checks[f"{T}/{n}"] = err
+        del outs, ref_o, ref_g
+        for _ in range(args.warmup):
+            for n in ROWS:
+                fwd_bwd(n)
+        torch.cuda.synchronize()
+
+        times = {n: [] for n in ROWS}
+        for r in range(args.repeats):
+            order = ROWS if r % 2 == 0 else ROWS[::-1]
+            for n in order:
+                dist.barrier()
+                torch.cuda.synchronize()
+                e0 = torch.cuda.Event(enable_timing=True)
+                e1 = torch.cuda.Event(enable_timing=True)
+                e0.record()
+                for _ in range(args.inner):
+                    fwd_bwd(n)
+                e1.record()
+                torch.cuda.synchronize()
+                t = torch.tensor([e0.elapsed_time(e1) / args.inner], device=dev)
+                dist.all_reduce(t, op=dist.ReduceOp.MAX)
+                times[n].append(t.item())
+        peaks = {}
+        for n in ROWS:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+            fwd_bwd(n)
+            torch.cuda.synchronize()
+            p = torch.tensor([(torch.cuda.max_memory_allocated() - base) / 2 ** 20], device=dev)
+            dist.all_reduce(p, op=dist.ReduceOp.MAX)
+            peaks[n] = p.item()
+        for n in ROWS:
+            results.append(dict(T_local=T, row=n, ms=statistics.median(times[n]), ms_all=times[n],
+                                peak_mib=peaks[n]))
+        del q, k, v, g, do, ins
+        torch.cuda.empty_cache()
+    out = dict(
+        bench="gla_bench", world=world, B=B, H=H, K=K, V=V, dtype=args.dtype, repeats=args.repeats,
+        inner=args.inner, warmup=args.warmup, host=socket.gethostname(),
+        device=torch.cuda.get_device_name(dev), torch=torch.__version__,
+        fla=_version("fla-core"), time=time.strftime("%Y-%m-%d %H:%M:%S"),
+        command="torchrun --nproc-per-node %d bench/gla_bench.py %s" % (world, " ".join(sys.argv[1:])),
+        agreement_rel_err_vs_lasp2=checks, results=results)
+    if rank == 0:
+        os.makedirs(args.out, exist_ok=True)
+        path = os.path.join(args.out, "gla_bench.json")
+        with open(path, "w") as f:
+            json.dump(out, f, indent=1)
+        report(out)
+        plot(out, args.out)
+        print(f"wrote {path}")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _version(pkg):
+    try:
+        from importlib.metadata import version
+        return version(pkg)
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def _table(out):
+    by = {}
+    for r in out["results"]:
+        by.setdefault(r["T_local"], {})[r["row"]] = r
+    return by
+
+
+def report(out):
+    by = _table(out)
+    print(f"\nGLA fwd+bwd, P={out['world']}, B={out['B']}, H={out['H']}, K=V={out['K']}, {out['dtype']} "
+          f"(slowest rank, median of {out['repeats']} repeats x {out['inner']} calls), ms:")
+    hdr = f"{'T_local':>8} " + " ".join(f"{n:>12}" for n in ROWS) + \
+        f" {'zeco/ideal':>10} {'lasp1/zeco':>10} {'l1strict/z':>10} {'lasp2/zeco':>10}"
+    print(hdr)
+    goals = []
+    for T, rows in sorted(by.items()):
+        ms = {n: rows[n]["ms"] for n in ROWS}
+        z = ms["zeco"]
+        print(f"{T:>8} " + " ".join(f"{ms[n]:>12.3f}" for n in ROWS) +
+              f" {z / ms['ideal']:>10.3f} {ms['lasp1'] / z:>10.2f} {ms['lasp1_strict'] / z:>10.2f}"
+              f" {ms['lasp2'] / z:>10.3f}")
+        goals.append((T, z / ms["ideal"], ms["lasp1"] / z, ms["lasp1_strict"] / z, ms["lasp2"] / z))
+    print("peak memory above inputs (MiB): " + "; ".join(
+        f"T={T}: " + ", ".join(f"{n} {rows[n]['peak_mib']:.0f}" for n in ROWS) for T, rows in sorted(by.items())))
+    print("goals:")
+    for T, zi, l1, l1s, l2 in goals:
+        print(f"  T_local={T}: zeco/ideal {zi:.3f} ({'met' if zi <= 1.03 else 'MISSED'} <= 1.03); "
+              f"lasp1/zeco {l1:.2f}, lasp1_strict/zeco {l1s:.2f} ({'met' if max(l1, l1s) >= 1.8 else 'MISSED'} >= 1.8);"
+              f" lasp2/zeco {l2:.3f} ({'met' if l2 >= 1.0 else 'MISSED'} >= 1)")
+    worst = max(out.get("agreement_rel_err_vs_lasp2", {}).values() or [0.0])
+    print(f"  rows agree with lasp2: max relative error {worst:.2e}")
+
+
+def plot(out, outdir):
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except Exception as e:  # noqa: BLE001
+        print(f"(no plot: matplotlib unavailable: {e}; redraw with --plot on a machine that has it)")
+        return
+    by = _table(out)
+    Ts = sorted(by)
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    x = range(len(Ts))
+    w = 0.8 / len(ROWS)
+    for i, n in enumerate(ROWS):
+        axes[0].bar([j + i * w for j in x], [by[T][n]["ms"] for T in Ts], w, label=n)
+        axes[1].bar([j + i * w for j in x], [by[T][n]["ms"] / by[T]["ideal"]["ms"] for T in Ts], w, label=n)
+    for ax in axes:
+        ax.set_xticks([j + 0.4 - w / 2 for j in x])
+        ax.set_xticklabels([f"{T // 1024}K" for T in Ts])
+        ax.set_xlabel("tokens per GPU (T_local)")
+    axes[0].set_ylabel("fwd+bwd time (ms)")
+    axes[1].set_ylabel("time / ideal (single-GPU chunk_gla on the shard)")
+    axes[1].axhline(1.03, color="k", ls="--", lw=0.8)
+    axes[0].legend(fontsize=8)
+    fig.suptitle(f"Sequence-parallel GLA, P={out['world']}, H={out['H']}, K=V={out['K']}, {out['dtype']} "
+                 f"({out.get('device', '')})")
+    fig.tight_layout()
+    path = os.path.join(outdir, "gla_bench.png")
+    fig.savefig(path, dpi=120)
+    print(f"wrote {path}")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default="bench/results", help="output directory")
+    ap.add_argument("--tlocal", default="8192,16384,32768", help="tokens per GPU, comma-separated")
+    ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    ap.add_argument("--repeats", type=int, default=15)
+    ap.add_argument("--inner", type=int, default=4, help="back-to-back fwd+bwd calls per timing")
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--plot", default=None, help="redraw the table and plot from this JSON (no GPU)")
+    args = ap.parse_args()
+    if args.plot:
+        with open(args.plot) as f:
+            out = json.load(f)
+        report(out)
+        os.makedirs(args.out, exist_ok=True)
+        plot(out, args.out)
+        return
+    args.tlocal = [int(x) for x in args.tlocal.split(",")]
+    run(args)
+
+
+if __name__ == "__main__":
+    main()
