@@ -122,6 +122,8 @@ def _run(rank, world, dtype_name, methods):
             for name, (a, b) in got.items():
                 assert a.shape == b.shape, f"{case['name']} {method} {name}: shape {tuple(a.shape)} vs {tuple(b.shape)}"
                 errors[f"{case['name']}/{method}/{name}"] = _rms_ratio(a, b)
+    from allscan.layers._gla_local import _fused_ok
+    assert _fused_ok(), "the fused Triton correction kernels failed and fell back to torch ops (see the warning)"
     return errors
 
 
