@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import bisect
 import os
+import warnings
 from typing import List, Optional
 
 import torch
@@ -65,7 +66,14 @@ def _backend(q):
         return FlaGLA
     if want == "fla":
         raise RuntimeError("ALLSCAN_GLA_BACKEND=fla needs CUDA tensors and fla-core (flash-linear-attention)")
+    if q.is_cuda and not _WARNED:
+        _WARNED.append(True)
+        warnings.warn("allscan.layers.gla: fla-core (flash-linear-attention) is not importable; using the torch "
+                      "chunked GLA on CUDA (correct, but slow and memory-hungry: install fla-core)")
     return TorchGLA
+
+
+_WARNED: list = []
 
 
 # ---------------------------------------------------------------------------------------------------
