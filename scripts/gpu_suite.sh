@@ -61,9 +61,9 @@ for s in $STAGES; do
     glatrain)
       run_stage glatrain torchrun --nproc-per-node "$NGPU" bench/gla_train.py --out "$OUT" ;;
     ulysses)
-      run_stage ulysses torchrun --nproc-per-node "$NGPU" bench/ulysses_bench.py --out "$OUT" ;;
+      run_stage ulysses torchrun --nproc-per-node "$NGPU" bench/ulysses_bench.py --out "$OUT" --tag nvlink ;;
     ulysses_host)
-      NCCL_P2P_DISABLE=1 run_stage ulysses_host torchrun --nproc-per-node "$NGPU" bench/ulysses_bench.py --out "$OUT" --tag host ;;
+      NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=0 run_stage ulysses_host torchrun --nproc-per-node "$NGPU" bench/ulysses_bench.py --out "$OUT" --tag host-staged ;;
     *) note "unknown stage $s" ;;
   esac
 done

@@ -127,9 +127,9 @@ def _streams_graphs_grads(rank, P):
     w = torch.randn(STATE, generator=torch.Generator().manual_seed(5)).to(dev)
     grads = []
     for group, device in ((None, dev), (gloo, torch.device("cpu"))):
-        x = xs[rank].to(device).requires_grad_()
-        g = gs[rank].to(device).requires_grad_()
-        i0 = init.to(device).requires_grad_()
+        x = xs[rank].detach().to(device).requires_grad_()
+        g = gs[rank].detach().to(device).requires_grad_()
+        i0 = init.detach().to(device).requires_grad_()
         out = allscan.scan(x, g, group, init=i0, inclusive=True)
         (out * w.to(device)).sum().backward()
         grads.append([t.grad.cpu() for t in (x, g, i0)])

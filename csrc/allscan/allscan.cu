@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <new>
 #include <string>
 
@@ -27,6 +28,7 @@ struct allscanComm {
   cudaStream_t side = nullptr;
   cudaEvent_t fork = nullptr;
   cudaEvent_t join = nullptr;
+  int fill_ctas = 8;  // CTAs of the side fill (ALLSCAN_FILL_CTAS; 0: a plain memset/copy before the send)
 };
 
 namespace {
@@ -163,6 +165,14 @@ __global__ void __launch_bounds__(kThreads) foldKernel(const T* __restrict__ X, 
     }
     out[i] = y;
   }
+}
+
+// Writes `bytes` of zeros, or a copy of `src`, with a small fixed number of CTAs: the head's own
+// result, written beside the send without taking the memory bandwidth the transfer needs.
+__global__ void __launch_bounds__(kThreads) fillKernel(uint4* __restrict__ dst, const uint4* __restrict__ src, size_t n16) {
+  const size_t stride = static_cast<size_t>(gridDim.x) * blockDim.x;
+  for (size_t i = static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n16; i += stride)
+    dst[i] = src != nullptr ? src[i] : make_uint4(0, 0, 0, 0);
 }
 
 int gridFor(size_t work) {
@@ -332,6 +342,7 @@ allscanResult_t allscanCommCreate(ncclComm_t nccl, allscanComm_t* comm) {
   if (e == cudaSuccess) e = cudaEventCreateWithFlags(&c->fork, cudaEventDisableTiming);
   if (e == cudaSuccess) e = cudaEventCreateWithFlags(&c->join, cudaEventDisableTiming);
   if (cur >= 0 && cur != dev) cudaSetDevice(cur);
+  if (const char* v = std::getenv("ALLSCAN_FILL_CTAS")) c->fill_ctas = std::max(0, std::atoi(v));
   if (e != cudaSuccess) {
     allscanCommDestroy(c);
     return setError(allscanCudaError, std::string("allscanCommCreate: stream/event creation failed: ") + cudaGetErrorString(e));
@@ -529,28 +540,35 @@ allscanResult_t allscanScan(allscanComm_t comm, const allscanScanArgs_t* a, void
   if (is_head) {
     // The chain starts here: y = init (or 0); the value sent on is g*init + x (or x itself).
     const void* s = a->x;
-    if (a->inclusive) {
-      if (a->init != nullptr) {
-        ALLSCAN_CUDA_CHECK(launchCombine(a->dtype, a->g_dtype, a->x, a->init, g, a->y, count, inner, 0, stream));
-      } else {
-        ALLSCAN_CUDA_CHECK(cudaMemcpyAsync(a->y, a->x, bytes, cudaMemcpyDeviceToDevice, stream));
-      }
-      s = a->y;
-    } else if (a->init != nullptr) {
-      ALLSCAN_CUDA_CHECK(launchCombine(a->dtype, a->g_dtype, a->x, a->init, g, workspace, count, inner, 0, stream));
-      s = workspace;
+    if (a->init != nullptr) {
+      void* dst = a->inclusive ? a->y : workspace;
+      ALLSCAN_CUDA_CHECK(launchCombine(a->dtype, a->g_dtype, a->x, a->init, g, dst, count, inner, 0, stream));
+      s = dst;
     }
-    // The exclusive result (init or zeros) is not on the chain's critical path: write it on the
-    // side stream while the send runs, and join before returning.
-    const bool fill = !a->inclusive;
-    if (fill) {
+    // The head's own result, when it is not what is sent: init or zeros (exclusive), or x itself
+    // (inclusive without init). It is not on the chain's critical path: a few CTAs write it on the
+    // side stream while the send runs (measured on H200s: a full-speed memset beside the send slows
+    // the transfer more than it costs in series), or in series when fill_ctas is 0 or a buffer is
+    // not 16-byte aligned.
+    const bool need_fill = !a->inclusive || a->init == nullptr;
+    const void* fill_src = a->inclusive ? a->x : a->init;  // null: zeros
+    const bool side_fill = need_fill && comm->fill_ctas > 0 && bytes % 16 == 0 && aligned16(a->y) &&
+                           (fill_src == nullptr || aligned16(fill_src));
+    if (need_fill && !side_fill) {
+      if (fill_src != nullptr) {
+        ALLSCAN_CUDA_CHECK(cudaMemcpyAsync(a->y, fill_src, bytes, cudaMemcpyDeviceToDevice, stream));
+      } else {
+        ALLSCAN_CUDA_CHECK(cudaMemsetAsync(a->y, 0, bytes, stream));
+      }
+    }
+    if (side_fill) {
       ALLSCAN_CUDA_CHECK(cudaEventRecord(comm->fork, stream));
       ALLSCAN_CUDA_CHECK(cudaStreamWaitEvent(comm->side, comm->fork, 0));
-      if (a->init != nullptr) {
-        ALLSCAN_CUDA_CHECK(cudaMemcpyAsync(a->y, a->init, bytes, cudaMemcpyDeviceToDevice, comm->side));
-      } else {
-        ALLSCAN_CUDA_CHECK(cudaMemsetAsync(a->y, 0, bytes, comm->side));
-      }
+      const size_t n16 = bytes / 16;
+      const int ctas = static_cast<int>(std::min<size_t>(comm->fill_ctas, (n16 + kThreads - 1) / kThreads));
+      fillKernel<<<std::max(ctas, 1), kThreads, 0, comm->side>>>(static_cast<uint4*>(a->y),
+                                                               static_cast<const uint4*>(fill_src), n16);
+      ALLSCAN_CUDA_CHECK(cudaGetLastError());
       ALLSCAN_CUDA_CHECK(cudaEventRecord(comm->join, comm->side));
     }
     // All blocks in one group call: they go out in order on the same peer connection, so the
@@ -558,7 +576,7 @@ allscanResult_t allscanScan(allscanComm_t comm, const allscanScanArgs_t* a, void
     ALLSCAN_NCCL_CHECK(nc, ncclGroupStart());
     for (size_t k = 0; k < nblocks; ++k) ALLSCAN_NCCL_CHECK(nc, ncclSend(blk(s, k), blen(k), nt, next, nc, stream));
     ALLSCAN_NCCL_CHECK(nc, ncclGroupEnd());
-    if (fill) ALLSCAN_CUDA_CHECK(cudaStreamWaitEvent(stream, comm->join, 0));
+    if (side_fill) ALLSCAN_CUDA_CHECK(cudaStreamWaitEvent(stream, comm->join, 0));
     return allscanSuccess;
   }
 
