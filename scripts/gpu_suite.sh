@@ -3,7 +3,7 @@
 #
 #   scripts/gpu_suite.sh [stage ...]      (default: every stage)
 #
-# Stages: build tests perf scanbench glatest glabench glatrain ulysses ulysses_host
+# Stages: build tests perf perffill scanbench glatest glabench glatrain ulysses ulysses_host
 # Logs and JSON go to $OUT (default ./gpu_out); a short table is printed last.
 # Needs: python3 with torch (CUDA), nvcc, cmake, ninja, pybind11, scikit-build-core; fla-core and
 # yunchang wheels in .whl/ for the GLA and Ulysses comparisons (../shared/tools/device_wheels.sh).
@@ -51,6 +51,12 @@ for s in $STAGES; do
       run_stage perf "$PERF" -b 4K -e 256M -f 2 -g "$NGPU" -K auto,4 -j "$OUT/perf.json"
       run_stage perf_graph "$PERF" -b 4K -e 256M -f 4 -g "$NGPU" -G 5 -K auto -j "$OUT/perf_graph.json"
       run_stage ksweep "$PERF" -b 64K -e 256M -f 4 -g "$NGPU" -m pipelined -K 1,2,4,8,16,32,64 -x chain -N 3 -j "$OUT/ksweep.json"
+      ;;
+    perffill)  # the head's side fill: in series (0 CTAs) and wider (32) against the default (8)
+      PERF=$(ls build/*/bench/allscan_perf 2>/dev/null | head -1)
+      for c in 0 32; do
+        ALLSCAN_FILL_CTAS=$c run_stage perf_fill$c "$PERF" -b 4K -e 256M -f 8 -g "$NGPU" -m pipelined -x chain -j "$OUT/perf_fill$c.json"
+      done
       ;;
     scanbench)
       run_stage scanbench torchrun --nproc-per-node "$NGPU" bench/scan_bench.py --out "$OUT" ;;
