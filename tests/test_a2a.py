@@ -250,3 +250,40 @@ def _errors_cross_rank(rank, world, what):
 @pytest.mark.parametrize("what", ["shape", "heads", "dtype", "one_rank_bad"])
 def test_errors_cross_rank(what):
     run_distributed(_errors_cross_rank, 2, what, timeout=60)
+
+
+def test_cpp_path_records_completion_event_through_torch(monkeypatch):
+    """Regression: torch.cuda.Event creates its cudaEvent lazily, so a fresh event's raw handle is 0;
+    the C++ path must record the event through torch after the enqueue (not hand over the raw
+    handle), or stream.wait_event() on it silently does nothing. Checked with fakes on CPU."""
+    from allscan import a2a
+
+    calls = []
+
+    class FakeC:
+        @staticmethod
+        def a2a_workspace_size(*args):
+            return 0
+
+        @staticmethod
+        def a2a(*args):
+            calls.append(("a2a", args[-2], args[-1]))
+
+    class FakeComm:
+        nccl, handle, rank, size, device = 1, 2, 0, 1, None
+
+    class FakeStream:
+        cuda_stream = 1234
+
+    class FakeEvent:
+        cuda_event = 0  # not created yet, like a fresh torch.cuda.Event
+
+        def record(self, stream):
+            calls.append(("record", stream))
+
+    monkeypatch.setattr(a2a, "_c_module", lambda: FakeC)
+    monkeypatch.setattr(a2a._comm, "get_communicator", lambda group, device: FakeComm)
+    x = torch.zeros(1, 2, 3, 4)
+    stream = FakeStream()
+    a2a._cpp_a2a(a2a.SCATTER, [x], [[(0, 3)]], [3], None, [torch.empty(1, 2, 3, 4)], [False], stream, FakeEvent())
+    assert calls == [("a2a", 1234, 0), ("record", stream)], calls

@@ -190,3 +190,81 @@ def _errors_cross_rank(rank, world, what):
 @pytest.mark.parametrize("what", ["seq", "causal", "one_rank_bad"])
 def test_errors_cross_rank(what):
     run_distributed(_errors_cross_rank, 2, what, timeout=60)
+
+
+# ------------------------------------------------------------------------------------------------
+# The two-stream schedule, checked on CPU with simulated streams (vector clocks)
+# ------------------------------------------------------------------------------------------------
+
+class _FakeStream:
+    """A stream as a vector clock: an op enqueued here happens after everything this stream has
+    waited for; record/wait move snapshots between streams like CUDA events."""
+
+    def __init__(self, name, names):
+        self.name, self.clock = name, {n: 0 for n in names}
+
+    def op(self, log, what):
+        self.clock[self.name] += 1
+        log.append((what, self.name, dict(self.clock)))
+
+    def wait_stream(self, other):
+        for n, t in other.clock.items():
+            self.clock[n] = max(self.clock[n], t)
+
+    def wait_event(self, ev):
+        assert ev.snap is not None, "wait on an event that was never recorded (a no-op on CUDA)"
+        for n, t in ev.snap.items():
+            self.clock[n] = max(self.clock[n], t)
+
+
+class _FakeEvent:
+    def __init__(self):
+        self.snap = None
+
+    def record(self, stream):
+        self.snap = dict(stream.clock)
+
+
+class _FakeSync:
+    def __init__(self):
+        self.main, self.comm = _FakeStream("main", ("main", "comm")), _FakeStream("comm", ("main", "comm"))
+
+    @staticmethod
+    def event():
+        return _FakeEvent()
+
+
+def _happens_before(a, b):
+    """a's op (stream s, index i) is visible to b when b's clock has seen index i of s."""
+    _, sa, ca = a
+    _, _, cb = b
+    return cb[sa] >= ca[sa]
+
+
+@pytest.mark.parametrize("n", [1, 2, 4, 7])
+def test_pipeline_cross_stream_dependencies(n):
+    sync, log = _FakeSync(), []
+    sync.main.op(log, ("inputs",))
+    U._run_pipeline(
+        n,
+        lambda c, stream: stream.op(log, ("scatter", c)),
+        lambda c: sync.main.op(log, ("attend", c)) or c,
+        lambda c, res, stream: stream.op(log, ("gather", c)),
+        None, sync=sync)
+    sync.main.op(log, ("after",))
+    ops = {entry[0]: entry for entry in log}
+    assert all(ops[("scatter", c)][1] == "comm" and ops[("gather", c)][1] == "comm" for c in range(n))
+    for c in range(n):
+        assert _happens_before(ops[("inputs",)], ops[("scatter", c)]), f"scatter {c} may read inputs before they are ready"
+        for d in range(c + 1):  # GQA: attend(c) may read k/v that scatter(d <= c) brought
+            assert _happens_before(ops[("scatter", d)], ops[("attend", c)]), f"attend {c} may read scatter {d}'s buffers early"
+        assert _happens_before(ops[("attend", c)], ops[("gather", c)]), f"gather {c} may read attend {c}'s output early"
+        assert _happens_before(ops[("gather", c)], ops[("after",)]), f"gather {c} may land after the caller reads the output"
+
+
+def test_pipeline_sequential_order():
+    log = []
+    U._run_pipeline(3, lambda c, s: log.append(("s", c, s)), lambda c: log.append(("a", c)) or c,
+                    lambda c, r, s: log.append(("g", c, r, s)), None)
+    assert log == [("s", 0, None), ("a", 0), ("g", 0, 0, None), ("s", 1, None), ("a", 1), ("g", 1, 1, None),
+                   ("s", 2, None), ("a", 2), ("g", 2, 2, None)]

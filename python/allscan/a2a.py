@@ -387,8 +387,13 @@ def _cpp_a2a(direction: int, xs: Sequence[torch.Tensor], maps: Sequence[HeadMap]
         with torch.cuda.stream(stream):
             ws = torch.empty(ws_bytes, dtype=torch.uint8, device=device)
         ws_ptr = ws.data_ptr()
-    ev = event.cuda_event if event is not None else 0
-    C.a2a(comm.nccl, P, direction, B, Sl, D, code, specs, ws_ptr, ws_bytes, stream.cuda_stream, ev)
+    # The completion event is recorded through torch after the enqueue, never passed to C++ as a raw
+    # handle: torch.cuda.Event creates its cudaEvent lazily on first record(), so a fresh event's
+    # `cuda_event` is 0, the C++ side then recorded nothing, and a stream.wait_event() on it was a
+    # silent no-op (the Ulysses pipeline read its scatter buffers before the all-to-all wrote them).
+    C.a2a(comm.nccl, P, direction, B, Sl, D, code, specs, ws_ptr, ws_bytes, stream.cuda_stream, 0)
+    if event is not None:
+        event.record(stream)
     return list(outs)
 
 

@@ -173,34 +173,69 @@ def _use_streams(plan: _Plan, x: torch.Tensor) -> bool:
 # The pipeline driver: S(c) on the comm stream, A(c) on the current stream, G(c) on the comm stream
 # ------------------------------------------------------------------------------------------------
 
-def _run_pipeline(n: int, scatter, attend, gather, cuda_device: Optional[torch.device]):
-    """scatter(c, stream, event) issues chunk c's input all-to-all, attend(c) its computation (returns
-    what gather needs), gather(c, result, stream) its output all-to-all. Returns nothing; keeps every
-    tensor alive until the current stream has waited for the communication stream."""
+class _CudaSync:
+    """The two streams of the pipeline and how to make an event (tests pass a fake with the same
+    surface: ``main``, ``comm`` with ``wait_stream``/``wait_event``, ``event()`` with ``record(stream)``)."""
+
+    def __init__(self, device: torch.device):
+        self.main = torch.cuda.current_stream(device)
+        self.comm = _streams_for(device)
+
+    @staticmethod
+    def event():
+        return torch.cuda.Event()
+
+
+def _run_pipeline(n: int, scatter, attend, gather, cuda_device: Optional[torch.device], sync=None):
+    """scatter(c, stream) issues chunk c's input all-to-all, attend(c) its computation on the current
+    (main) stream (returns what gather needs), gather(c, result, stream) its output all-to-all.
+
+    Cross-stream dependencies, each made here by the driver itself (never by a callee):
+      1. main -> comm before the first scatter: the inputs and every buffer allocated so far on main
+         (scatter outputs, gather outputs, zeroed accumulators) are ready and no longer in use there;
+      2. scatter(c) on comm -> attend(c) on main: an event recorded on comm right after scatter(c)
+         is enqueued, waited on by main before attend(c) (events are in stream order, so this also
+         covers the earlier chunks' k/v that grouped-query attention reuses);
+      3. attend(c) on main -> gather(c) on comm: an event recorded on main after attend(c), waited on
+         by comm before gather(c);
+      4. comm -> main at the end: every gather has landed before main reads the outputs or frees or
+         reuses any buffer the comm stream touched. The attend results read by comm are kept alive
+         until then (they were allocated on main; the caching allocator could otherwise hand their
+         memory to main-stream work while comm still reads it).
+    Without a CUDA device (or with ``ALLSCAN_ULYSSES_STREAMS=0``) it runs the same steps sequentially
+    on the current stream."""
     if n == 0:
         return
-    if cuda_device is None:
-        for c in range(n):
-            scatter(c, None, None)
-            gather(c, attend(c), None)
-        return
-    main = torch.cuda.current_stream(cuda_device)
-    comm = _streams_for(cuda_device)
-    comm.wait_stream(main)  # inputs, and every buffer allocated so far, are ready
-    in_ev = [torch.cuda.Event() for _ in range(n)]
-    att_ev = [torch.cuda.Event() for _ in range(n)]
+    if sync is None:
+        if cuda_device is None:
+            for c in range(n):
+                scatter(c, None)
+                gather(c, attend(c), None)
+            return
+        sync = _CudaSync(cuda_device)
+    main, comm = sync.main, sync.comm
+    comm.wait_stream(main)                      # (1)
+    in_ev = [None] * n
     keep = []
-    scatter(0, comm, in_ev[0])
+
+    def issue(c):
+        scatter(c, comm)
+        ev = sync.event()
+        ev.record(comm)
+        in_ev[c] = ev
+
+    issue(0)
     for c in range(n):
         if c + 1 < n:
-            scatter(c + 1, comm, in_ev[c + 1])
-        main.wait_event(in_ev[c])
+            issue(c + 1)
+        main.wait_event(in_ev[c])               # (2)
         res = attend(c)
-        att_ev[c].record(main)
+        ev = sync.event()
+        ev.record(main)
         keep.append(res)
-        comm.wait_event(att_ev[c])
+        comm.wait_event(ev)                     # (3)
         gather(c, res, comm)
-    main.wait_stream(comm)
+    main.wait_stream(comm)                      # (4)
     del keep
 
 
@@ -220,12 +255,20 @@ class _UlyssesFn(torch.autograd.Function):
         return dq, dk, dv, None
 
 
-def _forward(plan: _Plan, q, k, v, keep_graph: bool):
+def _debug_check() -> bool:
+    return os.environ.get("ALLSCAN_ULYSSES_CHECK", "0") not in ("", "0")
+
+
+def _forward(plan: _Plan, q, k, v, keep_graph: bool, streams: Optional[bool] = None):
+    """streams: None = two streams on CUDA unless ALLSCAN_ULYSSES_STREAMS=0; False = one stream.
+    With ALLSCAN_ULYSSES_CHECK=1 a two-stream forward is repeated on one stream (same chunks, same
+    kernels) and must match it bitwise, else RuntimeError (a pipeline synchronisation bug)."""
     B, Sl, D, P = plan.B, plan.Sl, plan.D, plan.world
     S = Sl * P
     group = plan.group
     chunks = plan.chunks
-    cuda = q.device if _use_streams(plan, q) else None
+    use = _use_streams(plan, q) if streams is None else (bool(streams) and q.is_cuda)
+    cuda = q.device if use else None
     out = q.new_empty(B, Sl, plan.Hq, D)
     # Buffers for the head-sharded chunks, allocated up front on the current stream.
     me = plan.me
@@ -239,10 +282,10 @@ def _forward(plan: _Plan, q, k, v, keep_graph: bool):
     pieces = [(ch.new_map[me][0], ch.new_map[me][1], ins[c][1], ins[c][2]) for c, ch in enumerate(chunks)]
     graphs: List[Optional[tuple]] = [None] * len(chunks)
 
-    def scatter(c, stream, event):
+    def scatter(c, stream):
         ch = chunks[c]
         _a2a.a2a_multi(_a2a.SCATTER, [q, k, v], [ch.q_map, ch.new_map, ch.new_map], [plan.Hq, plan.Hkv, plan.Hkv],
-                       group, outs=list(ins[c]), stream=stream, event=event, check=False, names=["q", "k", "v"])
+                       group, outs=list(ins[c]), stream=stream, check=False, names=["q", "k", "v"])
 
     def attend(c):
         ch = chunks[c]
@@ -268,6 +311,16 @@ def _forward(plan: _Plan, q, k, v, keep_graph: bool):
 
     _run_pipeline(len(chunks), scatter, attend, gather, cuda)
     del ins
+    if cuda is not None and _debug_check():
+        with torch.no_grad():
+            ref, _ = _forward(plan, q, k, v, keep_graph=False, streams=False)
+        if not torch.equal(out, ref):
+            diff = (out.float() - ref.float()).abs()
+            bad = (diff > 0).reshape(B, Sl, plan.Hq, D).any(3).any(1).any(0).nonzero().flatten().tolist()
+            raise RuntimeError(
+                f"UlyssesAttention (ALLSCAN_ULYSSES_CHECK): the two-stream forward differs from the one-stream "
+                f"forward with the same {len(chunks)} chunks (max abs diff {diff.max().item():.3g}, heads {bad}): "
+                f"a synchronisation bug in the pipeline")
     return out, graphs
 
 
@@ -294,10 +347,10 @@ def _backward(plan: _Plan, graphs, dout, needs):
         acc_k = torch.zeros(B, S, n_kv, D, dtype=acc_dtype, device=dout.device)
         acc_v = torch.zeros(B, S, n_kv, D, dtype=acc_dtype, device=dout.device)
 
-    def scatter(c, stream, event):
+    def scatter(c, stream):
         ch = chunks[c]
         _a2a.a2a_multi(_a2a.SCATTER, [dout], [ch.q_map], [plan.Hq], group, outs=[douts[c]], stream=stream,
-                       event=event, check=False, names=["output gradient"])
+                       check=False, names=["output gradient"])
 
     def attend(c):
         ch = chunks[c]
