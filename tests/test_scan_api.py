@@ -134,10 +134,12 @@ def _mismatch(rank, P, kind):
         g = None
     elif kind == "method" and rank == 1:
         kwargs["method"] = "allgather"
-    elif kind == "blocks" and rank == 1:
-        kwargs["num_blocks"] = 3
-    with pytest_raises(ValueError, "ranks passed different arguments"):
+    elif kind == "blocks":
+        kwargs["num_blocks"] = 2 + rank
+    with pytest_raises(ValueError, "ranks passed different arguments") as r:
         allscan.scan(x, g, **kwargs)
+    if kind == "blocks":  # the message says what differs
+        assert "rank 0: " in r.message and "num_blocks=2" in r.message and "num_blocks=3" in r.message, r.message
     return True
 
 
@@ -151,6 +153,7 @@ class pytest_raises:  # pytest.raises is not picklable into spawned ranks' frame
     def __exit__(self, tp, val, tb):
         assert tp is not None, f"expected {self.exc.__name__} matching {self.match!r}, nothing was raised"
         assert issubclass(tp, self.exc) and self.match in str(val), f"unexpected {tp.__name__}: {val}"
+        self.message = str(val)
         return True
 
 
@@ -253,3 +256,69 @@ def test_block_partition_matches_core_rule():
     assert _dist.block_elems(210, 1000, 4) == 4
     assert _dist.block_elems(210, 3, 2) == 72
     assert _dist.block_elems(1, 64, 8) == 2
+
+
+def _invalid_local_args(rank, P):
+    allscan.set_check_every_call(True)
+    try:
+        x = torch.randn(4)
+        if rank == 1:
+            with pytest_raises(ValueError, "must be a prefix"):
+                allscan.scan(x, torch.ones(3))  # a local error on rank 1 only
+        else:
+            with pytest_raises(ValueError, "rejected their own arguments"):
+                allscan.scan(x)
+    finally:
+        allscan.set_check_every_call(False)
+    return True
+
+
+def test_check_every_call_a_local_error_on_one_rank_raises_everywhere():
+    assert run_distributed(_invalid_local_args, 3, timeout=90) == [True] * 3
+
+
+def _allgather_takes_the_heads_init(rank, P):
+    # init is read on the chain head only, whatever the method: ranks may pass different ones.
+    xs = [torch.full((6,), float(q + 1)) for q in range(P)]
+    g = torch.tensor(0.5)
+    inits = [torch.full((6,), 10.0 * (q + 1)) for q in range(P)]
+    for reverse in (False, True):
+        head = P - 1 if reverse else 0
+        ref = scan_reference(xs, [g] * P, inits[head], reverse=reverse)[rank]
+        for method in ("pipelined", "serial", "allgather"):
+            y = allscan.scan(xs[rank], g, init=inits[rank], reverse=reverse, method=method)
+            assert torch.equal(y, ref), (method, reverse, y, ref)
+    return True
+
+
+def test_init_is_read_on_the_head_only_in_every_method():
+    run_distributed(_allgather_takes_the_heads_init, 3)
+
+
+def _reinit(rank, P):
+    x = torch.randn(5)
+    y0 = allscan.scan(x, inclusive=True)
+    allscan.destroy_communicators()  # forgets plans and checked signatures too
+    assert torch.equal(allscan.scan(x, inclusive=True), y0)
+    return True
+
+
+def test_destroy_communicators_then_scan_again():
+    assert len(run_distributed(_reinit, 2)) == 2
+
+
+def test_group_recreated_under_the_same_name(single_rank):
+    x = torch.randn(3)
+    assert torch.equal(allscan.scan(x, inclusive=True), x)
+    dist.destroy_process_group()
+    from distributed import _free_port
+
+    os.environ["MASTER_PORT"] = str(_free_port())
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    # The new default group may carry the old name; the prepared plan must not be reused.
+    assert torch.equal(allscan.scan(x, inclusive=True), x)
+    assert torch.equal(allscan.scan(x), torch.zeros_like(x))
+
+
+def test_explicit_block_count_is_capped():
+    assert _dist.effective_blocks(None, 10**6, 4, 10**6, "pipelined") == _dist.MAX_BLOCKS

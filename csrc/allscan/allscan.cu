@@ -105,7 +105,9 @@ __global__ void __launch_bounds__(kThreads) combineKernel(const T* __restrict__ 
   const bool shared_g = g != nullptr && (inner % VEC == 0) && (offset % VEC == 0);
   for (size_t v = static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x; v < nvec; v += stride) {
     const size_t i0 = v * VEC;
-    T xs[VEC], ys[VEC], os[VEC];
+    alignas(16) T xs[VEC];
+    alignas(16) T ys[VEC];
+    alignas(16) T os[VEC];
     if constexpr (VEC > 1) {
       using V = uint4;  // 16 bytes
       *reinterpret_cast<V*>(xs) = reinterpret_cast<const V*>(x)[v];
@@ -296,7 +298,7 @@ int effectiveBlocks(const allscanComm* comm, const allscanScanArgs_t* a) {
   if (K == 0) {
     allscanChooseNumBlocks(const_cast<allscanComm*>(comm), a->count * dtypeSize(a->dtype), &K);
   }
-  return K;
+  return std::min(K, static_cast<int>(allscanMaxBlocks));  // more blocks only add message latencies
 }
 
 size_t workspaceBytes(const allscanComm* comm, const allscanScanArgs_t* a) {
@@ -306,6 +308,7 @@ size_t workspaceBytes(const allscanComm* comm, const allscanScanArgs_t* a) {
   if (a->method == allscanAllGather) {
     size_t bytes = alignUp(static_cast<size_t>(P) * a->count * es, kAlign);
     if (a->g != nullptr) bytes += alignUp(static_cast<size_t>(P) * a->g_count * dtypeSize(a->g_dtype), kAlign);
+    if (a->init != nullptr) bytes += alignUp(a->count * es, kAlign);  // the head's init, broadcast
     return bytes;
   }
   return alignUp(a->count * es, kAlign);
@@ -466,8 +469,8 @@ allscanResult_t allscanNeighborExchange(allscanComm_t comm, const void* sendbuf,
   const bool send = !chain || (reverse ? r > 0 : r < P - 1);
   const bool recv = !chain || (reverse ? r < P - 1 : r > 0);
   ALLSCAN_NCCL_CHECK(comm->nccl, ncclGroupStart());
-  if (send) ALLSCAN_NCCL_CHECK(comm->nccl, ncclSend(sendbuf, bytes, ncclUint8, next, comm->nccl, stream));
-  if (recv) ALLSCAN_NCCL_CHECK(comm->nccl, ncclRecv(recvbuf, bytes, ncclUint8, prev, comm->nccl, stream));
+  if (send) ALLSCAN_NCCL_CHECK_IN_GROUP(comm->nccl, ncclSend(sendbuf, bytes, ncclUint8, next, comm->nccl, stream));
+  if (recv) ALLSCAN_NCCL_CHECK_IN_GROUP(comm->nccl, ncclRecv(recvbuf, bytes, ncclUint8, prev, comm->nccl, stream));
   ALLSCAN_NCCL_CHECK(comm->nccl, ncclGroupEnd());
   return allscanSuccess;
 }
@@ -514,17 +517,25 @@ allscanResult_t allscanScan(allscanComm_t comm, const allscanScanArgs_t* a, void
 
   if (a->method == allscanAllGather) {
     // LASP-2 pattern: gather every rank's state (and decay), fold locally.
+    // init is read on the chain head only (as in the other methods): it is broadcast from there.
     char* ws = static_cast<char*>(workspace);
     void* X = ws;
+    size_t off = alignUp(static_cast<size_t>(P) * bytes, kAlign);
     void* Gs = nullptr;
-    ALLSCAN_NCCL_CHECK(nc, ncclGroupStart());
-    ALLSCAN_NCCL_CHECK(nc, ncclAllGather(a->x, X, count, nt, nc, stream));
+    void* I = nullptr;
     if (g != nullptr) {
-      Gs = ws + alignUp(static_cast<size_t>(P) * bytes, kAlign);
-      ALLSCAN_NCCL_CHECK(nc, ncclAllGather(g, Gs, a->g_count, ncclType(a->g_dtype), nc, stream));
+      Gs = ws + off;
+      off += alignUp(static_cast<size_t>(P) * a->g_count * dtypeSize(a->g_dtype), kAlign);
     }
+    if (a->init != nullptr) I = ws + off;
+    ALLSCAN_NCCL_CHECK(nc, ncclGroupStart());
+    ALLSCAN_NCCL_CHECK_IN_GROUP(nc, ncclAllGather(a->x, X, count, nt, nc, stream));
+    if (Gs != nullptr) ALLSCAN_NCCL_CHECK_IN_GROUP(nc, ncclAllGather(g, Gs, a->g_count, ncclType(a->g_dtype), nc, stream));
+    if (I != nullptr) ALLSCAN_NCCL_CHECK_IN_GROUP(nc, ncclBroadcast(a->init, I, count, nt, head, nc, stream));
     ALLSCAN_NCCL_CHECK(nc, ncclGroupEnd());
-    ALLSCAN_CUDA_CHECK(launchFold(*a, X, Gs, P, r, stream));
+    allscanScanArgs_t folded = *a;
+    folded.init = I;
+    ALLSCAN_CUDA_CHECK(launchFold(folded, X, Gs, P, r, stream));
     return allscanSuccess;
   }
 
@@ -573,11 +584,15 @@ allscanResult_t allscanScan(allscanComm_t comm, const allscanScanArgs_t* a, void
     }
     // All blocks in one group call: they go out in order on the same peer connection, so the
     // successor receives block 0 first and starts combining it while the rest is in flight.
-    ALLSCAN_NCCL_CHECK(nc, ncclGroupStart());
-    for (size_t k = 0; k < nblocks; ++k) ALLSCAN_NCCL_CHECK(nc, ncclSend(blk(s, k), blen(k), nt, next, nc, stream));
-    ALLSCAN_NCCL_CHECK(nc, ncclGroupEnd());
+    // On an error the side branch is still joined, so a capture never holds an unjoined fork.
+    allscanResult_t st = allscanSuccess;
+    ncclResult_t nr = ncclGroupStart();
+    for (size_t k = 0; k < nblocks && nr == ncclSuccess; ++k) nr = ncclSend(blk(s, k), blen(k), nt, next, nc, stream);
+    ncclResult_t ne = allscan::detail::ncclSettle(nc, ncclGroupEnd());
+    if (nr == ncclSuccess) nr = ne;
+    if (nr != ncclSuccess) st = setError(allscanNcclError, std::string("ncclSend (chain head): ") + ncclGetErrorString(nr));
     if (side_fill) ALLSCAN_CUDA_CHECK(cudaStreamWaitEvent(stream, comm->join, 0));
-    return allscanSuccess;
+    return st;
   }
 
   // Inner and tail ranks. R receives y_p; S holds g*y_p + x (what is sent on, or the inclusive
@@ -587,8 +602,8 @@ allscanResult_t allscanScan(allscanComm_t comm, const allscanScanArgs_t* a, void
   const bool combine = has_next || a->inclusive;
   for (size_t k = 0; k < nblocks; ++k) {
     ALLSCAN_NCCL_CHECK(nc, ncclGroupStart());
-    if (has_next && k > 0) ALLSCAN_NCCL_CHECK(nc, ncclSend(blk(S, k - 1), blen(k - 1), nt, next, nc, stream));
-    ALLSCAN_NCCL_CHECK(nc, ncclRecv(blkm(R, k), blen(k), nt, prev, nc, stream));
+    if (has_next && k > 0) ALLSCAN_NCCL_CHECK_IN_GROUP(nc, ncclSend(blk(S, k - 1), blen(k - 1), nt, next, nc, stream));
+    ALLSCAN_NCCL_CHECK_IN_GROUP(nc, ncclRecv(blkm(R, k), blen(k), nt, prev, nc, stream));
     ALLSCAN_NCCL_CHECK(nc, ncclGroupEnd());
     if (combine) {
       ALLSCAN_CUDA_CHECK(launchCombine(a->dtype, a->g_dtype, blk(a->x, k), blk(R, k), g, blkm(S, k), blen(k), inner,
@@ -597,7 +612,7 @@ allscanResult_t allscanScan(allscanComm_t comm, const allscanScanArgs_t* a, void
   }
   if (has_next) {
     ALLSCAN_NCCL_CHECK(nc, ncclGroupStart());
-    ALLSCAN_NCCL_CHECK(nc, ncclSend(blk(S, nblocks - 1), blen(nblocks - 1), nt, next, nc, stream));
+    ALLSCAN_NCCL_CHECK_IN_GROUP(nc, ncclSend(blk(S, nblocks - 1), blen(nblocks - 1), nt, next, nc, stream));
     ALLSCAN_NCCL_CHECK(nc, ncclGroupEnd());
   }
   return allscanSuccess;

@@ -41,6 +41,18 @@ ncclResult_t ncclSettle(ncclComm_t comm, ncclResult_t r);
           allscanNcclError, std::string(#expr ": ") + ncclGetErrorString(_r));              \
   } while (0)
 
+// Inside an ncclGroupStart/ncclGroupEnd pair: on failure, close the group before returning, so
+// the thread's NCCL group depth (shared with torch's own NCCL calls) is not left open.
+#define ALLSCAN_NCCL_CHECK_IN_GROUP(comm, expr)                                             \
+  do {                                                                                      \
+    ncclResult_t _r = (expr);                                                               \
+    if (_r != ncclSuccess && _r != ncclInProgress) {                                        \
+      ::allscan::detail::ncclSettle((comm), ncclGroupEnd());                                \
+      return ::allscan::detail::setError(                                                   \
+          allscanNcclError, std::string(#expr ": ") + ncclGetErrorString(_r));              \
+    }                                                                                       \
+  } while (0)
+
 #define ALLSCAN_CHECK(expr)                                                                 \
   do {                                                                                      \
     allscanResult_t _s = (expr);                                                            \

@@ -34,8 +34,7 @@ def _preload_nccl() -> None:
 
 _preload_nccl()
 
-from ._scan import ScanHandle, scan, set_check_every_call  # noqa: E402
-from ._comm import destroy_communicators  # noqa: E402
+from ._scan import ScanHandle, destroy_communicators, scan, set_check_every_call  # noqa: E402
 from .reference import scan_reference  # noqa: E402
 
 __version__ = "0.1.0"

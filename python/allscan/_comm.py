@@ -11,7 +11,8 @@ from __future__ import annotations
 import atexit
 import os
 import threading
-from dataclasses import dataclass, field
+import weakref
+from dataclasses import dataclass
 from typing import Dict, Optional, Tuple
 
 import torch
@@ -89,8 +90,8 @@ class Communicator:
     nccl: int            # ncclComm_t as an integer
     handle: int          # allscanComm_t as an integer
     owned: bool          # True when allscan created the NCCL communicator (and destroys it)
-    link_model: Optional[Tuple[float, float]] = None
-    signatures: set = field(default_factory=set)
+    link_model: Optional[Tuple[float, float]] = None  # (latency_us, us_per_byte) in use, if any
+    group_ref: Optional[weakref.ReferenceType] = None  # the group object it was made for
 
     def destroy(self) -> None:
         C = _C()
@@ -158,7 +159,8 @@ def check_device(group, device: torch.device) -> None:
         raise ValueError(f"allscan: the tensor is on {device}, but the group is bound to {bound}")
     index = device.index if device.index is not None else torch.cuda.current_device()
     with _lock:
-        others = [c.device for (n, i), c in _comms.items() if n == group.group_name and i != index]
+        others = [c.device for (n, i), c in _comms.items()
+                  if n == group.group_name and i != index and c.group_ref is not None and c.group_ref() is group]
     if others:
         raise ValueError(
             f"allscan: the tensor is on {device}, but group {group.group_name!r} communicates on "
@@ -175,11 +177,21 @@ def get_communicator(group, device: torch.device) -> Communicator:
     device = torch.device("cuda", index)
     name = group.group_name
     key = (name, index)
+    stale = None
     with _lock:
         comm = _comms.get(key)
         if comm is not None:
-            return comm
-        others = [c for (n, _), c in _comms.items() if n == name]
+            if comm.group_ref is not None and comm.group_ref() is group:
+                return comm
+            # The group was destroyed and another one registered under its name: the borrowed
+            # communicator may be gone with it. Forget it (and destroy it if allscan owns it).
+            stale = _comms.pop(key)
+        others = [c for (n, _), c in _comms.items() if n == name and c.group_ref is not None and c.group_ref() is group]
+    if stale is not None:
+        try:
+            stale.destroy()
+        except Exception:  # noqa: BLE001 - its group is gone; nothing more to do
+            pass
     if others:
         raise ValueError(
             f"allscan: group {name!r} already has a communicator on {others[0].device}; a tensor on "
@@ -204,6 +216,7 @@ def get_communicator(group, device: torch.device) -> Communicator:
         nccl=nccl,
         handle=handle,
         owned=owned,
+        group_ref=weakref.ref(group),
     )
     if C.comm_rank(handle) != comm.rank or C.comm_size(handle) != comm.size:
         comm.destroy()

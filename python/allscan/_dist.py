@@ -20,7 +20,7 @@ from .reference import combine
 MAX_BLOCKS = 64          # allscanMaxBlocks
 MIN_BLOCK_BYTES = 4096   # allscanMinBlockBytes
 
-_models: Dict[str, Tuple[float, float]] = {}
+_models: Dict[tuple, Tuple[float, float]] = {}  # (group name, id(group)) -> model
 _models_lock = threading.Lock()
 
 
@@ -59,7 +59,7 @@ def link_model(group) -> Tuple[float, float]:
 
     Collective. Every rank gets the max over ranks so that all choose the same block count.
     """
-    name = group.group_name
+    name = (group.group_name, id(group))
     with _models_lock:
         m = _models.get(name)
     if m is not None:
@@ -97,7 +97,7 @@ def effective_blocks(group, count: int, elem_size: int, num_blocks: int, method:
     if method != "pipelined":
         return 1
     if num_blocks > 0:
-        return num_blocks
+        return min(num_blocks, MAX_BLOCKS)  # as the core: more blocks only add message latencies
     P = dist.get_world_size(group)
     if P <= 2:
         return 1
@@ -136,6 +136,10 @@ def _scan_host(x, g, init, group, reverse, inclusive, num_blocks, method):
         return torch.zeros_like(x) if init is None else init.clone()
 
     if method == "allgather":
+        if init is not None:
+            # init is read on the chain head only, as in the other methods: take the head's.
+            init = init.clone()
+            dist.broadcast(init, src=_global(group, head), group=group)
         xs = [torch.empty_like(x) for _ in range(P)]
         dist.all_gather(xs, x, group=group)
         gs = None

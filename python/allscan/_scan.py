@@ -4,15 +4,16 @@ from __future__ import annotations
 
 import os
 import threading
+import weakref
 from typing import Dict, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
 from . import _comm, _dist
-from .reference import acc_dtype, combine, expand_decay
+from .reference import acc_dtype, expand_decay
 
-__all__ = ["scan", "ScanHandle", "set_check_every_call"]
+__all__ = ["scan", "ScanHandle", "set_check_every_call", "destroy_communicators"]
 
 METHODS = ("pipelined", "serial", "allgather")
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
@@ -74,7 +75,8 @@ def _validate(tensor, gamma, init, method, num_blocks) -> None:
 
 _SIG_LEN = 24
 _MAX_DIMS = 8
-_sig_cache: Dict[str, set] = {}
+_sig_cache: Dict[tuple, set] = {}  # (group name, id(group)) -> signatures checked
+_INVALID = 0xBAD  # a rank whose own arguments failed its local checks (check-every-call mode)
 _sig_lock = threading.Lock()
 
 
@@ -104,7 +106,7 @@ def _describe(sig) -> str:
     ndim = sig[2]
     shape = [d for d in sig[4 : 4 + min(ndim, _MAX_DIMS)]]
     g = "none" if sig[12] < 0 else f"{_CODE_NAME[sig[12]]} with {sig[13]} dims ({sig[14]} elements)"
-    k = "auto" if sig[20] == 0 else str(sig[20])
+    k = "auto" if sig[19] == 0 else str(sig[19])
     return (
         f"tensor {_CODE_NAME[sig[1]]}{shape}, gamma {g}, init {'given' if sig[15] else 'none'}, "
         f"reverse={bool(sig[16])}, inclusive={bool(sig[17])}, method={METHODS[sig[18]]!r}, num_blocks={k}"
@@ -114,7 +116,7 @@ def _describe(sig) -> str:
 def _check_signature(group, device: torch.device, sig) -> None:
     name = group.group_name
     with _sig_lock:
-        seen = _sig_cache.setdefault(name, set())
+        seen = _sig_cache.setdefault((name, id(group)), set())
         if sig in seen and not _check_every_call:
             return
     if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
@@ -130,6 +132,9 @@ def _check_signature(group, device: torch.device, sig) -> None:
         gathered = [torch.empty_like(local) for _ in range(P)]
         dist.all_gather(gathered, local, group=group)
         rows = [tuple(int(v) for v in t.tolist()) for t in gathered]
+        bad = [q for q, row in enumerate(rows) if row[0] == _INVALID]
+        if bad:
+            raise ValueError(f"allscan.scan: rank(s) {bad} rejected their own arguments (see the error raised there)")
         if any(row != rows[0] for row in rows):
             desc = "; ".join(f"rank {q}: {_describe(row)}" for q, row in enumerate(rows))
             raise ValueError(
@@ -147,9 +152,10 @@ class _Plan:
     """What one argument signature needs, prepared once (device check, signature check across
     ranks, communicator, workspace size) so that later calls only launch."""
 
-    __slots__ = ("comm", "dt", "gdt", "midx", "ws_bytes")
+    __slots__ = ("group_ref", "comm", "dt", "gdt", "midx", "ws_bytes")
 
     def __init__(self, comm, dt, gdt, midx, ws_bytes):
+        self.group_ref = None
         self.comm = comm
         self.dt = dt
         self.gdt = gdt
@@ -160,10 +166,26 @@ class _Plan:
 _plans: Dict[tuple, _Plan] = {}
 
 
+def _announce_invalid(group, device: torch.device) -> None:
+    """In check-every-call mode every rank joins the signature exchange on every call, so a rank
+    whose own arguments failed a local check joins it too, with a marker that makes the other ranks
+    raise instead of waiting for it. (Without that mode the other ranks may not exchange at all.)"""
+    if not _check_every_call or dist.get_world_size(group) == 1:
+        return
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return
+    local = torch.tensor((_INVALID,) + (0,) * (_SIG_LEN - 1), dtype=torch.int64, device=device)
+    dist.all_gather([torch.empty_like(local) for _ in range(dist.get_world_size(group))], local, group=group)
+
+
 def _prepare(x, g, init, group, reverse, inclusive, num_blocks, method) -> _Plan:
     nccl = _comm.uses_nccl(group, x)
     if nccl:
-        _comm.check_device(group, x.device)  # before any collective: a wrong device must not hang
+        try:
+            _comm.check_device(group, x.device)  # before any collective
+        except ValueError:
+            _announce_invalid(group, torch.device("cuda", torch.cuda.current_device()))
+            raise
     _check_signature(group, x.device if nccl else torch.device("cpu"),
                      _signature(x, g, init, reverse, inclusive, num_blocks, method))
     if not nccl:
@@ -180,17 +202,27 @@ def _prepare(x, g, init, group, reverse, inclusive, num_blocks, method) -> _Plan
 
 
 def _run(x, g, init, group_name, reverse, inclusive, num_blocks, method) -> torch.Tensor:
-    key = (group_name, x.device, x.shape, x.dtype, None if g is None else (g.shape, g.dtype), init is None,
-           reverse, inclusive, num_blocks, method)
+    group = _comm.resolve_group(group_name)
+    key = (group_name, id(group), x.device, x.shape, x.dtype, None if g is None else (g.shape, g.dtype),
+           init is None, reverse, inclusive, num_blocks, method)
     plan = _plans.get(key)
-    if plan is None or _check_every_call:
-        group = _comm.resolve_group(group_name)
+    # A plan belongs to one group object: a group destroyed and re-created under the same name (and
+    # possibly the same id) gets a new plan, never a stale communicator.
+    if plan is None or _check_every_call or plan.group_ref() is not group:
         plan = _prepare(x, g, init, group, reverse, inclusive, num_blocks, method)
+        plan.group_ref = weakref.ref(group)
         _plans[key] = plan
     if x.numel() == 0:
         return torch.empty_like(x)
     if plan.comm is None:
-        return _dist.scan(x, g, init, _comm.resolve_group(group_name), reverse, inclusive, num_blocks, method)
+        return _dist.scan(x, g, init, group, reverse, inclusive, num_blocks, method)
+    if x.device.index != torch.cuda.current_device():
+        with torch.cuda.device(x.device):  # the core launches on the current device
+            return _nccl_launch(plan, x, g, init, reverse, inclusive, num_blocks)
+    return _nccl_launch(plan, x, g, init, reverse, inclusive, num_blocks)
+
+
+def _nccl_launch(plan, x, g, init, reverse, inclusive, num_blocks) -> torch.Tensor:
     from . import _C
 
     y = torch.empty_like(x)
@@ -202,6 +234,15 @@ def _run(x, g, init, group_name, reverse, inclusive, num_blocks, method) -> torc
         torch.cuda.current_stream(x.device).cuda_stream,
     )
     return y
+
+
+def destroy_communicators() -> None:
+    """Destroy the NCCL communicators allscan owns, forget the borrowed ones (never destroyed) and
+    every prepared plan and checked signature; the next call prepares them again."""
+    _plans.clear()
+    with _sig_lock:
+        _sig_cache.clear()
+    _comm.destroy_communicators()
 
 
 # ------------------------------------------------------------------------------------------------
@@ -359,8 +400,15 @@ def scan(
 
     With ``async_op=True`` returns a :class:`ScanHandle`; ``handle.wait()`` gives the result.
     """
-    _validate(tensor, gamma, init, method, num_blocks)
     group = _comm.normalize_group(group)
+    try:
+        _validate(tensor, gamma, init, method, num_blocks)
+    except (TypeError, ValueError):
+        if isinstance(tensor, torch.Tensor):
+            nccl_dev = "nccl" in _comm.backend_name(group) and torch.cuda.is_available()
+            _announce_invalid(group, torch.device("cuda", torch.cuda.current_device()) if nccl_dev
+                              else torch.device("cpu"))
+        raise
     name = group.group_name
     x = tensor.contiguous()
     g = None if gamma is None else gamma.contiguous()

@@ -17,7 +17,8 @@
  * Everything is enqueued on the caller's stream: no host synchronisation, no allocation; safe to
  * capture in a CUDA graph. The caller provides a device workspace of allscanWorkspaceSize() bytes.
  * All ranks must call with the same count, g_count, dtypes, flags, method and block count
- * (NCCL would hang otherwise; the Python layer checks this across ranks).
+ * (NCCL would hang otherwise; the Python layer checks this across ranks). Like NCCL, one host
+ * thread at a time per communicator.
  *
  * No libtorch here: raw device pointers, element counts, cudaStream_t and ncclComm_t.
  */
@@ -78,10 +79,13 @@ typedef struct {
   const void* g;              /* [g_count] decay, or NULL for 1 (plain prefix sum) */
   size_t g_count;             /* must divide count; ignored when g == NULL */
   allscanDataType_t g_dtype;  /* allscanFloat32 or the state's dtype */
-  const void* init;           /* [count] initial state of the chain head, or NULL for zeros */
+  const void* init;           /* [count] initial state, read on the chain head only (the all-gather
+                                 method broadcasts it from there), or NULL for zeros; non-NULL on
+                                 every rank or on none */
   int reverse;                /* 0: rank p-1 -> p; 1: rank p+1 -> p */
   int inclusive;              /* 0: y_p; 1: g_p*y_p + x_p */
-  int num_blocks;             /* pipeline blocks K; 0 = choose from the link model */
+  int num_blocks;             /* pipeline blocks K (at most allscanMaxBlocks are used); 0 = choose
+                                 from the link model */
   allscanMethod_t method;
 } allscanScanArgs_t;
 
