@@ -233,15 +233,7 @@ std::vector<std::string> splitList(const std::string& s) {
   return out;
 }
 
-size_t dtypeSize(allscanDataType_t t) {
-  switch (t) {
-    case allscanFloat32: return 4;
-    case allscanFloat16: return 2;
-    case allscanBfloat16: return 2;
-    case allscanFloat64: return 8;
-  }
-  return 0;
-}
+size_t dtypeSize(allscanDataType_t t) { return allscanDataTypeSize(t); }
 
 const char* dtypeName(allscanDataType_t t) {
   switch (t) {

@@ -49,15 +49,7 @@ allscanResult_t fail(allscanResult_t code, const char* fmt, ...) {
 constexpr size_t kAlign = 256;
 inline size_t align_up(size_t x) { return (x + kAlign - 1) / kAlign * kAlign; }
 
-int dtype_size(allscanDataType_t t) {
-  switch (t) {
-    case allscanFloat32: return 4;
-    case allscanFloat16: return 2;
-    case allscanBfloat16: return 2;
-    case allscanFloat64: return 8;
-  }
-  return 0;
-}
+int dtype_size(allscanDataType_t t) { return static_cast<int>(allscanDataTypeSize(t)); }
 
 // ------------------------------------------------------------------------------------------------
 // Kernels

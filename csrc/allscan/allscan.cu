@@ -56,15 +56,7 @@ template <typename G, typename A> __device__ __forceinline__ A loadG(const G* g,
   return static_cast<A>(toAcc<G>(g[i]));
 }
 
-size_t dtypeSize(allscanDataType_t t) {
-  switch (t) {
-    case allscanFloat32: return 4;
-    case allscanFloat16: return 2;
-    case allscanBfloat16: return 2;
-    case allscanFloat64: return 8;
-  }
-  return 0;
-}
+size_t dtypeSize(allscanDataType_t t) { return allscanDataTypeSize(t); }
 
 bool validDtype(int t) { return t >= allscanFloat32 && t <= allscanFloat64; }
 

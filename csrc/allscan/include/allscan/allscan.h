@@ -97,6 +97,16 @@ ALLSCAN_API const char* allscanGetErrorString(allscanResult_t result);
 /* The message of the last error on this thread (names the argument at fault). */
 ALLSCAN_API const char* allscanGetLastError(void);
 ALLSCAN_API int allscanGetVersion(void); /* major*10000 + minor*100 + patch */
+/* Bytes per element of a dtype (0 for a value that is not an allscanDataType_t). */
+static inline size_t allscanDataTypeSize(allscanDataType_t dtype) {
+  switch (dtype) {
+    case allscanFloat32: return 4;
+    case allscanFloat16: return 2;
+    case allscanBfloat16: return 2;
+    case allscanFloat64: return 8;
+  }
+  return 0;
+}
 
 ALLSCAN_API allscanResult_t allscanCommCreate(ncclComm_t nccl, allscanComm_t* comm);
 /* Build a communicator with an explicit rank/size and no NCCL (for choosing blocks, workspace
