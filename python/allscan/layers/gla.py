@@ -31,6 +31,16 @@ decay 0 to the scan, so no state crosses a sequence start.
 Methods (same code, different scan): ``"zeco"`` (pipelined All-Scan, overlapped), ``"lasp1"`` (serial
 point-to-point chain, waited for before the local output: LASP-1), ``"lasp2"`` (all-gather of every
 state: LASP-2, overlapped).
+
+Collectives (what keeps P ranks from deadlocking): with ``world > 1`` every rank, in every branch
+(first, last or inner rank, varlen or not, any method), issues exactly one ``allscan.scan`` in forward
+and one reverse ``allscan.scan`` in backward, with the same signature (state ``[B, H, K, V]`` fp32;
+gamma of the same shape and dtype on every rank, or None on every rank), and nothing else. Each scan
+is launched before the local work that may synchronise the device (Triton compiling or autotuning,
+``.item()``), so a rank blocked in such a synchronise on its own pending scan never waits for a peer
+that is itself waiting for it; every async handle is waited on before the function returns. A rank
+that raises after launching its scan leaves its peers able to finish that scan; a mismatch of
+arguments across ranks raises on every rank in the scan's signature check instead of hanging.
 """
 from __future__ import annotations
 
