@@ -22,6 +22,14 @@ repeats:
 Peak memory (max_memory_allocated above the inputs, one fwd+bwd) per row. Writes DIR/gla_bench.json
 and DIR/gla_bench.png and prints a table with the ratios and the goals (zeco <= 1.03x ideal,
 >= 1.8x faster than LASP-1, never slower than LASP-2).
+
+Runtime on 2 H200s with the defaults: about 2-3 minutes, nearly all of it process start-up and the
+first-time Triton compilation of fla's and our kernels (about 1-2 min); the timed part is short
+(15 repeats x 5 rows x 4 calls of a few ms at each T_local). ``--fla-autotune one`` (default) gives
+every fla kernel one fixed config (``limit_fla_autotune``), the same for every row, so the ratios
+compare the same kernels; ``--fla-autotune full`` is fla's own autotuning (every config of every
+kernel compiled and benchmarked for each new argument signature: 10+ minutes on a fresh machine).
+Progress lines go to stderr, flushed (rank 0; every rank at the stage boundaries that communicate).
 """
 from __future__ import annotations
 
@@ -78,11 +86,20 @@ def _lasp1_strict_fn():
     return Lasp1Strict.apply
 
 
+_T0 = time.monotonic()
+
+
+def _say(msg, rank=0, every_rank=False):
+    if every_rank or rank == 0:
+        print(f"[gla_bench rank {rank} +{time.monotonic() - _T0:6.1f}s] {msg}", file=sys.stderr, flush=True)
+
+
 def run(args):
     import torch
     import torch.distributed as dist
     from fla.ops.gla import chunk_gla
 
+    from allscan.layers._gla_local import limit_fla_autotune
     from allscan.layers.gla import zeco_gla
 
     local = int(os.environ.get("LOCAL_RANK", "0"))
@@ -91,6 +108,8 @@ def run(args):
     dist.init_process_group("nccl", device_id=dev)
     group = dist.group.WORLD
     rank, world = dist.get_rank(), dist.get_world_size()
+    nk = limit_fla_autotune(args.fla_autotune)
+    _say(f"P={world}, T_local={args.tlocal}, fla autotune {args.fla_autotune!r} ({nk} kernels)", rank)
     dtype = getattr(torch, args.dtype)
     H, K, V, B = args.heads, args.head_dim, args.head_dim, 1
     lasp1_strict = _lasp1_strict_fn()
@@ -116,8 +135,14 @@ def run(args):
             grads = torch.autograd.grad(o, ins, do)
             return o, grads
 
-        # agreement of the SP rows (same math, different communication)
-        outs = {n: fwd_bwd(n) for n in ROWS if n != "ideal"}
+        # agreement of the SP rows (same math, different communication); the first T compiles
+        _say(f"T_local={T}: first fwd+bwd of every row (compiles kernels the first time)", rank, True)
+        outs = {}
+        for n in ROWS:
+            if n != "ideal":
+                outs[n] = fwd_bwd(n)
+                torch.cuda.synchronize()
+                _say(f"T_local={T}: {n} ran", rank)
         ref_o, ref_g = outs["lasp2"]
         for n, (o, gr) in outs.items():
             err = max([((o.float() - ref_o.float()).norm() / ref_o.float().norm()).item()] +
@@ -125,10 +150,12 @@ def run(args):
                        for a, b in zip(gr, ref_g)])
             checks[f"{T}/{n}"] = err
         del outs, ref_o, ref_g
+        _say(f"T_local={T}: warm-up ({args.warmup} x every row)", rank)
         for _ in range(args.warmup):
             for n in ROWS:
                 fwd_bwd(n)
         torch.cuda.synchronize()
+        _say(f"T_local={T}: timing {args.repeats} repeats x {len(ROWS)} rows x {args.inner} calls", rank, True)
 
         times = {n: [] for n in ROWS}
         for r in range(args.repeats):
@@ -146,6 +173,10 @@ def run(args):
                 t = torch.tensor([e0.elapsed_time(e1) / args.inner], device=dev)
                 dist.all_reduce(t, op=dist.ReduceOp.MAX)
                 times[n].append(t.item())
+            if r == 0 or r + 1 == args.repeats:
+                _say(f"T_local={T}: repeat {r + 1}/{args.repeats}: " +
+                     ", ".join(f"{n} {times[n][-1]:.2f} ms" for n in ROWS), rank)
+        _say(f"T_local={T}: peak memory", rank)
         peaks = {}
         for n in ROWS:
             torch.cuda.synchronize()
@@ -163,7 +194,7 @@ def run(args):
         torch.cuda.empty_cache()
     out = dict(
         bench="gla_bench", world=world, B=B, H=H, K=K, V=V, dtype=args.dtype, repeats=args.repeats,
-        inner=args.inner, warmup=args.warmup, host=socket.gethostname(),
+        inner=args.inner, warmup=args.warmup, fla_autotune=args.fla_autotune, host=socket.gethostname(),
         device=torch.cuda.get_device_name(dev), torch=torch.__version__,
         fla=_version("fla-core"), time=time.strftime("%Y-%m-%d %H:%M:%S"),
         command="torchrun --nproc-per-node %d bench/gla_bench.py %s" % (world, " ".join(sys.argv[1:])),
@@ -203,7 +234,8 @@ def _table(out):
 def report(out):
     by = _table(out)
     print(f"\nGLA fwd+bwd, P={out['world']}, B={out['B']}, H={out['H']}, K=V={out['K']}, {out['dtype']} "
-          f"(slowest rank, median of {out['repeats']} repeats x {out['inner']} calls), ms:")
+          f"(slowest rank, median of {out['repeats']} repeats x {out['inner']} calls; fla autotune "
+          f"{out.get('fla_autotune', 'full')!r}), ms:")
     hdr = f"{'T_local':>8} " + " ".join(f"{n:>12}" for n in ROWS) + \
         f" {'zeco/ideal':>10} {'lasp1/zeco':>10} {'l1strict/z':>10} {'lasp2/zeco':>10}"
     print(hdr)
@@ -270,6 +302,8 @@ def main():
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--inner", type=int, default=4, help="back-to-back fwd+bwd calls per timing")
     ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--fla-autotune", default="one", choices=["one", "full"],
+                    help="one: one fixed config per fla kernel (minutes less compilation); full: fla's autotuning")
     ap.add_argument("--plot", default=None, help="redraw the table and plot from this JSON (no GPU)")
     args = ap.parse_args()
     if args.plot:

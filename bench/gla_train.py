@@ -2,6 +2,8 @@
 """Loss parity and throughput of a small GLA language model with ZeCO sequence parallelism.
 
     torchrun --nproc-per-node 2 bench/gla_train.py --out DIR             # on the GPU machine (~2-3 min)
+    torchrun --nproc-per-node 2 bench/gla_train.py --device cpu --steps 3 --tlocal 128 --layers 1 \
+        --hidden 64 --heads 2 --intermediate 128 --vocab 64 --tp-steps 1 --tp-repeats 2 --out DIR   # CPU smoke
     python3 bench/gla_train.py --plot DIR/gla_train.json --out DIR       # redraw on CPU
 
 Model: token embedding, ``--layers`` blocks of [RMSNorm -> allscan.layers.GatedLinearAttention
@@ -17,6 +19,13 @@ token has 8 possible successors), fixed seed, one sequence of ``2 * T_local`` to
 (b) throughput: tokens per second per GPU at SP = 2 (one sequence of 2*T_local tokens over the two
     GPUs) against data parallelism on the same two GPUs (each GPU its own T_local-token sequence,
     gradients averaged), same model, interleaved timing blocks, median (goal: SP >= 97% of DP).
+
+Runtime on 2 H200s with the defaults (~230M parameters, 200 parity steps of 2 x 4096 tokens plus the
+single-GPU step of 8192 tokens on rank 0, ~0.1 s a step; 2 x 6 x 5 throughput steps): about 30-40 s of
+steps, plus process start-up and the first-time Triton compilation of fla's kernels (about 1-2 min
+with ``--fla-autotune one``, the default: one fixed config per fla kernel, ``limit_fla_autotune``;
+``full`` is fla's own autotuning, 10+ minutes on a fresh machine). Progress lines go to stderr,
+flushed (rank 0, and every rank at the stage boundaries).
 """
 from __future__ import annotations
 
@@ -101,6 +110,14 @@ def make_data(args, n_seqs, length, device):
     return out
 
 
+_T0 = time.monotonic()
+
+
+def _say(msg, rank=0, every_rank=False):
+    if every_rank or rank == 0:
+        print(f"[gla_train rank {rank} +{time.monotonic() - _T0:6.1f}s] {msg}", file=sys.stderr, flush=True)
+
+
 def run(args):
     import torch
     import torch.distributed as dist
@@ -121,6 +138,13 @@ def run(args):
             torch.cuda.synchronize()
     group = dist.group.WORLD
     rank, world = dist.get_rank(), dist.get_world_size()
+    if cuda:
+        from allscan.layers._gla_local import fla_available, limit_fla_autotune
+        if fla_available():
+            nk = limit_fla_autotune(args.fla_autotune)
+            _say(f"fla autotune {args.fla_autotune!r} ({nk} kernels)", rank)
+        else:
+            _say("fla-core not importable: the GLA layers use the (slow) torch kernels", rank)
     T = args.tlocal
     L = T * world
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -128,8 +152,7 @@ def run(args):
     t0 = time.time()
     data = make_data(args, args.steps, L + 1, dev)  # +1: the label of the last token
     dist.broadcast(data, 0)
-    if rank == 0:
-        print(f"data: {args.steps} x {L + 1} tokens in {time.time() - t0:.1f} s", flush=True)
+    _say(f"data: {args.steps} x {L + 1} tokens in {time.time() - t0:.1f} s", rank)
 
     def lm_loss(model, tokens, labels, denom):
         with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=cuda):
@@ -153,6 +176,7 @@ def run(args):
     sp_losses, ref_losses = [], []
     sl = slice(rank * T, (rank + 1) * T)
     t0 = time.time()
+    _say(f"(a) parity: {args.steps} steps; the first compiles the kernels", rank, True)
     for step in range(args.steps):
         seq = data[step]
         inputs, labels = seq[:-1].unsqueeze(0), seq[1:].unsqueeze(0)
@@ -183,9 +207,9 @@ def run(args):
             ref_opt.zero_grad(set_to_none=True)
             ref_losses.append(rl.item())
         if rank == 0 and (step % 20 == 0 or step == args.steps - 1):
-            print(f"step {step:4d}  loss SP={sp_losses[-1]:.5f}  1GPU={ref_losses[-1]:.5f}  "
-                  f"rel diff {abs(sp_losses[-1] - ref_losses[-1]) / abs(ref_losses[-1]):.2e}  "
-                  f"({time.time() - t0:.0f} s)", flush=True)
+            _say(f"step {step:4d}  loss SP={sp_losses[-1]:.5f}  1GPU={ref_losses[-1]:.5f}  "
+                 f"rel diff {abs(sp_losses[-1] - ref_losses[-1]) / abs(ref_losses[-1]):.2e}  "
+                 f"({time.time() - t0:.0f} s)", rank)
     del ref_model, ref_opt, sp_opt
     if cuda:
         torch.cuda.empty_cache()
@@ -216,9 +240,11 @@ def run(args):
         opt.step()
         opt.zero_grad(set_to_none=True)
 
+    _say("(b) throughput: warm-up (2 steps of each mode)", rank, True)
     for _ in range(2):
         step_fn("sp")
         step_fn("dp")
+    _say(f"(b) throughput: {args.tp_repeats} blocks x {args.tp_steps} steps per mode, interleaved", rank, True)
     times = {"sp": [], "dp": []}
     for r in range(args.tp_repeats):
         for mode in (("sp", "dp") if r % 2 == 0 else ("dp", "sp")):
@@ -231,6 +257,7 @@ def run(args):
             t = torch.tensor([(time.perf_counter() - t0) * 1e3 / args.tp_steps], device=dev)
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
             times[mode].append(t.item())
+        _say(f"(b) block {r + 1}/{args.tp_repeats}: sp {times['sp'][-1]:.1f} ms, dp {times['dp'][-1]:.1f} ms", rank)
     ms = {m: statistics.median(v) for m, v in times.items()}
     tps = {m: T / (ms[m] / 1e3) for m in ms}  # tokens per second per GPU (each GPU processes T tokens)
 
@@ -244,7 +271,8 @@ def run(args):
             device=torch.cuda.get_device_name(dev) if cuda else "cpu", torch=torch.__version__, time=time.strftime("%Y-%m-%d %H:%M:%S"),
             command="torchrun --nproc-per-node %d bench/gla_train.py %s" % (world, " ".join(sys.argv[1:])),
             loss_sp=sp_losses, loss_single=ref_losses, rel_diff=rel, max_rel_diff=max(rel),
-            step_ms=ms, step_ms_all=times, tokens_per_s_per_gpu=tps, sp_over_dp=tps["sp"] / tps["dp"])
+            step_ms=ms, step_ms_all=times, tokens_per_s_per_gpu=tps, sp_over_dp=tps["sp"] / tps["dp"],
+            fla_autotune=args.fla_autotune if cuda else None)
         os.makedirs(args.out, exist_ok=True)
         path = os.path.join(args.out, "gla_train.json")
         with open(path, "w") as f:
@@ -314,6 +342,8 @@ def main():
     ap.add_argument("--tp-repeats", type=int, default=6, help="timing blocks per mode (interleaved)")
     ap.add_argument("--plot", default=None, help="redraw from this JSON (no GPU)")
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: a gloo smoke test of the script")
+    ap.add_argument("--fla-autotune", default="one", choices=["one", "full"],
+                    help="one: one fixed config per fla kernel (minutes less compilation); full: fla's autotuning")
     args = ap.parse_args()
     if args.plot:
         with open(args.plot) as f:
