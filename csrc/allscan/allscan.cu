@@ -429,26 +429,6 @@ allscanResult_t allscanWorkspaceSize(allscanComm_t comm, const allscanScanArgs_t
   return allscanSuccess;
 }
 
-allscanResult_t allscanCombine(const void* x, const void* y_in, const void* g, void* out, size_t count,
-                               size_t inner, size_t offset, allscanDataType_t dtype, allscanDataType_t g_dtype,
-                               cudaStream_t stream) {
-  ALLSCAN_ARG_CHECK(validDtype(dtype), "dtype: invalid");
-  if (count == 0) return allscanSuccess;
-  ALLSCAN_ARG_CHECK(x != nullptr && out != nullptr, "x/out: null pointer");
-  if (g != nullptr) {
-    ALLSCAN_ARG_CHECK(g_dtype == allscanFloat32 || g_dtype == dtype, "g_dtype: expected float32 or the state's dtype");
-    ALLSCAN_ARG_CHECK(inner > 0, "inner: expected > 0 state elements per decay element");
-  } else {
-    inner = 1;
-  }
-  if (y_in == nullptr) {
-    ALLSCAN_CUDA_CHECK(cudaMemcpyAsync(out, x, count * dtypeSize(dtype), cudaMemcpyDeviceToDevice, stream));
-    return allscanSuccess;
-  }
-  ALLSCAN_CUDA_CHECK(launchCombine(dtype, g_dtype, x, y_in, g, out, count, inner, offset, stream));
-  return allscanSuccess;
-}
-
 allscanResult_t allscanNeighborExchange(allscanComm_t comm, const void* sendbuf, void* recvbuf, size_t bytes,
                                         int reverse, int chain, cudaStream_t stream) {
   ALLSCAN_ARG_CHECK(comm != nullptr, "comm: null communicator");

@@ -138,13 +138,6 @@ PYBIND11_MODULE(_C, m) {
           allscanScanArgs_t a = makeArgs(x, y, count, dtype, g, g_count, g_dtype, init, reverse, inclusive, num_blocks, method);
           check(allscanScan(ptr<allscanComm>(c), &a, ptr<void>(ws), ws_bytes, ptr<CUstream_st>(stream)));
         });
-  m.def("combine",
-        [](std::uintptr_t x, std::uintptr_t y_in, std::uintptr_t g, std::uintptr_t out, size_t count, size_t inner,
-           size_t offset, int dtype, int g_dtype, std::uintptr_t stream) {
-          check(allscanCombine(ptr<const void>(x), ptr<const void>(y_in), ptr<const void>(g), ptr<void>(out), count, inner,
-                               offset, static_cast<allscanDataType_t>(dtype), static_cast<allscanDataType_t>(g_dtype),
-                               ptr<CUstream_st>(stream)));
-        });
   m.def("neighbor_exchange",
         [](std::uintptr_t c, std::uintptr_t send, std::uintptr_t recv, size_t bytes, bool reverse, bool chain,
            std::uintptr_t stream) {

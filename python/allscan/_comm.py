@@ -186,17 +186,12 @@ def get_communicator(group, device: torch.device) -> Communicator:
             # The group was destroyed and another one registered under its name: the borrowed
             # communicator may be gone with it. Forget it (and destroy it if allscan owns it).
             stale = _comms.pop(key)
-        others = [c for (n, _), c in _comms.items() if n == name and c.group_ref is not None and c.group_ref() is group]
     if stale is not None:
         try:
             stale.destroy()
         except Exception:  # noqa: BLE001 - its group is gone; nothing more to do
             pass
-    if others:
-        raise ValueError(
-            f"allscan: group {name!r} already has a communicator on {others[0].device}; a tensor on "
-            f"{device} cannot use it (one device per process and group)"
-        )
+    check_device(group, device)  # one device per process and group
     if torch.cuda.is_current_stream_capturing():
         raise RuntimeError(
             "allscan: the first call on a group creates its communicator, which cannot happen while a "

@@ -65,7 +65,7 @@ def _rank_main(rank, world, backend, init_file, state, iters, q):
         dist.barrier()
         dist.destroy_process_group()
         q.put((rank, rows, None))
-    except BaseException as e:  # noqa: BLE001
+    except BaseException:  # noqa: BLE001
         import traceback
 
         q.put((rank, None, traceback.format_exc()))

@@ -151,15 +151,6 @@ ALLSCAN_API allscanResult_t allscanScan(allscanComm_t comm, const allscanScanArg
 ALLSCAN_API allscanResult_t allscanNeighborExchange(allscanComm_t comm, const void* sendbuf, void* recvbuf,
                                         size_t bytes, int reverse, int chain, cudaStream_t stream);
 
-/* The combine kernel alone, out[i] = g[(offset+i)/inner] * y_in[i] + x[i] in the storage dtype,
- * i in [0, count) (g == NULL: 1; y_in == NULL: out = x), enqueued on `stream`. x, y_in and out point
- * at the first element of the range; g at the decay of the whole state, `inner` state elements per
- * decay element (count/g_count of the whole state), `offset` the range's first element within the
- * state. The building block, exposed for tests and for layers that fuse their own schedule. */
-ALLSCAN_API allscanResult_t allscanCombine(const void* x, const void* y_in, const void* g, void* out, size_t count,
-                               size_t inner, size_t offset, allscanDataType_t dtype,
-                               allscanDataType_t g_dtype, cudaStream_t stream);
-
 #ifdef __cplusplus
 } /* extern "C" */
 #endif
