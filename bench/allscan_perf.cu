@@ -560,15 +560,7 @@ void launchCheck(allscanDataType_t t, const void* out, const CheckParams& p, uns
   CUDACHECK(cudaGetLastError());
 }
 
-ncclDataType_t ncclTypeOf(allscanDataType_t t) {
-  switch (t) {
-    case allscanFloat32: return ncclFloat32;
-    case allscanFloat16: return ncclFloat16;
-    case allscanBfloat16: return ncclBfloat16;
-    case allscanFloat64: return ncclFloat64;
-  }
-  return ncclFloat32;
-}
+ncclDataType_t ncclTypeOf(allscanDataType_t t) { return allscanNcclDataType(t); }
 
 // ------------------------------------------------------------------------------------------------
 // Ranks of this process (threads) and, under MPI, of the other processes

@@ -70,15 +70,7 @@ const char* dtypeName(allscanDataType_t t) {
   return "?";
 }
 
-ncclDataType_t ncclType(allscanDataType_t t) {
-  switch (t) {
-    case allscanFloat32: return ncclFloat32;
-    case allscanFloat16: return ncclFloat16;
-    case allscanBfloat16: return ncclBfloat16;
-    case allscanFloat64: return ncclFloat64;
-  }
-  return ncclFloat32;
-}
+ncclDataType_t ncclType(allscanDataType_t t) { return allscanNcclDataType(t); }
 
 // ------------------------------------------------------------------------------------------------
 // Kernels

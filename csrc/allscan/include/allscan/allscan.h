@@ -107,6 +107,16 @@ static inline size_t allscanDataTypeSize(allscanDataType_t dtype) {
   }
   return 0;
 }
+/* The NCCL dtype of an allscan dtype (ncclFloat32 for a value that is not an allscanDataType_t). */
+static inline ncclDataType_t allscanNcclDataType(allscanDataType_t dtype) {
+  switch (dtype) {
+    case allscanFloat32: return ncclFloat32;
+    case allscanFloat16: return ncclFloat16;
+    case allscanBfloat16: return ncclBfloat16;
+    case allscanFloat64: return ncclFloat64;
+  }
+  return ncclFloat32;
+}
 
 ALLSCAN_API allscanResult_t allscanCommCreate(ncclComm_t nccl, allscanComm_t* comm);
 /* Build a communicator with an explicit rank/size and no NCCL (for choosing blocks, workspace
