@@ -224,6 +224,22 @@ def test_core_argument_checks():
         # count, dtype, g, g_count, g_dtype, init, reverse, inclusive, num_blocks, method
         assert C.workspace_size(h, 100, f32, 0, 0, f32, 0, False, False, 0, C.PIPELINED) == 512
         assert C.workspace_size(h, 100, f32, 1, 10, f32, 0, False, False, 0, C.ALLGATHER) == 2048
+        # Pipelined/serial workspace follows the rank's place in the chain (4 ranks).
+        # args after the comm: count, dtype, g, g_count, g_dtype, init, reverse, inclusive, K, method
+        def ws(rank, init=0, reverse=False, inclusive=False, method=C.PIPELINED):
+            c = C.comm_create_detached(rank, 4)
+            try:
+                return C.workspace_size(c, 100, f32, 0, 0, f32, init, reverse, inclusive, 0, method)
+            finally:
+                C.comm_destroy(c)
+
+        assert ws(3) == 0 and ws(3, inclusive=True) == 512  # tail: receives straight into y
+        assert ws(0) == 0 and ws(0, init=1) == 512 and ws(0, init=1, inclusive=True) == 0  # head
+        assert ws(1) == 512 and ws(2, inclusive=True) == 512  # inner ranks stage what they send
+        # reverse: rank 3 heads the chain, rank 0 is its tail
+        assert ws(0, reverse=True) == 0 and ws(3, reverse=True) == 0 and ws(3, init=1, reverse=True) == 512
+        assert ws(1, reverse=True) == 512 and ws(0, init=1) == 512
+        assert ws(1, method=C.SERIAL) == 512 and ws(3, method=C.SERIAL) == 0
         with pytest.raises(ValueError, match="g_count: 7 must divide count 100"):
             C.workspace_size(h, 100, f32, 1, 7, f32, 0, False, False, 0, C.PIPELINED)
         with pytest.raises(ValueError, match="g_dtype: expected float32 or the state's dtype"):

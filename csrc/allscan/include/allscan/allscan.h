@@ -145,7 +145,9 @@ ALLSCAN_API int allscanChooseNumBlocksModel(int nranks, size_t bytes, double lat
 #define allscanMaxBlocks 64
 #define allscanMinBlockBytes 4096
 
-/* Bytes of device workspace one call with these arguments needs (0 is possible). */
+/* Bytes of device workspace one call with these arguments needs on this rank (it depends on the
+ * rank's place in the chain: e.g. the tail of an exclusive pipelined scan receives straight into y
+ * and needs 0). */
 ALLSCAN_API allscanResult_t allscanWorkspaceSize(allscanComm_t comm, const allscanScanArgs_t* args, size_t* bytes);
 /* Check the arguments without running anything (also works on a detached communicator). */
 ALLSCAN_API allscanResult_t allscanCheckArgs(allscanComm_t comm, const allscanScanArgs_t* args);
