@@ -201,8 +201,9 @@ def _prepare(x, g, init, group, reverse, inclusive, num_blocks, method) -> _Plan
     return _Plan(comm, dt, gdt, midx, ws)
 
 
-def _run(x, g, init, group_name, reverse, inclusive, num_blocks, method) -> torch.Tensor:
-    group = _comm.resolve_group(group_name)
+def _run(x, g, init, group_name, reverse, inclusive, num_blocks, method, group=None) -> torch.Tensor:
+    if group is None:
+        group = _comm.resolve_group(group_name)
     key = (group_name, id(group), x.device, x.shape, x.dtype, None if g is None else (g.shape, g.dtype),
            init is None, reverse, inclusive, num_blocks, method)
     plan = _plans.get(key)
@@ -222,16 +223,28 @@ def _run(x, g, init, group_name, reverse, inclusive, num_blocks, method) -> torc
     return _nccl_launch(plan, x, g, init, reverse, inclusive, num_blocks)
 
 
+# The current stream's handle without building a torch.cuda.Stream object (a few microseconds per
+# call); the public route where this private helper is missing.
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
+def _stream_ptr(device: torch.device) -> int:
+    if _raw_stream is not None:
+        return _raw_stream(device.index)
+    return torch.cuda.current_stream(device).cuda_stream
+
+
 def _nccl_launch(plan, x, g, init, reverse, inclusive, num_blocks) -> torch.Tensor:
     from . import _C
 
     y = torch.empty_like(x)
+    # The workspace depends on the rank's place in the chain; often none (an exclusive scan's tail,
+    # the head without init).
     ws = torch.empty(plan.ws_bytes, dtype=torch.uint8, device=x.device) if plan.ws_bytes else None
     _C.scan(
         plan.comm.handle, x.data_ptr(), y.data_ptr(), x.numel(), plan.dt, 0 if g is None else g.data_ptr(),
         0 if g is None else g.numel(), plan.gdt, 0 if init is None else init.data_ptr(), reverse, inclusive,
-        num_blocks, plan.midx, 0 if ws is None else ws.data_ptr(), plan.ws_bytes,
-        torch.cuda.current_stream(x.device).cuda_stream,
+        num_blocks, plan.midx, 0 if ws is None else ws.data_ptr(), plan.ws_bytes, _stream_ptr(x.device),
     )
     return y
 
@@ -346,12 +359,15 @@ def _side_stream(device: torch.device) -> "torch.cuda.Stream":
     idx = device.index if device.index is not None else torch.cuda.current_device()
     s = _side_streams.get(idx)
     if s is None:
-        s = torch.cuda.Stream(device=idx)
+        # The highest priority (torch maps a large negative number to it): when the caller's own
+        # kernels fill the GPU, the block scheduler still starts the scan's kernels first, so the
+        # communication runs beside the computation instead of after it.
+        s = torch.cuda.Stream(device=idx, priority=-100)
         _side_streams[idx] = s
     return s
 
 
-def _scan_impl(x, g, init, name, reverse, inclusive, num_blocks, method):
+def _scan_impl(x, g, init, name, reverse, inclusive, num_blocks, method, group=None):
     needs_grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (x, g, init)
     )
@@ -365,7 +381,7 @@ def _scan_impl(x, g, init, name, reverse, inclusive, num_blocks, method):
     if not needs_grad and not torch.compiler.is_compiling():
         # Eager and nothing to differentiate: the op's own implementation, without the dispatcher
         # round trip (tens of microseconds). Autograd and torch.compile go through the op.
-        return _run(x, g, init, name, reverse, inclusive, num_blocks, method)
+        return _run(x, g, init, name, reverse, inclusive, num_blocks, method, group)
     return scan_op(x, g, init, name, reverse, inclusive, num_blocks, method)
 
 
@@ -415,15 +431,15 @@ def scan(
     i0 = None if init is None else init.contiguous()
     k = 0 if num_blocks is None else int(num_blocks)
     if not async_op:
-        return _scan_impl(x, g, i0, name, reverse, inclusive, k, method)
+        return _scan_impl(x, g, i0, name, reverse, inclusive, k, method, group)
     if not (x.is_cuda and _comm.uses_nccl(group, x)):
         # The torch.distributed path computes on the host thread; the handle is complete at once.
-        return ScanHandle(_scan_impl(x, g, i0, name, reverse, inclusive, k, method))
+        return ScanHandle(_scan_impl(x, g, i0, name, reverse, inclusive, k, method, group))
     cur = torch.cuda.current_stream(x.device)
     side = _side_stream(x.device)
     side.wait_stream(cur)
     with torch.cuda.stream(side):
-        out = _scan_impl(x, g, i0, name, reverse, inclusive, k, method)
+        out = _scan_impl(x, g, i0, name, reverse, inclusive, k, method, group)
         ev = torch.cuda.Event()
         ev.record(side)
     for t in (x, g, i0):
