@@ -1,12 +1,16 @@
-"""Sequence-parallel GLA on 2 GPUs (NCCL) against fla's single-GPU ``chunk_gla`` on the whole sequence.
+"""Sequence-parallel GLA on 2 GPUs (NCCL) against the exact answer and fla's single-GPU ``chunk_gla``.
 
     python3 -m pytest -s -q -m gpu tests/test_gla_gpu.py -p no:cacheprovider   # 2 processes, one per GPU
 
-Every rank computes fla's ``chunk_gla`` on the whole sequence (the reference) and ``zeco_gla`` on its
-shard, then compares output, final state and the gradients of q, k, v, g and the initial state.
-Metric: RMS error ratio ``rms(ours - ref) / rms(ref)``; at most 3e-3 in bf16 and 1e-5 in fp32 (for
-fp32, Triton's dots are switched to IEEE fp32 with TRITON_F32_DEFAULT=ieee, else fla itself runs in
-tf32 and the reference is not an fp32 one).
+Every rank computes, on the whole sequence, fla's ``chunk_gla`` (same dtype) and the exact answer (the
+token-by-token recurrence in float64 on the same rounded inputs, with autograd), and ``zeco_gla`` on
+its shard; it compares output, final state and the gradients of q, k, v, g and the initial state.
+Metric: RMS error ratio ``rms(x - exact) / rms(exact)``. Bound: 3e-3 in bf16 and 1e-5 in fp32, or
+1.25x fla's own error on the same slice where that is larger (as accurate as the single-GPU kernel).
+Why against the exact answer and not against fla in bf16: the difference of two bf16 computations
+holds both one's rounding errors; measured on 2 H200s, plain linear attention (no decay, T = 2048):
+ours against fla-bf16 3.1e-3, which is mostly fla's own bf16 rounding of its chunk states. For fp32,
+Triton's dots are switched to IEEE fp32 (TRITON_F32_DEFAULT=ieee), else fla runs in tf32.
 
 Bounded: each dtype runs in one pair of spawned processes that must finish within ``RUN_TIMEOUT``
 seconds (``run_distributed`` kills them and raises otherwise; pytest-timeout is a second net). fla's
@@ -91,7 +95,7 @@ def _run(rank, world, dtype_name, methods, progress_dir):
     import torch.nn.functional as F
     from fla.ops.gla import chunk_gla
 
-    from allscan.layers._gla_local import _fused_ok, limit_fla_autotune
+    from allscan.layers._gla_local import _fused_ok, limit_fla_autotune, recurrent_gla_reference
     from allscan.layers.gla import zeco_gla
 
     n = limit_fla_autotune("one")
@@ -134,12 +138,35 @@ def _run(rank, world, dtype_name, methods, progress_dir):
         if rg is not None:
             ref["dg"] = rg.grad
 
+        # exact answer: the token-by-token recurrence in float64 on the same (rounded) inputs
+        say(f"{case['name']}: exact float64 recurrence fwd+bwd on the whole sequence")
+        xq, xk, xv = (x.double().requires_grad_(True) for x in (q, k, v))
+        xg = None if g is None else g.double().requires_grad_(True)
+        xh0 = h0.double().requires_grad_(True)
+        xo, xht = recurrent_gla_reference(xq, xk, xv, xg, initial_state=xh0, cu_seqlens=cu)
+        ((xo * do.double()).sum() + (xht * dht.double()).sum()).backward()
+        exact = {"o": xo.detach(), "dq": xq.grad, "dk": xk.grad, "dv": xv.grad, "dh0": xh0.grad,
+                 "final": xht.detach()}
+        if xg is not None:
+            exact["dg"] = xg.grad
+        del xq, xk, xv, xg, xh0, xo, xht
+
         sl = slice(rank * T_local, (rank + 1) * T_local)
         off = rank * T_local
         if cu_list is None:
             rows = list(range(N)) if rank == world - 1 else []
         else:
             rows = [i for i in range(N) if off < cu_list[i + 1] <= off + T_local]
+        # fla's own error on the same part of the problem (this rank's slice, its final-state rows)
+        fla_part = {"o": ref["o"][:, sl], "dq": ref["dq"][:, sl], "dk": ref["dk"][:, sl], "dv": ref["dv"][:, sl],
+                    "dh0": ref["dh0"]}
+        if "dg" in ref:
+            fla_part["dg"] = ref["dg"][:, sl]
+        if rows:
+            fla_part["final"] = rht[rows]
+        for name, a in fla_part.items():
+            b = exact[name][rows] if name == "final" else exact[name] if name == "dh0" else exact[name][:, sl]
+            errors[f"{case['name']}/fla/{name}"] = _rms_ratio(a, b)
         dfin = torch.zeros_like(dht)
         dfin[rows] = dht[rows]
         for method in methods:
@@ -157,12 +184,13 @@ def _run(rank, world, dtype_name, methods, progress_dir):
             torch.cuda.synchronize()
             dh0 = mh0.grad.clone()
             dist.all_reduce(dh0)
-            got = {"o": (o, ref["o"][:, sl]), "dq": (mq.grad, ref["dq"][:, sl]), "dk": (mk.grad, ref["dk"][:, sl]),
-                   "dv": (mv.grad, ref["dv"][:, sl]), "dh0": (dh0, ref["dh0"])}
+            got = {"o": (o, exact["o"][:, sl]), "dq": (mq.grad, exact["dq"][:, sl]),
+                   "dk": (mk.grad, exact["dk"][:, sl]), "dv": (mv.grad, exact["dv"][:, sl]),
+                   "dh0": (dh0, exact["dh0"])}
             if mg is not None:
-                got["dg"] = (mg.grad, ref["dg"][:, sl])
+                got["dg"] = (mg.grad, exact["dg"][:, sl])
             if rows:
-                got["final"] = (fin[rows], rht[rows])
+                got["final"] = (fin[rows], exact["final"][rows])
             worst = 0.0
             for name, (a, b) in got.items():
                 assert a.shape == b.shape, f"{case['name']} {method} {name}: shape {tuple(a.shape)} vs {tuple(b.shape)}"
@@ -205,11 +233,23 @@ def test_zeco_gla_matches_fla_whole_sequence(dtype_name):
     for per_rank in results:
         for key, err in per_rank.items():
             worst[key] = max(worst.get(key, 0.0), err)
-    print(f"\nzeco_gla vs fla chunk_gla (whole sequence), {dtype_name}, RMS error ratio (max over ranks), "
-          f"{time.monotonic() - t0:.0f} s:", flush=True)
+    print(f"\nRMS error ratio against the exact (float64) answer, {dtype_name}, max over ranks, "
+          f"{time.monotonic() - t0:.0f} s: zeco_gla per method, and fla's chunk_gla on the whole sequence "
+          f"(same dtype) on the same slice:", flush=True)
     for key in sorted(worst):
-        print(f"  {key:40s} {worst[key]:.2e}")
+        case, method, name = key.split("/")
+        if method != "fla":
+            print(f"  {key:40s} {worst[key]:.2e}   (fla {worst.get(f'{case}/fla/{name}', float('nan')):.2e})")
     expected = {f"{c['name']}/{m}/o" for c in _cases() for m in METHODS}
     assert expected <= set(worst), f"missing results: {sorted(expected - set(worst))}"
-    bad = {k: v for k, v in worst.items() if not v <= tol}
-    assert not bad, f"RMS error ratio above {tol} ({dtype_name}): {bad}"
+    # Within the tolerance, or (where fla's own single-GPU error on the same slice is larger than
+    # the tolerance) at most 1.25x fla's own error: as accurate as the single-GPU kernel.
+    bad = {}
+    for key, v in worst.items():
+        case, method, name = key.split("/")
+        if method == "fla":
+            continue
+        bound = max(tol, 1.25 * worst.get(f"{case}/fla/{name}", 0.0))
+        if not v <= bound:
+            bad[key] = (v, bound)
+    assert not bad, f"RMS error ratio above the bound ({dtype_name}; (error, bound)): {bad}"

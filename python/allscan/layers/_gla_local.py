@@ -93,10 +93,13 @@ def recurrent_gla_reference(q, k, v, g, scale=None, initial_state=None, cu_seqle
     o = torch.zeros(B, T, H, V, dtype=torch.float64, device=q.device)
     finals = []
     for i in range(len(bounds) - 1):
-        if cu_seqlens is None:
-            h = torch.zeros(B, H, K, V, dtype=torch.float64) if initial_state is None else initial_state.double().clone()
+        n = B if cu_seqlens is None else 1
+        if initial_state is None:
+            h = torch.zeros(n, H, K, V, dtype=torch.float64, device=q.device)
+        elif cu_seqlens is None:
+            h = initial_state.double().clone()
         else:
-            h = torch.zeros(1, H, K, V, dtype=torch.float64) if initial_state is None else initial_state[i:i + 1].double().clone()
+            h = initial_state[i:i + 1].double().clone()
         for t in range(bounds[i], bounds[i + 1]):
             h = h * g[:, t].exp().unsqueeze(-1) + k[:, t].unsqueeze(-1) * v[:, t].unsqueeze(-2)
             o[:, t] = torch.einsum("bhk,bhkv->bhv", q[:, t] * scale, h)
