@@ -176,6 +176,8 @@ def run(args):
             if r == 0 or r + 1 == args.repeats:
                 _say(f"T_local={T}: repeat {r + 1}/{args.repeats}: " +
                      ", ".join(f"{n} {times[n][-1]:.2f} ms" for n in ROWS), rank)
+        if T in args.profile:
+            _profile(fwd_bwd, T, rank, world, args.out)
         _say(f"T_local={T}: peak memory", rank)
         peaks = {}
         for n in ROWS:
@@ -209,6 +211,53 @@ def run(args):
         print(f"wrote {path}")
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _profile(fwd_bwd, T, rank, world, outdir):
+    """Where a row's time goes, for ``ideal`` and ``zeco``: the host's issue time per call (no
+    synchronisation inside; a row whose issue time exceeds its GPU time is host-bound) and
+    torch.profiler's kernel table on the last rank (the one that applies an incoming state)."""
+    import torch
+    import torch.distributed as dist
+    from torch.profiler import ProfilerActivity, profile
+
+    lines = [f"profile at T_local={T}, rank {rank}"]
+    for n in ("ideal", "zeco"):
+        torch.cuda.synchronize()
+        dist.barrier()
+        t0 = time.perf_counter()
+        for _ in range(4):
+            fwd_bwd(n)
+        t_host = (time.perf_counter() - t0) / 4
+        torch.cuda.synchronize()
+        t_all = (time.perf_counter() - t0) / 4
+        lines.append(f"{n}: host issue {t_host * 1e3:.3f} ms/call, issue+drain {t_all * 1e3:.3f} ms/call")
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(2):
+                fwd_bwd(n)
+            torch.cuda.synchronize()
+        import cProfile
+        import io
+        import pstats
+        pr = cProfile.Profile()
+        pr.enable()
+        for _ in range(4):
+            fwd_bwd(n)
+        pr.disable()
+        torch.cuda.synchronize()
+        buf = io.StringIO()
+        pstats.Stats(pr, stream=buf).sort_stats("tottime").print_stats(25)
+        if rank == world - 1:
+            lines.append(f"--- {n}: host (cProfile), 4 calls, by own time")
+            lines.append(buf.getvalue())
+            lines.append(f"--- {n}: 2 calls, sorted by self CUDA time")
+            lines.append(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=30, max_name_column_width=60))
+    text = "\n".join(lines)
+    print(text, file=sys.stderr, flush=True)
+    if rank == world - 1:
+        os.makedirs(outdir, exist_ok=True)
+        with open(os.path.join(outdir, f"gla_profile_T{T}.txt"), "w") as f:
+            f.write(text + "\n")
 
 
 def _fused():
@@ -305,6 +354,8 @@ def main():
     ap.add_argument("--fla-autotune", default="one", choices=["one", "full"],
                     help="one: one fixed config per fla kernel (minutes less compilation); full: fla's autotuning")
     ap.add_argument("--plot", default=None, help="redraw the table and plot from this JSON (no GPU)")
+    ap.add_argument("--profile", default="", help="T_local values (comma-separated) at which to print where "
+                    "the time goes: host issue time and torch.profiler's kernel table for ideal and zeco")
     args = ap.parse_args()
     if args.plot:
         with open(args.plot) as f:
@@ -314,6 +365,7 @@ def main():
         plot(out, args.out)
         return
     args.tlocal = [int(x) for x in args.tlocal.split(",")]
+    args.profile = [int(x) for x in args.profile.split(",") if x]
     run(args)
 
 

@@ -123,6 +123,10 @@ def run(args):
     import torch.distributed as dist
     import torch.nn.functional as F
 
+    if args.precision == "fp32":
+        # IEEE fp32 dots in Triton (fla's kernels and ours), set before anything compiles; no tf32
+        # matmuls either (below): the two runs then differ only by fp32 rounding.
+        os.environ["TRITON_F32_DEFAULT"] = "ieee"
     local = int(os.environ.get("LOCAL_RANK", "0"))
     cuda = args.device == "cuda"
     if cuda:
@@ -155,7 +159,7 @@ def run(args):
     _say(f"data: {args.steps} x {L + 1} tokens in {time.time() - t0:.1f} s", rank)
 
     def lm_loss(model, tokens, labels, denom):
-        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=cuda):
+        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=cuda and args.precision == "bf16"):
             logits = model(tokens)
         return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), reduction="sum") / denom
 
@@ -241,12 +245,12 @@ def run(args):
         opt.zero_grad(set_to_none=True)
 
     _say("(b) throughput: warm-up (2 steps of each mode)", rank, True)
-    for _ in range(2):
+    for _ in range(2 if args.tp_repeats > 0 else 0):
         step_fn("sp")
         step_fn("dp")
     _say(f"(b) throughput: {args.tp_repeats} blocks x {args.tp_steps} steps per mode, interleaved", rank, True)
     times = {"sp": [], "dp": []}
-    for r in range(args.tp_repeats):
+    for r in range(args.tp_repeats):  # 0: no throughput part
         for mode in (("sp", "dp") if r % 2 == 0 else ("dp", "sp")):
             dist.barrier()
             sync()
@@ -258,7 +262,7 @@ def run(args):
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
             times[mode].append(t.item())
         _say(f"(b) block {r + 1}/{args.tp_repeats}: sp {times['sp'][-1]:.1f} ms, dp {times['dp'][-1]:.1f} ms", rank)
-    ms = {m: statistics.median(v) for m, v in times.items()}
+    ms = {m: statistics.median(v) if v else float("nan") for m, v in times.items()}
     tps = {m: T / (ms[m] / 1e3) for m in ms}  # tokens per second per GPU (each GPU processes T tokens)
 
     if rank == 0:
@@ -272,9 +276,9 @@ def run(args):
             command="torchrun --nproc-per-node %d bench/gla_train.py %s" % (world, " ".join(sys.argv[1:])),
             loss_sp=sp_losses, loss_single=ref_losses, rel_diff=rel, max_rel_diff=max(rel),
             step_ms=ms, step_ms_all=times, tokens_per_s_per_gpu=tps, sp_over_dp=tps["sp"] / tps["dp"],
-            fla_autotune=args.fla_autotune if cuda else None)
+            fla_autotune=args.fla_autotune if cuda else None, precision=args.precision)
         os.makedirs(args.out, exist_ok=True)
-        path = os.path.join(args.out, "gla_train.json")
+        path = os.path.join(args.out, f"gla_train{_suffix(args.precision)}.json")
         with open(path, "w") as f:
             json.dump(out, f, indent=1)
         report(out)
@@ -284,13 +288,21 @@ def run(args):
     dist.destroy_process_group()
 
 
+def _suffix(precision):
+    return "" if precision == "bf16" else f"_{precision}"
+
+
 def report(out):
     print(f"\nGLA LM ({out['layers']} layers, hidden {out['hidden']}, {out['heads']} heads, "
-          f"{out['params'] / 1e6:.0f}M params), T_local={out['T_local']}, P={out['world']}")
+          f"{out['params'] / 1e6:.0f}M params), T_local={out['T_local']}, P={out['world']}, "
+          f"{out.get('precision', 'bf16')}")
     print(f"(a) loss parity over {out['steps']} steps: loss {out['loss_sp'][0]:.4f} -> {out['loss_sp'][-1]:.4f}; "
           f"max relative difference SP vs 1 GPU = {out['max_rel_diff']:.2e} "
           f"({'met' if out['max_rel_diff'] <= 1e-3 else 'MISSED'} <= 1e-3)")
     tps, ms = out["tokens_per_s_per_gpu"], out["step_ms"]
+    if not out["sp_over_dp"] == out["sp_over_dp"]:  # NaN: run with --tp-repeats 0
+        print("(b) throughput not measured (--tp-repeats 0)")
+        return
     print(f"(b) {'mode':>4} {'step ms':>9} {'tokens/s/GPU':>13}")
     for m in ("sp", "dp"):
         print(f"    {m:>4} {ms[m]:>9.2f} {tps[m]:>13.0f}")
@@ -319,7 +331,7 @@ def plot(out, outdir):
     fig.suptitle(f"GLA LM {out['params'] / 1e6:.0f}M, T_local={out['T_local']}: SP/DP throughput "
                  f"{out['sp_over_dp']:.3f}")
     fig.tight_layout()
-    path = os.path.join(outdir, "gla_train.png")
+    path = os.path.join(outdir, f"gla_train{_suffix(out.get('precision', 'bf16'))}.png")
     fig.savefig(path, dpi=120)
     print(f"wrote {path}")
 
@@ -341,6 +353,9 @@ def main():
     ap.add_argument("--tp-steps", type=int, default=5, help="steps per throughput timing block")
     ap.add_argument("--tp-repeats", type=int, default=6, help="timing blocks per mode (interleaved)")
     ap.add_argument("--plot", default=None, help="redraw from this JSON (no GPU)")
+    ap.add_argument("--precision", default="bf16", choices=["bf16", "fp32"],
+                    help="bf16: fp32 weights, bf16 autocast (default); fp32: no autocast, IEEE fp32 matmuls and "
+                         "Triton dots (the loss-parity check without bf16 rounding), files gla_train_fp32.*")
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: a gloo smoke test of the script")
     ap.add_argument("--fla-autotune", default="one", choices=["one", "full"],
                     help="one: one fixed config per fla kernel (minutes less compilation); full: fla's autotuning")

@@ -3,7 +3,8 @@
 #
 #   scripts/gpu_suite.sh [stage ...]      (default: every stage)
 #
-# Stages: build tests perf perffill scanbench glatest glabench glatrain ulysses ulysses_host
+# Stages: build tests perf perffill scanbench glatest glabench glatrain glatrain32 ulysses ulysses_host
+# Limits: TIMEOUT_<stage> or STAGE_TIMEOUT seconds per stage; KSWEEP=0 skips the K sweep of perf.
 # Logs and JSON go to $OUT (default ./gpu_out); a short table is printed last.
 # Needs: python3 with torch (CUDA), nvcc, cmake, ninja, pybind11, scikit-build-core; fla-core and
 # yunchang wheels in .whl/ for the GLA and Ulysses comparisons (../shared/tools/device_wheels.sh).
@@ -14,7 +15,7 @@ mkdir -p "$OUT"
 # Never turn NVLink multicast on (shared machines).
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=4
-STAGES=${*:-build tests perf scanbench glatest glabench glatrain ulysses ulysses_host}
+STAGES=${*:-build tests perf perffill scanbench glatest glabench glatrain glatrain32 ulysses ulysses_host}
 NGPU=$(python3 -c 'import torch; print(torch.cuda.device_count())')
 SUMMARY="$OUT/summary.txt"
 : > "$SUMMARY"
@@ -29,7 +30,10 @@ run_stage() {  # name, command...
   local name=$1; shift
   local t0=$(date +%s)
   echo "=== $name: $*"
-  "$@" > "$OUT/$name.log" 2>&1
+  # TIMEOUT_<name> or else STAGE_TIMEOUT (seconds) bounds each stage, so one slow stage cannot eat
+  # a whole device call (rc 124 in the summary when it ran out).
+  local limit_var="TIMEOUT_$name"
+  timeout -k 10 "${!limit_var:-${STAGE_TIMEOUT:-1800}}" "$@" > "$OUT/$name.log" 2>&1
   local rc=$?
   note "$(printf '%-14s rc=%-3s %4ss  %s' "$name" "$rc" "$(( $(date +%s) - t0 ))" "$OUT/$name.log")"
   tail -n 25 "$OUT/$name.log"
@@ -45,28 +49,28 @@ for s in $STAGES; do
       ;;
     tests)
       # The GLA GPU tests compile fla's kernels: their own stage (glatest), not this one.
-      run_stage tests python3 -m pytest -q -m gpu ${TESTS:-tests --ignore=tests/test_gla_gpu.py} -p no:cacheprovider --timeout 600 ;;
+      run_stage tests python3 -m pytest -q -rP -m gpu ${TESTS:-tests --ignore=tests/test_gla_gpu.py} -p no:cacheprovider --timeout 600 ;;
     perf)
       PERF=$(ls build/*/bench/allscan_perf 2>/dev/null | head -1)
       [ -n "$PERF" ] || { note "perf: allscan_perf not built"; continue; }
       run_stage perf "$PERF" -b 4K -e 256M -f 2 -g "$NGPU" -K auto,4 -j "$OUT/perf.json"
       run_stage perf_graph "$PERF" -b 4K -e 256M -f 4 -g "$NGPU" -G 5 -K auto -j "$OUT/perf_graph.json"
-      run_stage ksweep "$PERF" -b 64K -e 256M -f 4 -g "$NGPU" -m pipelined -K 1,2,4,8,16,32,64 -x chain -N 3 -j "$OUT/ksweep.json"
+      [ "${KSWEEP:-1}" = 0 ] || run_stage ksweep "$PERF" -b 64K -e 256M -f 4 -g "$NGPU" -m pipelined -K 1,2,4,8,16,32,64 -x chain -N 3 -j "$OUT/ksweep.json"
       ;;
-    perffill)  # the head's side fill: in series (0 CTAs) and wider (32) against the default (8)
+    perffill)  # the head's own result in series after the send (ALLSCAN_FILL_CTAS=0) against perf's default (beside it)
       PERF=$(ls build/*/bench/allscan_perf 2>/dev/null | head -1)
-      for c in 0 32; do
-        ALLSCAN_FILL_CTAS=$c run_stage perf_fill$c "$PERF" -b 4K -e 256M -f 8 -g "$NGPU" -m pipelined -x chain -j "$OUT/perf_fill$c.json"
-      done
+      ALLSCAN_FILL_CTAS=0 run_stage perf_series "$PERF" -b 4K -e 256M -f 2 -g "$NGPU" -m pipelined -x chain -j "$OUT/perf_series.json"
       ;;
     scanbench)
       run_stage scanbench torchrun --nproc-per-node "$NGPU" bench/scan_bench.py --out "$OUT" ;;
     glatest)
       run_stage glatest python3 -m pytest -s -x -q -m gpu tests/test_gla_gpu.py -p no:cacheprovider ;;
     glabench)
-      run_stage glabench torchrun --nproc-per-node "$NGPU" bench/gla_bench.py --out "$OUT" ;;
+      run_stage glabench torchrun --nproc-per-node "$NGPU" bench/gla_bench.py --out "$OUT" ${GLABENCH_ARGS:-} ;;
     glatrain)
       run_stage glatrain torchrun --nproc-per-node "$NGPU" bench/gla_train.py --out "$OUT" ;;
+    glatrain32)  # loss parity without bf16 rounding: fp32, IEEE matmuls, 2 layers, no throughput part
+      run_stage glatrain32 torchrun --nproc-per-node "$NGPU" bench/gla_train.py --out "$OUT" --precision fp32 --layers 2 --tp-repeats 0 ;;
     ulysses)
       run_stage ulysses torchrun --nproc-per-node "$NGPU" bench/ulysses_bench.py --out "$OUT" --tag nvlink ;;
     ulysses_host)
