@@ -533,9 +533,11 @@ allscanResult_t allscanScan(allscanComm_t comm, const allscanScanArgs_t* a, void
     }
     // The head's own result, when it is not what is sent: init or zeros (exclusive), or x itself
     // (inclusive without init). It is never on the chain's critical path: a few CTAs write it on the
-    // side stream (highest priority) while the send runs. Measured on 2 H200s, P = 2, fp32: 1.02x the
-    // bare send at 2 MiB, <= 1.07x from 256 KiB, against 1.17x (2 MiB) to 1.5x (small) for the same
-    // fill in series after the send; a full-speed memset beside the send slowed large transfers.
+    // side stream (highest priority) while the send runs. Measured on 2 H200s, P = 2, fp32, the floor
+    // and the scan interleaved: 1.02x the bare send at 2 MiB, <= 1.07x from 256 KiB, against 1.17x
+    // (2 MiB) to 1.5x (small) for the same fill in series after the send (with other collectives
+    // interleaved too, 1.14x at 2 MiB: bench/README); a full-speed memset beside the send slowed
+    // large transfers.
     // In series (after the send, so the successor never waits for it) when ALLSCAN_FILL_CTAS=0 or a
     // buffer is not 16-byte aligned.
     const bool need_fill = !a->inclusive || a->init == nullptr;
