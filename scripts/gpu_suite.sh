@@ -3,7 +3,8 @@
 #
 #   scripts/gpu_suite.sh [stage ...]      (default: every stage)
 #
-# Stages: build tests perf perffill scanbench glatest glabench glatrain glatrain32 ulysses ulysses_host
+# Stages: build tests perf perffill perfab scanhost scanbench glakern glatest glabench glatrain glatrain32 ulysses
+#         ulysses_host (default: all but perfab, scanhost and glakern, the investigations)
 # Limits: TIMEOUT_<stage> or STAGE_TIMEOUT seconds per stage; KSWEEP=0 skips the K sweep of perf.
 # Logs and JSON go to $OUT (default ./gpu_out); a short table is printed last.
 # Needs: python3 with torch (CUDA), nvcc, cmake, ninja, pybind11, scikit-build-core; fla-core and
@@ -61,6 +62,23 @@ for s in $STAGES; do
       PERF=$(ls build/*/bench/allscan_perf 2>/dev/null | head -1)
       ALLSCAN_FILL_CTAS=0 run_stage perf_series "$PERF" -b 4K -e 256M -f 2 -g "$NGPU" -m pipelined -x chain -j "$OUT/perf_series.json"
       ;;
+    perfab)  # 2 MiB, P = NGPU: the scan against the bare send, by how the head writes its own result (issue 2)
+      PERF=$(ls build/*/bench/allscan_perf 2>/dev/null | head -1)
+      for i in 1 2; do
+        for v in "side8::-m pipelined -x chain" "series:0:-m pipelined -x chain" "side1:1:-m pipelined -x chain" \
+                 "side32:32:-m pipelined -x chain" "graph8::-m pipelined -x chain -G 5" "graph0:0:-m pipelined -x chain -G 5" \
+                 "side8_1M::-m pipelined -x chain -b 1M -e 4M"; do
+          name=ab_${v%%:*}_$i; rest=${v#*:}; ctas=${rest%%:*}
+          # shellcheck disable=SC2086
+          ALLSCAN_FILL_CTAS=${ctas:-8} run_stage "$name" "$PERF" -b 2M -e 2M -g "$NGPU" -N 11 ${rest#*:} > /dev/null
+          grep -E '^ +(1048576|2097152|4194304) ' "$OUT/$name.log" | sed "s/^/$name /" >> "$SUMMARY"
+        done
+      done
+      ;;
+    scanhost)  # host time of one scan call, piece by piece
+      run_stage scanhost torchrun --nproc-per-node "$NGPU" bench/scan_host.py --out "$OUT" ;;
+    glakern)  # tile sweep of the GLA incoming-state kernels (one GPU)
+      run_stage glakern python3 bench/gla_kernels.py --out "$OUT" ;;
     scanbench)
       run_stage scanbench torchrun --nproc-per-node "$NGPU" bench/scan_bench.py --out "$OUT" ;;
     glatest)
@@ -72,12 +90,19 @@ for s in $STAGES; do
     glatrain32)  # loss parity without bf16 rounding: fp32, IEEE matmuls, 2 layers, no throughput part
       run_stage glatrain32 torchrun --nproc-per-node "$NGPU" bench/gla_train.py --out "$OUT" --precision fp32 --layers 2 --tp-repeats 0 ;;
     ulysses)
-      run_stage ulysses torchrun --nproc-per-node "$NGPU" bench/ulysses_bench.py --out "$OUT" --tag nvlink ;;
+      run_stage ulysses torchrun --nproc-per-node "$NGPU" bench/ulysses_bench.py --out "$OUT" --tag nvlink ${ULYSSES_ARGS:-} ;;
     ulysses_host)
-      NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=0 run_stage ulysses_host torchrun --nproc-per-node "$NGPU" bench/ulysses_bench.py --out "$OUT" --tag host-staged ;;
+      NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=0 run_stage ulysses_host torchrun --nproc-per-node "$NGPU" bench/ulysses_bench.py --out "$OUT" --tag host-staged ${ULYSSES_ARGS:-} ;;
     *) note "unknown stage $s" ;;
   esac
 done
 # The device tool returns at most 8 files: pack everything but the summary into one archive.
-(cd "$OUT" && tar czf all.tgz --exclude=all.tgz --exclude=summary.txt . && find . -type f ! -name all.tgz ! -name summary.txt -delete)
+# The archive is written outside $OUT first: tar exits 1 ("file changed as we read it") when it
+# writes into the directory it reads, and the files were then neither packed nor removed.
+tgz=$(mktemp -u /tmp/allscan_out.XXXXXX).tgz
+if tar czf "$tgz" -C "$OUT" --exclude=summary.txt --exclude=all.tgz . && mv "$tgz" "$OUT/all.tgz"; then
+  find "$OUT" -type f ! -name all.tgz ! -name summary.txt -delete
+else
+  note "packing $OUT failed; the files are left as they are"
+fi
 echo; echo "=== summary"; cat "$SUMMARY"
