@@ -207,6 +207,50 @@ def _async_overlap(rank, P):
             "stream": timed(stream), "scan+stream": timed(with_scan(stream))}
 
 
+def _async_handles(rank, P):
+    """The async path's memory and handle rules: inputs freed right after the call and their memory
+    reused on the caller's stream, results waited for on another stream, handles dropped unwaited
+    (their events recycled), waited twice, polled."""
+    dev = torch.device("cuda", torch.cuda.current_device())
+    gen = torch.Generator(device=dev).manual_seed(5)
+    n = (16 << 20) // 4
+    xs = [torch.randn(n, generator=gen, device=dev) for _ in range(P)]
+    gs = [torch.rand(4, generator=gen, device=dev) for _ in range(P)]
+    ref = scan_reference([x.view(4, -1) for x in xs], gs)
+    busy = torch.randn(4096, 4096, device=dev)
+    for it in range(20):
+        x = xs[rank].clone().view(4, -1)
+        g = gs[rank].clone()
+        busy @ busy  # the side stream waits for this before reading x
+        h = allscan.scan(x, g, async_op=True)
+        del x, g  # freed while the scan may still read them ...
+        junk = [torch.full((n,), 7.0, device=dev) for _ in range(3)]  # ... and their memory handed out again
+        if it % 3 == 0:
+            s = torch.cuda.Stream()
+            s.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(s):
+                y = h.wait()
+                y2 = y.clone()
+            torch.cuda.current_stream().wait_stream(s)
+        else:
+            y = h.wait()
+            y2 = y.clone()
+        assert h.wait() is y  # a second wait is harmless
+        torch.cuda.synchronize()
+        assert h.is_completed()
+        torch.testing.assert_close(y2, ref[rank], rtol=1e-6, atol=1e-6, msg=lambda m: f"iteration {it}: {m}")
+        del junk
+        dropped = allscan.scan(xs[rank].view(4, -1), gs[rank], async_op=True)  # never waited for
+        del dropped
+    torch.cuda.synchronize()
+    return True
+
+
+def test_async_handles_and_memory():
+    _need(2)
+    assert run_distributed(_async_handles, 2, backend="nccl", timeout=300) == [True, True]
+
+
 @pytest.fixture(scope="module")
 def async_times():
     _need(2)

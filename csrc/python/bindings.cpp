@@ -3,9 +3,14 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <cuda_runtime.h>
+
 #include <cstdint>
+#include <mutex>
 #include <stdexcept>
 #include <string>
+#include <unordered_map>
+#include <vector>
 
 #include "allscan/allscan.h"
 
@@ -45,6 +50,51 @@ allscanScanArgs_t makeArgs(std::uintptr_t x, std::uintptr_t y, size_t count, int
   a.num_blocks = num_blocks;
   a.method = static_cast<allscanMethod_t>(method);
   return a;
+}
+
+void checkCuda(cudaError_t e, const char* what) {
+  if (e != cudaSuccess) throw std::runtime_error(std::string("allscan: ") + what + ": " + cudaGetErrorString(e));
+}
+
+// Events for the Python async path (scan(async_op=True)): the side stream waits for the caller's
+// stream and the handle waits for the side stream through these, a few microseconds less per call
+// than torch.cuda's Python wrappers. Recycled per device; an event goes back to the pool as soon as
+// the wait on it is enqueued (cudaStreamWaitEvent captures the record it waits for). Leaked at exit
+// on purpose: destroying CUDA objects during interpreter shutdown can run after the driver is gone.
+struct EventPool {
+  std::mutex mu;
+  std::unordered_map<int, std::vector<cudaEvent_t>> free;
+};
+
+EventPool& pool() {
+  static EventPool* p = new EventPool;
+  return *p;
+}
+
+int currentDevice() {
+  int dev = 0;
+  checkCuda(cudaGetDevice(&dev), "cudaGetDevice");
+  return dev;
+}
+
+cudaEvent_t acquireEvent(int dev) {
+  {
+    std::lock_guard<std::mutex> lk(pool().mu);
+    auto& v = pool().free[dev];
+    if (!v.empty()) {
+      cudaEvent_t e = v.back();
+      v.pop_back();
+      return e;
+    }
+  }
+  cudaEvent_t e = nullptr;
+  checkCuda(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "cudaEventCreateWithFlags");
+  return e;
+}
+
+void releaseEvent(int dev, cudaEvent_t e) {
+  std::lock_guard<std::mutex> lk(pool().mu);
+  pool().free[dev].push_back(e);
 }
 
 }  // namespace
@@ -144,6 +194,36 @@ PYBIND11_MODULE(_C, m) {
           check(allscanNeighborExchange(ptr<allscanComm>(c), ptr<const void>(send), ptr<void>(recv), bytes, reverse ? 1 : 0,
                                         chain ? 1 : 0, ptr<CUstream_st>(stream)));
         });
+
+  // Stream ordering for the async path (current device; streams as integers).
+  m.def("stream_wait", [](std::uintptr_t waiter, std::uintptr_t src) {
+    const int dev = currentDevice();
+    cudaEvent_t e = acquireEvent(dev);
+    cudaError_t r = cudaEventRecord(e, ptr<CUstream_st>(src));
+    if (r == cudaSuccess) r = cudaStreamWaitEvent(ptr<CUstream_st>(waiter), e, 0);
+    releaseEvent(dev, e);
+    checkCuda(r, "stream_wait");
+  });
+  m.def("event_record", [](std::uintptr_t stream) {
+    const int dev = currentDevice();
+    cudaEvent_t e = acquireEvent(dev);
+    cudaError_t r = cudaEventRecord(e, ptr<CUstream_st>(stream));
+    if (r != cudaSuccess) {
+      releaseEvent(dev, e);
+      checkCuda(r, "event_record");
+    }
+    return py::make_tuple(dev, reinterpret_cast<std::uintptr_t>(e));
+  });
+  m.def("event_wait", [](std::uintptr_t stream, std::uintptr_t e) {
+    checkCuda(cudaStreamWaitEvent(ptr<CUstream_st>(stream), ptr<CUevent_st>(e), 0), "event_wait");
+  });
+  m.def("event_query", [](std::uintptr_t e) {
+    cudaError_t r = cudaEventQuery(ptr<CUevent_st>(e));
+    if (r == cudaErrorNotReady) return false;
+    checkCuda(r, "event_query");
+    return true;
+  });
+  m.def("event_release", [](int dev, std::uintptr_t e) { releaseEvent(dev, ptr<CUevent_st>(e)); });
 
   bind_a2a(m);
 }

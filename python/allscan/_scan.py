@@ -201,7 +201,9 @@ def _prepare(x, g, init, group, reverse, inclusive, num_blocks, method) -> _Plan
     return _Plan(comm, dt, gdt, midx, ws)
 
 
-def _run(x, g, init, group_name, reverse, inclusive, num_blocks, method, group=None) -> torch.Tensor:
+def _run(x, g, init, group_name, reverse, inclusive, num_blocks, method, group=None, stream=None) -> torch.Tensor:
+    """The scan on the caller's current stream, or on ``stream`` (a torch.cuda.Stream of x's device,
+    NCCL path only: the async fast path)."""
     if group is None:
         group = _comm.resolve_group(group_name)
     key = (group_name, id(group), x.device, x.shape, x.dtype, None if g is None else (g.shape, g.dtype),
@@ -219,8 +221,8 @@ def _run(x, g, init, group_name, reverse, inclusive, num_blocks, method, group=N
         return _dist.scan(x, g, init, group, reverse, inclusive, num_blocks, method)
     if x.device.index != torch.cuda.current_device():
         with torch.cuda.device(x.device):  # the core launches on the current device
-            return _nccl_launch(plan, x, g, init, reverse, inclusive, num_blocks)
-    return _nccl_launch(plan, x, g, init, reverse, inclusive, num_blocks)
+            return _nccl_launch(plan, x, g, init, reverse, inclusive, num_blocks, stream)
+    return _nccl_launch(plan, x, g, init, reverse, inclusive, num_blocks, stream)
 
 
 # The current stream's handle without building a torch.cuda.Stream object (a few microseconds per
@@ -234,7 +236,7 @@ def _stream_ptr(device: torch.device) -> int:
     return torch.cuda.current_stream(device).cuda_stream
 
 
-def _nccl_launch(plan, x, g, init, reverse, inclusive, num_blocks) -> torch.Tensor:
+def _nccl_launch(plan, x, g, init, reverse, inclusive, num_blocks, stream=None) -> torch.Tensor:
     from . import _C
 
     y = torch.empty_like(x)
@@ -244,8 +246,11 @@ def _nccl_launch(plan, x, g, init, reverse, inclusive, num_blocks) -> torch.Tens
     _C.scan(
         plan.comm.handle, x.data_ptr(), y.data_ptr(), x.numel(), plan.dt, 0 if g is None else g.data_ptr(),
         0 if g is None else g.numel(), plan.gdt, 0 if init is None else init.data_ptr(), reverse, inclusive,
-        num_blocks, plan.midx, 0 if ws is None else ws.data_ptr(), plan.ws_bytes, _stream_ptr(x.device),
+        num_blocks, plan.midx, 0 if ws is None else ws.data_ptr(), plan.ws_bytes,
+        _stream_ptr(x.device) if stream is None else stream.cuda_stream,
     )
+    if ws is not None and stream is not None:
+        ws.record_stream(stream)  # allocated on the current stream, used on `stream`: freed after it
     return y
 
 
@@ -336,20 +341,43 @@ class ScanHandle:
     """What ``scan(..., async_op=True)`` returns. ``wait()`` returns the result; on CUDA it makes the
     current stream wait for the side stream the scan ran on (the host does not block)."""
 
-    def __init__(self, result: torch.Tensor, event: Optional["torch.cuda.Event"] = None):
+    def __init__(self, result: torch.Tensor, event: Optional["torch.cuda.Event"] = None, raw=None):
         self._result = result
         self._event = event
+        self._raw = raw  # (device, pooled cudaEvent_t) from the fast path
 
     def is_completed(self) -> bool:
+        if self._raw is not None:
+            from . import _C
+            return _C.event_query(self._raw[1])
         return self._event is None or self._event.query()
 
     def wait(self) -> torch.Tensor:
+        if self._raw is not None:
+            from . import _C
+            dev, ev = self._raw
+            self._raw = None
+            try:
+                _C.event_wait(_stream_ptr(self._result.device), ev)
+            finally:
+                _C.event_release(dev, ev)
+            self._event = None
+            return self._result
         if self._event is not None:
             cur = torch.cuda.current_stream(self._result.device)
             cur.wait_event(self._event)
             # The result was allocated on the side stream; it is now used on this one too.
             self._result.record_stream(cur)
         return self._result
+
+    def __del__(self):
+        raw = getattr(self, "_raw", None)
+        if raw is not None:  # never waited for: the event goes back to the pool
+            try:
+                from . import _C
+                _C.event_release(*raw)
+            except Exception:  # noqa: BLE001 - interpreter shutdown
+                pass
 
 
 _side_streams: Dict[int, "torch.cuda.Stream"] = {}
@@ -435,6 +463,19 @@ def scan(
     if not (x.is_cuda and _comm.uses_nccl(group, x)):
         # The torch.distributed path computes on the host thread; the handle is complete at once.
         return ScanHandle(_scan_impl(x, g, i0, name, reverse, inclusive, k, method, group))
+    if (_raw_stream is not None and not torch.compiler.is_compiling() and x.device.index == torch.cuda.current_device()
+            and not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, g, i0)))):
+        # Nothing to differentiate, eager: the scan goes to the side stream by handle, without
+        # switching torch's current stream (tens of microseconds of Python per call otherwise).
+        from . import _C
+        side = _side_stream(x.device)
+        _C.stream_wait(side.cuda_stream, _raw_stream(x.device.index))
+        out = _run(x, g, i0, name, reverse, inclusive, k, method, group, stream=side)
+        raw = _C.event_record(side.cuda_stream)
+        for t in (x, g, i0, out):
+            if t is not None:
+                t.record_stream(side)  # freed only after the side stream is done with them
+        return ScanHandle(out, raw=raw)
     cur = torch.cuda.current_stream(x.device)
     side = _side_stream(x.device)
     side.wait_stream(cur)

@@ -1,0 +1,100 @@
+"""Host (CPU) time of one allscan.scan call, piece by piece, on the NCCL path.
+
+    torchrun --nproc-per-node 2 bench/scan_host.py [--out DIR]
+
+The time the calling thread spends issuing one scan of a [1, 16, 128, 128] fp32 state (a GLA state)
+with a [1, 16, 128] decay, median over 200 calls, at four depths of the API: the C++ core alone
+(``_C.scan`` through the cached plan), ``_run`` (plan lookup + core), ``scan()`` and
+``scan(async_op=True)`` with ``wait()``; each with the GPU idle and with the GPU busy (a long matmul
+queued first, so the host runs ahead of the device, as inside a model). Baselines: ``torch.empty_like``
+and an elementwise op on this host. Then cProfile of 100 async calls. Prints a table; JSON to --out.
+"""
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import os
+import pstats
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--calls", type=int, default=200)
+    args = ap.parse_args()
+    import torch
+    import torch.distributed as dist
+
+    import allscan
+    import allscan._scan as S
+
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    torch.cuda.set_device(local)
+    dev = torch.device("cuda", local)
+    dist.init_process_group("nccl", device_id=dev)
+    group = dist.group.WORLD
+    rank = dist.get_rank()
+    x = torch.randn(1, 16, 128, 128, device=dev)
+    g = torch.rand(1, 16, 128, device=dev)
+    name = group.group_name
+    allscan.scan(x, g, group)  # prepares the plan, checks the signature
+    allscan.scan(x, g, group, async_op=True).wait()
+    key = [k for k in S._plans if k[0] == name and k[3] == x.shape][0]
+    plan = S._plans[key]
+    big = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
+
+    pieces = {
+        "torch.empty_like": lambda: torch.empty_like(x),
+        "elementwise x * 2": lambda: x * 2,
+        "core (_C.scan via the plan)": lambda: S._nccl_launch(plan, x, g, None, False, False, 0),
+        "_run (plan lookup + core)": lambda: S._run(x, g, None, name, False, False, 0, "pipelined", group),
+        "scan()": lambda: allscan.scan(x, g, group),
+        "scan(async_op=True).wait()": lambda: allscan.scan(x, g, group, async_op=True).wait(),
+    }
+    res = {}
+    for busy in (False, True):
+        for label, fn in pieces.items():
+            dist.barrier()
+            torch.cuda.synchronize()
+            if busy:
+                for _ in range(6):
+                    big @ big  # ~ several ms of queued work: the host runs ahead
+            ts = []
+            for _ in range(args.calls):
+                t0 = time.perf_counter()
+                fn()
+                ts.append(time.perf_counter() - t0)
+            torch.cuda.synchronize()
+            res[f"{label} [{'busy' if busy else 'idle'} GPU]"] = statistics.median(ts) * 1e6
+    dist.barrier()
+    pr = cProfile.Profile()
+    pr.enable()
+    for _ in range(100):
+        allscan.scan(x, g, group, async_op=True).wait()
+    pr.disable()
+    torch.cuda.synchronize()
+    buf = io.StringIO()
+    pstats.Stats(pr, stream=buf).sort_stats("tottime").print_stats(18)
+    if rank == 0:
+        print("host time per call, median of %d calls (us):" % args.calls)
+        for k, v in res.items():
+            print(f"  {k:52s} {v:8.1f}")
+        print(buf.getvalue())
+        if args.out:
+            os.makedirs(args.out, exist_ok=True)
+            with open(os.path.join(args.out, "scan_host.json"), "w") as f:
+                json.dump(dict(bench="scan_host", device=torch.cuda.get_device_name(dev), calls=args.calls,
+                               host_us=res, command="torchrun --nproc-per-node 2 bench/scan_host.py"), f, indent=1)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
