@@ -12,6 +12,8 @@ repeats:
 
     ideal        fla ``chunk_gla`` on the local shard alone, no communication (the floor)
     zeco         ``zeco_gla(method="zeco")``: pipelined All-Scan overlapped with the local work
+    zeco_corr    the same with the incoming state applied by the separate correction kernel after
+                 fla's output kernel (``set_fused_output(False)``), instead of folded into the output
     lasp2        ``zeco_gla(method="lasp2")``: all-gather of every rank's state (LASP-2 pattern)
     lasp1        ``zeco_gla(method="lasp1")``: serial chain of the states, waited for (LASP-1's
                  communication pattern; the local work is still parallel)
@@ -41,7 +43,7 @@ import statistics
 import sys
 import time
 
-ROWS = ["ideal", "zeco", "lasp2", "lasp1", "lasp1_strict"]
+ROWS = ["ideal", "zeco", "zeco_corr", "lasp2", "lasp1", "lasp1_strict"]
 
 
 def _lasp1_strict_fn():
@@ -99,7 +101,7 @@ def run(args):
     import torch.distributed as dist
     from fla.ops.gla import chunk_gla
 
-    from allscan.layers._gla_local import limit_fla_autotune
+    from allscan.layers._gla_local import limit_fla_autotune, set_fused_output
     from allscan.layers.gla import zeco_gla
 
     local = int(os.environ.get("LOCAL_RANK", "0"))
@@ -130,6 +132,12 @@ def run(args):
                 o, _ = chunk_gla(q, k, v, g)
             elif name == "lasp1_strict":
                 o = lasp1_strict(q, k, v, g, group)
+            elif name == "zeco_corr":
+                set_fused_output(False)
+                try:
+                    o, _ = zeco_gla(q, k, v, g, group, method="zeco")
+                finally:
+                    set_fused_output(True)
             else:
                 o, _ = zeco_gla(q, k, v, g, group, method=name)
             grads = torch.autograd.grad(o, ins, do)
@@ -213,6 +221,78 @@ def run(args):
     dist.destroy_process_group()
 
 
+def _stage_host_times(fwd_bwd, calls: int = 8):
+    """Host time per stage of a zeco fwd+bwd (microseconds per call, no synchronisation inside):
+    each backend stage and the scans are wrapped in a timer for ``calls`` calls. ``glue`` is what
+    the forward/backward bodies spend outside the stages, ``outside`` what the call spends outside
+    them (argument checks, autograd)."""
+    import torch
+
+    import allscan._scan as S
+    import allscan.layers.gla as G
+    from allscan.layers._gla_local import FlaGLA
+
+    acc: dict = {}
+    restore = []
+
+    def wrap(owner, name, label, static):
+        raw = owner.__dict__[name]
+        fn = getattr(owner, name)
+
+        def timed(*a, **kw):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                acc[label] = acc.get(label, 0.0) + time.perf_counter() - t0
+
+        setattr(owner, name, staticmethod(timed) if static else timed)
+        restore.append((owner, name, raw))
+
+    for st in ("fwd_states", "shard_gamma", "fwd_intra", "fwd_output_with_state", "fwd_output", "correct",
+               "bwd_begin", "xgrad", "bwd_prepare", "bwd_finish"):
+        wrap(FlaGLA, st, st, True)
+    wrap(G._ZecoGLA, "_forward", "forward body", True)
+    wrap(G._ZecoGLA, "_backward", "backward body", True)
+    orig_scan = G._scan
+
+    def timed_scan(*a, **kw):
+        t0 = time.perf_counter()
+        try:
+            return orig_scan(*a, **kw)
+        finally:
+            acc["scan issue"] = acc.get("scan issue", 0.0) + time.perf_counter() - t0
+
+    G._scan = timed_scan
+    wrap(S.ScanHandle, "wait", "scan wait", False)
+    try:
+        fwd_bwd("zeco")
+        torch.cuda.synchronize()
+        acc.clear()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fwd_bwd("zeco")
+        total = time.perf_counter() - t0
+        torch.cuda.synchronize()
+    finally:
+        G._scan = orig_scan
+        for owner, name, raw in restore:
+            setattr(owner, name, raw)
+    us = {k: v / calls * 1e6 for k, v in acc.items()}
+    fstages = ("fwd_states", "shard_gamma", "fwd_intra", "fwd_output_with_state", "fwd_output", "correct")
+    bstages = ("bwd_begin", "xgrad", "bwd_prepare", "bwd_finish")
+    scans = us.get("scan issue", 0.0) + us.get("scan wait", 0.0)
+    body = us.get("forward body", 0.0) + us.get("backward body", 0.0)
+    rows = [(k, us.get(k, 0.0)) for k in fstages + bstages + ("scan issue", "scan wait")]
+    rows.append(("glue (bodies minus stages and scans)",
+                 body - sum(us.get(k, 0.0) for k in fstages + bstages) - scans))
+    rows.append(("outside the bodies (checks, autograd)", total / calls * 1e6 - body))
+    out = [f"--- zeco: host time per stage, us per fwd+bwd call ({calls} calls, total "
+           f"{total / calls * 1e6:.0f} us)"]
+    out += [f"  {k:40s} {v:9.1f}" for k, v in rows]
+    return out
+
+
 def _profile(fwd_bwd, T, rank, world, outdir):
     """Where a row's time goes, for ``ideal`` and ``zeco``: the host's issue time per call (no
     synchronisation inside; a row whose issue time exceeds its GPU time is host-bound) and
@@ -252,6 +332,7 @@ def _profile(fwd_bwd, T, rank, world, outdir):
             lines.append(buf.getvalue())
             lines.append(f"--- {n}: 2 calls, sorted by self CUDA time")
             lines.append(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=30, max_name_column_width=60))
+    lines += _stage_host_times(fwd_bwd)
     text = "\n".join(lines)
     print(text, file=sys.stderr, flush=True)
     if rank == world - 1:
@@ -280,24 +361,30 @@ def _table(out):
     return by
 
 
+def _names(by):
+    """The rows every T_local has (older result files lack the newer rows)."""
+    return [n for n in ROWS if all(n in rows for rows in by.values())]
+
+
 def report(out):
     by = _table(out)
     print(f"\nGLA fwd+bwd, P={out['world']}, B={out['B']}, H={out['H']}, K=V={out['K']}, {out['dtype']} "
           f"(slowest rank, median of {out['repeats']} repeats x {out['inner']} calls; fla autotune "
           f"{out.get('fla_autotune', 'full')!r}), ms:")
-    hdr = f"{'T_local':>8} " + " ".join(f"{n:>12}" for n in ROWS) + \
+    names = _names(by)
+    hdr = f"{'T_local':>8} " + " ".join(f"{n:>12}" for n in names) + \
         f" {'zeco/ideal':>10} {'lasp1/zeco':>10} {'l1strict/z':>10} {'lasp2/zeco':>10}"
     print(hdr)
     goals = []
     for T, rows in sorted(by.items()):
-        ms = {n: rows[n]["ms"] for n in ROWS}
+        ms = {n: rows[n]["ms"] for n in names}
         z = ms["zeco"]
-        print(f"{T:>8} " + " ".join(f"{ms[n]:>12.3f}" for n in ROWS) +
+        print(f"{T:>8} " + " ".join(f"{ms[n]:>12.3f}" for n in names) +
               f" {z / ms['ideal']:>10.3f} {ms['lasp1'] / z:>10.2f} {ms['lasp1_strict'] / z:>10.2f}"
               f" {ms['lasp2'] / z:>10.3f}")
         goals.append((T, z / ms["ideal"], ms["lasp1"] / z, ms["lasp1_strict"] / z, ms["lasp2"] / z))
     print("peak memory above inputs (MiB): " + "; ".join(
-        f"T={T}: " + ", ".join(f"{n} {rows[n]['peak_mib']:.0f}" for n in ROWS) for T, rows in sorted(by.items())))
+        f"T={T}: " + ", ".join(f"{n} {rows[n]['peak_mib']:.0f}" for n in names) for T, rows in sorted(by.items())))
     print("goals:")
     for T, zi, l1, l1s, l2 in goals:
         print(f"  T_local={T}: zeco/ideal {zi:.3f} ({'met' if zi <= 1.03 else 'MISSED'} <= 1.03); "
@@ -321,8 +408,9 @@ def plot(out, outdir):
     Ts = sorted(by)
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     x = range(len(Ts))
-    w = 0.8 / len(ROWS)
-    for i, n in enumerate(ROWS):
+    names = _names(by)
+    w = 0.8 / len(names)
+    for i, n in enumerate(names):
         axes[0].bar([j + i * w for j in x], [by[T][n]["ms"] for T in Ts], w, label=n)
         axes[1].bar([j + i * w for j in x], [by[T][n]["ms"] / by[T]["ideal"]["ms"] for T in Ts], w, label=n)
     for ax in axes:

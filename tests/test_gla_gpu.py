@@ -253,3 +253,125 @@ def test_zeco_gla_matches_fla_whole_sequence(dtype_name):
         if not v <= bound:
             bad[key] = (v, bound)
     assert not bad, f"RMS error ratio above the bound ({dtype_name}; (error, bound)): {bad}"
+
+
+def test_chunk_offsets_kernel_matches_torch():
+    """The one-launch Triton prefix of the chunk decays against the torch-op reference, at segment
+    lengths that end inside a chunk, span several 64-chunk tiles, and K not a power of two."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    try:
+        from allscan.layers._gla_triton import chunk_offsets, chunk_offsets_torch
+    except Exception as e:  # noqa: BLE001
+        pytest.skip(f"needs Triton: {e}")
+    dev = torch.device("cuda", 0)
+    g = torch.Generator(device=dev).manual_seed(3)
+    for B, T, H, K, BT, L1 in [(1, 8192, 4, 128, 64, 8192), (2, 300, 3, 48, 16, 250),
+                               (1, 64 * 130 + 5, 2, 64, 64, 64 * 130 + 5), (1, 100, 2, 16, 64, 1)]:
+        raw = torch.nn.functional.logsigmoid(torch.randn(B, T, H, K, generator=g, device=dev)) / 16
+        # chunk-local cumulative log2 decays, as fla's chunk_local_cumsum makes them
+        NT = (T + BT - 1) // BT
+        pad = torch.zeros(B, NT * BT, H, K, device=dev)
+        pad[:, :T] = raw
+        gc = (pad.view(B, NT, BT, H, K).cumsum(2) / 0.6931471805599453).view(B, NT * BT, H, K)[:, :T].contiguous()
+        off, e = chunk_offsets(gc, L1, BT)
+        off_ref, e_ref = chunk_offsets_torch(gc, L1, BT)
+        assert off.shape == off_ref.shape and e.shape == e_ref.shape
+        torch.testing.assert_close(off, off_ref, rtol=1e-5, atol=1e-4, msg=lambda m: f"{(B, T, H, K, BT, L1)}: {m}")
+        torch.testing.assert_close(e, e_ref, rtol=1e-4, atol=1e-30, msg=lambda m: f"{(B, T, H, K, BT, L1)}: {m}")
+
+
+@pytest.mark.parametrize("tiles", [None, dict(BK=128, BV=128, num_warps=8), dict(BK=16, BV=32, num_warps=4)])
+def test_incoming_state_kernels_match_torch(tiles):
+    """The fused forward correction and backward state gradient against the torch-op reference, at
+    the default tiles and others (K sliced or whole, V split), K and V not powers of two, a first
+    segment shorter than the shard."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    try:
+        from allscan.layers import _gla_triton as GT
+        from allscan.layers._gla_local import torch_correct_, torch_state_grad
+    except Exception as e:  # noqa: BLE001
+        pytest.skip(f"needs Triton: {e}")
+    dev = torch.device("cuda", 0)
+    gen = torch.Generator(device=dev).manual_seed(11)
+    for B, T, H, K, V, L1, BT in [(1, 1024, 2, 128, 128, 1024, 64), (2, 200, 3, 48, 80, 130, 16)]:
+        q = torch.randn(B, T, H, K, device=dev, generator=gen).to(torch.bfloat16)
+        do = torch.randn(B, T, H, V, device=dev, generator=gen).to(torch.bfloat16)
+        o0 = torch.randn(B, T, H, V, device=dev, generator=gen)  # fp32: the comparison sees the dot's error
+        g = torch.nn.functional.logsigmoid(torch.randn(B, T, H, K, device=dev, generator=gen)) / 16
+        NT = (T + BT - 1) // BT
+        pad = torch.zeros(B, NT * BT, H, K, device=dev)
+        pad[:, :T] = g
+        gc = (pad.view(B, NT, BT, H, K).cumsum(2) / 0.6931471805599453).view(B, NT * BT, H, K)[:, :T].contiguous()
+        S = torch.randn(B, H, K, V, device=dev, generator=gen) / K
+        scale = K ** -0.5
+        o_ref = o0.clone()
+        e_ref = torch_correct_(q, g, o_ref, S, scale, L1)
+        X_ref, _ = torch_state_grad(q, g, do, scale, L1)
+        o = o0.clone()
+        e = GT.correct_output_(o, q, gc, S, scale, L1, BT, tiles=tiles)
+        X, e2 = GT.state_grad(q, gc, do, scale, L1, BT, tiles=tiles)
+        case = (B, T, H, K, V, L1, BT, tiles)
+        d_ref = (o_ref.float() - o0.float())
+        err_o = ((o.float() - o_ref.float()).norm() / d_ref.norm()).item()
+        err_x = ((X - X_ref).norm() / X_ref.norm()).item()
+        # tf32 dots (Triton's default) against an fp32 einsum
+        assert err_o < 5e-3, f"{case}: forward correction rel err {err_o:.3g}"
+        assert err_x < 5e-3, f"{case}: state gradient rel err {err_x:.3g}"
+        assert torch.equal(o[:, L1:], o0[:, L1:]), f"{case}: tokens after the first segment were touched"
+        torch.testing.assert_close(e, e_ref.reshape(e.shape).float(), rtol=1e-4, atol=1e-30)
+        torch.testing.assert_close(e2, e, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("varlen", [False, True])
+def test_output_with_state_matches_fla_output_plus_correction(varlen):
+    """The output kernel with the incoming state folded in against fla's output kernel followed by
+    the torch-op correction, with and without packing (the state reaches the first sequence only)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    try:
+        from fla.ops.common.chunk_h import chunk_fwd_h
+        from fla.ops.gla import chunk as fgc
+        from fla.ops.utils import prepare_chunk_indices
+        from fla.ops.utils.constant import RCP_LN2
+        from fla.ops.utils.cumsum import chunk_local_cumsum
+
+        from allscan.layers import _gla_triton as GT
+        from allscan.layers._gla_local import limit_fla_autotune, torch_correct_
+    except Exception as e:  # noqa: BLE001
+        pytest.skip(f"needs fla-core and Triton: {e}")
+    limit_fla_autotune("one")
+    dev = torch.device("cuda", 0)
+    gen = torch.Generator(device=dev).manual_seed(21)
+    B, T, H, K, V, BT = (1, 700, 2, 128, 64, 64) if varlen else (2, 1000, 3, 64, 128, 64)
+    cu = torch.tensor([0, 300, 310, 700], device=dev) if varlen else None
+    ci = prepare_chunk_indices(cu, BT) if varlen else None
+    L1 = 300 if varlen else T
+    q, k = (torch.randn(B, T, H, K, device=dev, generator=gen).to(torch.bfloat16) for _ in range(2))
+    v = torch.randn(B, T, H, V, device=dev, generator=gen).to(torch.bfloat16)
+    # slow decays: the incoming state reaches the whole first segment with a weight comparable to
+    # the local output's, so a wrong or missing state term cannot hide in the rounding
+    g = -1e-3 * torch.rand(B, T, H, K, device=dev, generator=gen)
+    S = 32 * torch.randn(B, H, K, V, device=dev, generator=gen)  # the size of a state after ~1000 tokens
+    scale = K ** -0.5
+    gcum = chunk_local_cumsum(g, BT, scale=RCP_LN2, cu_seqlens=cu)
+    h, _ = chunk_fwd_h(k=k, v=v, g=None, gk=gcum, gv=None, h0=None, output_final_state=False, cu_seqlens=cu,
+                       chunk_size=BT, states_in_fp32=False)
+    A = fgc.chunk_gla_fwd_intra_gk(q=q, k=k, g=gcum, scale=scale, cu_seqlens=cu, chunk_size=BT, chunk_indices=ci)
+    o_fla = fgc.chunk_gla_fwd_o_gk(q=q, v=v, g=gcum, A=A, h=h, scale=scale, cu_seqlens=cu, chunk_size=BT,
+                                   chunk_indices=ci)
+    o_ref = o_fla.float()
+    torch_correct_(q, g, o_ref, S, scale, L1)
+    o = GT.output_with_state(q, v, gcum, A, h, S, scale, BT, GT.chunk_offsets(gcum, L1, BT), cu_seqlens=cu,
+                             chunk_indices=ci)
+    torch.cuda.synchronize()
+
+    def rms(a, b):
+        return ((a.float() - b.float()).pow(2).mean().sqrt() / b.float().pow(2).mean().sqrt()).item()
+
+    head, tail = o[:, :L1], o[:, L1:]
+    assert rms(o_ref[:, :L1], o_fla[:, :L1]) > 0.3, "the test state is too small to show the correction"
+    assert rms(head, o_ref[:, :L1]) < 1e-2, f"varlen={varlen}: first segment off by {rms(head, o_ref[:, :L1]):.3g}"
+    if varlen:
+        assert rms(tail, o_fla[:, L1:]) < 1e-2, f"later sequences off by {rms(tail, o_fla[:, L1:]):.3g}"

@@ -229,17 +229,26 @@ class TorchGLA:
         return dq, dk, dv, dg, dh0s
 
 
-_FUSED = {"ok": os.environ.get("ALLSCAN_GLA_FUSED", "1") != "0"}
+_FUSED = {"ok": os.environ.get("ALLSCAN_GLA_FUSED", "1") != "0",
+          "output": os.environ.get("ALLSCAN_GLA_FUSED_OUTPUT", "1") != "0"}
 
 
 def _fused_ok():
     return _FUSED["ok"]
 
 
-def _fused_failed(e):
-    _FUSED["ok"] = False
-    warnings.warn(f"allscan.layers.gla: the fused Triton correction failed ({type(e).__name__}: {e}); "
-                  f"using torch ops from now on")
+def _fused_failed(e, which="ok"):
+    _FUSED[which] = False
+    what = "output kernel (with the incoming state folded in)" if which == "output" else "correction"
+    instead = "fla's output kernel and the separate correction" if which == "output" else "torch ops"
+    warnings.warn(f"allscan.layers.gla: the fused Triton {what} failed ({type(e).__name__}: {e}); "
+                  f"using {instead} from now on")
+
+
+def set_fused_output(enabled: bool) -> None:
+    """Fold the incoming state into the output kernel (default) or apply it afterwards with the
+    separate correction kernel (benchmarks compare both; ``ALLSCAN_GLA_FUSED_OUTPUT=0`` sets it off)."""
+    _FUSED["output"] = bool(enabled)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -403,15 +412,53 @@ class FlaGLA:
         return o
 
     @staticmethod
+    def fused_output_ok():
+        return _fused_ok() and _FUSED["output"]
+
+    @staticmethod
+    def fwd_intra(st, q, k, scale):
+        """The intra-chunk attention only: what the forward computes while the incoming state is in
+        flight, when the output is then made by :meth:`fwd_output_with_state`."""
+        m = FlaGLA._mods()
+        st.A = m.gla.chunk_gla_fwd_intra_gk(q=q, k=k, g=st.gcum, scale=scale, cu_seqlens=st.cu,
+                                            chunk_size=st.BT, chunk_indices=st.ci)
+
+    @staticmethod
+    def fwd_output_with_state(st, q, v, S_in, scale, L1):
+        """The output with the incoming state of the first local segment folded in (one kernel);
+        returns (o, the segment's total decay as a state multiplier). None if the kernel failed (the
+        caller then takes fla's output kernel and the separate correction)."""
+        try:
+            from ._gla_triton import output_with_state
+            offs = FlaGLA._offsets(st, L1)
+            o = output_with_state(q, v, st.gcum, st.A, st.h, S_in, scale, st.BT, offs, cu_seqlens=st.cu,
+                                  chunk_indices=st.ci)
+        except Exception as e:  # noqa: BLE001 - a Triton failure must not stop training
+            _fused_failed(e, "output")
+            return None
+        st.h = None
+        return o, offs[1].unsqueeze(-1)
+
+    @staticmethod
     def saved(st):
         return st.A
+
+    @staticmethod
+    def _offsets(st, L1):
+        """chunk_offsets of the forward's gates over the first L1 tokens, computed once per forward
+        (the All-Scan's decay and the output correction use the same ones)."""
+        from ._gla_triton import chunk_offsets
+        if getattr(st, "offs_L1", None) != L1:
+            st.offs, st.offs_L1 = chunk_offsets(st.gcum, L1, st.BT), L1
+        return st.offs
 
     @staticmethod
     def correct(st, q, g, o, S_in, scale, L1):
         if _fused_ok():
             try:
                 from ._gla_triton import correct_output_
-                return correct_output_(o, q, st.gcum, S_in, scale, L1, st.BT).unsqueeze(-1)
+                return correct_output_(o, q, st.gcum, S_in, scale, L1, st.BT,
+                                       offsets=FlaGLA._offsets(st, L1)).unsqueeze(-1)
             except Exception as e:  # noqa: BLE001 - a Triton failure must not stop training
                 _fused_failed(e)
         return torch_correct_(q, g, o, S_in, scale, L1)
@@ -419,8 +466,7 @@ class FlaGLA:
     @staticmethod
     def shard_gamma(st, g):
         # the shard is one segment here; its total decay from fla's chunk-local cumulative gates
-        from ._gla_triton import chunk_offsets
-        e = torch.exp2(chunk_offsets(st.gcum, st.gcum.shape[1], st.BT)[1])  # [B, H, K]
+        e = FlaGLA._offsets(st, st.gcum.shape[1])[1]  # [B, H, K]
         return e[..., 0].contiguous() if g.dim() == 3 else e  # simple GLA: [B, H], as on every other rank
 
     @staticmethod

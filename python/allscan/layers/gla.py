@@ -204,13 +204,26 @@ class _ZecoGLA(torch.autograd.Function):
                 S_in = _scan(x, gamma, plan.group, method=smethod)
             else:
                 handle = _scan(x, gamma, plan.group, method=smethod, async_op=True)
-        o = be.fwd_output(st, q, k, v, gf, scale, plan.bounds)
-        if handle is not None:
-            S_in = handle.wait()
-
         finals = list(st.finals)
+        fused = None
+        if plan.continued and getattr(be, "fused_output_ok", lambda: False)():
+            # The intra-chunk part runs while the state is in flight; then one output kernel with
+            # the incoming state folded in (no second pass over q, the decays and o).
+            be.fwd_intra(st, q, k, scale)
+            if handle is not None:
+                S_in = handle.wait()
+            fused = be.fwd_output_with_state(st, q, v, S_in, scale, plan.bounds[1])
+            if fused is not None:
+                o, evec = fused
+            else:
+                o = be.fwd_output(st, q, k, v, gf, scale, plan.bounds)
+        else:
+            o = be.fwd_output(st, q, k, v, gf, scale, plan.bounds)
+            if handle is not None:
+                S_in = handle.wait()
         if plan.continued:  # the incoming state's contribution to the first segment, no recomputation
-            evec = be.correct(st, q, g, o, S_in, scale, plan.bounds[1])
+            if fused is None:
+                evec = be.correct(st, q, g, o, S_in, scale, plan.bounds[1])
             finals[0] = finals[0] + _scale_state(S_in, evec)
 
         final = None

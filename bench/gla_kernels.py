@@ -1,0 +1,143 @@
+"""Tile sweep of the incoming-state kernels of sequence-parallel GLA on one GPU.
+
+    python3 bench/gla_kernels.py --out bench/results/<run>/gla
+
+For T in --tlocal (B = 1, H = 16, K = V = 128, bf16 inputs, Triton's default fp32 dot precision),
+times ``output_with_state`` (the chunk output with the incoming state folded in) next to fla's
+output kernel alone, ``correct_output_`` (the separate forward correction: o += scale * (q * 2^G) @ S_in)
+and ``state_grad`` (backward: X = scale * sum_t (q_t * 2^G_t)^T do_t) at each tile configuration (CUDA events, median of
+--repeats timings of --inner back-to-back launches), after checking each configuration against the
+torch-op reference (relative Frobenius error). Writes gla_kernels.json and prints a table with the
+fastest configuration per kernel; the library's defaults (FWD_O_TILES, FWD_TILES, BWD_TILES in
+allscan/layers/_gla_triton.py) come from this table.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
+
+FWD = [dict(BK=128, BV=128, num_warps=8), dict(BK=32, BV=64, num_warps=4)]
+BWD = [dict(BK=32, BV=128, num_warps=4, cps=16), dict(BK=64, BV=128, num_warps=4, cps=16),
+       dict(BK=128, BV=128, num_warps=8, cps=16), dict(BK=32, BV=64, num_warps=4, cps=16)]
+OUT = [dict(BK=64, BV=64, num_warps=4, num_stages=2), dict(BK=128, BV=64, num_warps=4, num_stages=2),
+       dict(BK=64, BV=128, num_warps=8, num_stages=2), dict(BK=32, BV=64, num_warps=4, num_stages=3)]
+
+
+def _time(fn, repeats, inner):
+    import torch
+    fn()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(repeats):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(inner):
+            fn()
+        b.record()
+        b.synchronize()
+        ts.append(a.elapsed_time(b) * 1e3 / inner)
+    return statistics.median(ts)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--tlocal", default="8192,16384,32768")
+    ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--inner", type=int, default=10)
+    args = ap.parse_args()
+    import torch
+
+    from allscan.layers import _gla_triton as GT
+    from allscan.layers._gla_local import limit_fla_autotune, torch_correct_, torch_state_grad
+
+    limit_fla_autotune("one")  # fla's output kernel with one fixed config, as in gla_bench
+
+    dev = torch.device("cuda", 0)
+    H, K = args.heads, args.head_dim
+    V, B, BT = K, 1, 64
+    rows = []
+    for T in [int(x) for x in args.tlocal.split(",")]:
+        gen = torch.Generator(device=dev).manual_seed(T)
+        q = torch.randn(B, T, H, K, device=dev, generator=gen).to(torch.bfloat16)
+        do = torch.randn(B, T, H, V, device=dev, generator=gen).to(torch.bfloat16)
+        o0 = torch.randn(B, T, H, V, device=dev, generator=gen).to(torch.bfloat16)
+        g = torch.nn.functional.logsigmoid(torch.randn(B, T, H, K, device=dev, generator=gen)) / 16
+        NT = (T + BT - 1) // BT
+        gc = (g.view(B, NT, BT, H, K).cumsum(2) / 0.6931471805599453).view(B, T, H, K).contiguous()
+        S = torch.randn(B, H, K, V, device=dev, generator=gen) / K
+        scale = K ** -0.5
+        offs = GT.chunk_offsets(gc, T, BT)
+        o_ref = o0.clone()
+        torch_correct_(q, g, o_ref, S, scale, T)
+        X_ref, _ = torch_state_grad(q, g, do, scale, T)
+        # the output kernel with the state folded in, against fla's output kernel (+ the correction)
+        from fla.ops.common.chunk_h import chunk_fwd_h
+        from fla.ops.gla import chunk as fgc
+        k_ = torch.randn(B, T, H, K, device=dev, generator=gen).to(torch.bfloat16)
+        h, _ = chunk_fwd_h(k=k_, v=do, g=None, gk=gc, gv=None, h0=None, output_final_state=False, chunk_size=BT,
+                           states_in_fp32=False)
+        A = fgc.chunk_gla_fwd_intra_gk(q=q, k=k_, g=gc, scale=scale, chunk_size=BT)
+        o_fla = fgc.chunk_gla_fwd_o_gk(q=q, v=do, g=gc, A=A, h=h, scale=scale, chunk_size=BT)
+        o_ref2 = o_fla.float()
+        torch_correct_(q, g, o_ref2, S, scale, T)
+        us_fla = _time(lambda: fgc.chunk_gla_fwd_o_gk(q=q, v=do, g=gc, A=A, h=h, scale=scale, chunk_size=BT),
+                       args.repeats, args.inner)
+        rows.append(dict(kernel="out_fla", T=T, us=us_fla))
+        print(f"T={T:6d} fla output kernel alone: {us_fla:8.1f} us", flush=True)
+        for kind, configs in (("out", OUT), ("fwd", FWD), ("bwd", BWD)):
+            for cfg in configs:
+                if kind == "out":
+                    o = GT.output_with_state(q, do, gc, A, h, S, scale, BT, offs, tiles=cfg)
+                    err = ((o.float() - o_ref2).norm() / (o_ref2 - o_fla.float()).norm()).item()
+                    us = _time(lambda: GT.output_with_state(q, do, gc, A, h, S, scale, BT, offs, tiles=cfg),
+                               args.repeats, args.inner)
+                elif kind == "fwd":
+                    o = o0.clone()
+                    GT.correct_output_(o, q, gc, S, scale, T, BT, offsets=offs, tiles=cfg)
+                    err = ((o.float() - o_ref.float()).norm() / (o_ref.float() - o0.float()).norm()).item()
+                    ob = o0.clone()
+                    us = _time(lambda: GT.correct_output_(ob, q, gc, S, scale, T, BT, offsets=offs, tiles=cfg),
+                               args.repeats, args.inner)
+                else:
+                    X, _ = GT.state_grad(q, gc, do, scale, T, BT, tiles=cfg)
+                    err = ((X - X_ref).norm() / X_ref.norm()).item()
+                    us = _time(lambda: GT.state_grad(q, gc, do, scale, T, BT, tiles=cfg), args.repeats, args.inner)
+                rows.append(dict(kernel=kind, T=T, tiles=cfg, us=us, rel_err=err))
+                print(f"T={T:6d} {kind} {cfg}: {us:8.1f} us  rel err {err:.2e}", flush=True)
+        us = _time(lambda: GT.chunk_offsets(gc, T, BT), args.repeats, args.inner)
+        us_t = _time(lambda: GT.chunk_offsets_torch(gc, T, BT), args.repeats, args.inner)
+        rows.append(dict(kernel="offsets", T=T, us=us, us_torch_ops=us_t))
+        print(f"T={T:6d} offsets: one kernel {us:.1f} us, torch ops {us_t:.1f} us", flush=True)
+    best = {}
+    firsts = {"fwd": FWD[0], "bwd": BWD[0], "out": OUT[0]}
+    for kind in ("out", "fwd", "bwd"):
+        tot = {}
+        for r in rows:
+            if r["kernel"] == kind:
+                tot.setdefault(json.dumps(r["tiles"], sort_keys=True), []).append(r["us"])
+        key = min(tot, key=lambda k: sum(tot[k]))
+        best[kind] = dict(tiles=json.loads(key), us=tot[key], first_config_us=tot[json.dumps(firsts[kind], sort_keys=True)])
+    doc = dict(bench="gla_kernels", device=torch.cuda.get_device_name(dev), torch=torch.__version__,
+               H=H, K=K, V=V, B=B, BT=BT, time=time.strftime("%Y-%m-%d %H:%M:%S"),
+               command="python3 bench/gla_kernels.py " + " ".join(sys.argv[1:]), rows=rows, best=best)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "gla_kernels.json"), "w") as f:
+        json.dump(doc, f, indent=1)
+    for kind, b in best.items():
+        print(f"best {kind}: {b['tiles']} {['%.1f' % u for u in b['us']]} us (first config, the default: "
+              f"{['%.1f' % u for u in b['first_config_us']]} us) at T = {args.tlocal}")
+    fla = [r["us"] for r in rows if r["kernel"] == "out_fla"]
+    print(f"fla's output kernel alone: {['%.1f' % u for u in fla]} us")
+
+
+if __name__ == "__main__":
+    main()
