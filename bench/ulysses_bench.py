@@ -286,19 +286,21 @@ def main_gpu(args) -> None:
                 layers["yunchang"] = make_yc()
             for name, mod in layers.items():
                 layer_fns(name, mod)
-            with torch.no_grad():
-                auto(q, k, v, causal=args.causal)  # measures and caches the auto choice
-            auto_C = auto.last_info["num_chunks"]
-            auto_info = auto.last_info.get("auto")
             for mode in args.modes:
                 fns = variants[mode]
+                fns["hcms-auto"]()  # measures and caches the auto choice of this mode (forward / training)
+                auto_C = auto.last_info["num_chunks"]
+                auto_info = auto.last_info.get("auto")
                 for name, fn in fns.items():  # warm-up
                     for _ in range(args.warmup):
                         fn()
                 times: Dict[str, List[float]] = {name: [] for name in fns}
-                for _ in range(args.repeats):
-                    for name, fn in fns.items():
-                        times[name].append(time_once(fn))
+                names = list(fns)
+                for rep in range(args.repeats):
+                    # every other repeat in reverse order, so that drift (clocks, heat) does not
+                    # favour the variants measured first
+                    for name in (names if rep % 2 == 0 else names[::-1]):
+                        times[name].append(time_once(fns[name]))
                 for name, ts in times.items():
                     t = torch.tensor([statistics.median(ts), min(ts)], dtype=torch.float64, device=dev)
                     dist.all_reduce(t, op=dist.ReduceOp.MAX)
@@ -359,7 +361,7 @@ def main() -> None:
     ap.add_argument("--modes", default="fwd,fwdbwd", help="fwd,fwdbwd (default both)")
     ap.add_argument("--causal", action="store_true", help="causal attention (default: full)")
     ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--repeats", type=int, default=7)
     args = ap.parse_args()
     args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     for m in args.modes:

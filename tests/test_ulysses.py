@@ -137,6 +137,18 @@ def test_choose_num_chunks_model():
     assert U.choose_num_chunks(1, att, comm) == 1
 
 
+def test_pick_measured():
+    # the model's C is kept only when the layer measured at least min_gain faster than C = 1
+    assert U.pick_measured({1: 10.0, 4: 9.0}) == 4
+    assert U.pick_measured({1: 10.0, 4: 9.95}) == 1          # 0.5% faster: noise, keep C = 1
+    assert U.pick_measured({1: 10.0, 4: 10.5}) == 1          # slower
+    assert U.pick_measured({1: 10.0, 2: 9.5, 4: 9.0}) == 4   # the fastest of several
+    assert U.pick_measured({1: 10.0, 4: 9.95}, min_gain=0.0) == 4
+    assert U.pick_measured({1: 10.0}) == 1
+    with pytest.raises(ValueError, match="C = 1"):
+        U.pick_measured({2: 1.0, 4: 2.0})
+
+
 # ------------------------------------------------------------------------------------------------
 # Errors
 # ------------------------------------------------------------------------------------------------

@@ -87,6 +87,41 @@ def test_layer_matches_single_gpu_sdpa(dtype_name):
         print(dtype_name, case, "C =", C, {k: f"{v:.2e}" for k, v in errs.items()})
 
 
+def _auto_measures(rank, world):
+    """auto C times the layer at the model's C against C = 1 and keeps the faster; forward-only and
+    training uses are measured separately (the model is forced to propose C = 4 here, so the
+    measurement runs whatever the hardware)."""
+    from allscan.layers import UlyssesAttention
+    from allscan.layers import ulysses as U
+
+    dev = torch.device("cuda", torch.cuda.current_device())
+    U.clear_auto_cache()
+    U.choose_num_chunks = lambda *a, **kw: 4
+    g = torch.Generator(device=dev).manual_seed(5 + rank)
+    q, k, v = (torch.randn(1, 2048, 8, 128, generator=g, device=dev, dtype=torch.bfloat16) for _ in range(3))
+    layer = UlyssesAttention(num_chunks="auto")
+    seen = []
+    for train in (False, True):
+        qi, ki, vi = (t.clone().requires_grad_(train) for t in (q, k, v))
+        out = layer(qi, ki, vi, causal=True)
+        info = layer.last_info["auto"]
+        assert info["model_num_chunks"] == 4
+        m = info["measured_ms"]
+        assert set(m) == {1, 4} and all(t > 0 for t in m.values()), m
+        assert info["measured_pass"] == ("forward+backward" if train else "forward")
+        assert layer.last_info["num_chunks"] == U.pick_measured(m) == info["num_chunks"]
+        ref = UlyssesAttention(num_chunks=1)(qi, ki, vi, causal=True)
+        assert torch.equal(out, ref) or _rms_ratio(out, ref) < 3e-3
+        seen.append(layer.last_info["num_chunks"])
+    assert len(U._AUTO_CACHE) == 2  # one entry per use
+    return seen
+
+
+def test_auto_times_the_model_choice_against_one_chunk():
+    res = run_distributed(_auto_measures, 2, backend="nccl", timeout=300)
+    assert res[0] == res[1], f"the ranks chose different C: {res}"
+
+
 def _cpp_vs_torch(rank, world):
     from allscan import a2a
 

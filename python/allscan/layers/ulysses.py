@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from .. import _comm
 from .. import a2a as _a2a
 
-__all__ = ["UlyssesAttention", "ulysses_attention", "choose_num_chunks", "clear_auto_cache"]
+__all__ = ["UlyssesAttention", "ulysses_attention", "choose_num_chunks", "pick_measured", "clear_auto_cache"]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -441,9 +441,10 @@ def choose_num_chunks(n_heads: int, att: Tuple[float, float], comm: Tuple[float,
     return best
 
 
-def _measure(plan_args, q, k, v) -> Tuple[int, dict]:
+def _measure(plan_args, q, k, v, train: bool = False, min_gain_measured: float = 0.01) -> Tuple[int, dict]:
     """Measure (collectively) attention and all-to-all costs at 1 head and all heads per rank, agree
-    on the maxima across ranks, and choose C."""
+    on the maxima across ranks, choose C from the model, then time the layer at that C against C = 1
+    (forward+backward when ``train``) and keep the faster."""
     group, world, me, B, Sl, Hq, Hkv, D, causal, scale, max_chunks = plan_args
     n_min = min(hi - lo for lo, hi in _a2a.split_heads(0, Hq, world))
     full = _Plan(group, world, me, B, Sl, Hq, Hkv, D, 1, None, causal, scale)
@@ -487,7 +488,14 @@ def _measure(plan_args, q, k, v) -> Tuple[int, dict]:
         att_slope, comm_slope = t_att_full / n_full, t_comm_full / n_full
     att = (max(0.0, t_att_full - att_slope * n_full), att_slope)
     comm = (max(0.0, t_comm_full - comm_slope * n_full), comm_slope)
-    C = choose_num_chunks(n_full, att, comm, max_chunks)
+    C_model = C = choose_num_chunks(n_full, att, comm, max_chunks)
+    measured = None
+    if C > 1:
+        # The model can promise overlap the hardware does not deliver (on NVLink the all-to-alls and
+        # the attention share the SMs and the memory): time the real pipeline at C and at 1, side by
+        # side, and keep C only if it is measurably faster.
+        measured = _time_candidates(plan_args, q, k, v, [1, C], train)
+        C = pick_measured(measured, min_gain=min_gain_measured)
     info = {
         "t_attention_ms": t_att_full,
         "t_all_to_all_ms": t_comm_full,
@@ -495,9 +503,58 @@ def _measure(plan_args, q, k, v) -> Tuple[int, dict]:
         "attention_model_ms": att,
         "all_to_all_model_ms": comm,
         "num_chunks": C,
+        "model_num_chunks": C_model,
         "predicted_ms": {c: model_time(c, n_full, att, comm) for c in range(1, max(1, n_full) + 1)},
+        "measured_ms": measured,
+        "measured_pass": "forward+backward" if train else "forward",
     }
     return C, info
+
+
+def pick_measured(measured: Dict[int, float], min_gain: float = 0.01) -> int:
+    """The fastest C of ``measured`` ({C: ms}, C = 1 included), 1 unless it beats C = 1 by at least
+    ``min_gain`` (timing noise must not pick a chunking that is no faster)."""
+    if 1 not in measured:
+        raise ValueError("pick_measured: the measurements must include C = 1")
+    best = min(measured, key=lambda c: (measured[c], c))
+    if best != 1 and measured[best] > measured[1] * (1.0 - min_gain):
+        return 1
+    return best
+
+
+def _time_candidates(plan_args, q, k, v, candidates, train: bool, reps: int = 5) -> Dict[int, float]:
+    """Median ms of the whole layer (forward, or forward+backward when ``train``) at each C, the
+    candidates interleaved so that drift (clocks, other work) hits them alike; the maxima over ranks
+    (collective: every rank runs the same candidates in the same order)."""
+    group, world, me, B, Sl, Hq, Hkv, D, causal, scale, _ = plan_args
+    plans = {c: _Plan(group, world, me, B, Sl, Hq, Hkv, D, c, None, causal, scale) for c in candidates}
+    if train:
+        qg, kg, vg = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
+        dout = torch.randn_like(q)
+
+        def run(pl):
+            with torch.enable_grad():
+                out = _UlyssesFn.apply(qg, kg, vg, pl)
+                torch.autograd.grad(out, (qg, kg, vg), dout)
+    else:
+        def run(pl):
+            _forward(pl, q, k, v, keep_graph=False)
+
+    for c in candidates:  # warm-up (first use of a plan's shapes)
+        run(plans[c])
+    dist.barrier(group=group)
+    times: Dict[int, List[float]] = {c: [] for c in candidates}
+    for r in range(reps):
+        for c in (candidates if r % 2 == 0 else candidates[::-1]):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            run(plans[c])
+            b.record()
+            b.synchronize()
+            times[c].append(a.elapsed_time(b))
+    med = torch.tensor([sorted(times[c])[reps // 2] for c in candidates], dtype=torch.float64, device=q.device)
+    dist.all_reduce(med, op=dist.ReduceOp.MAX, group=group)
+    return {c: float(t) for c, t in zip(candidates, med.tolist())}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -580,11 +637,13 @@ def ulysses_attention(q, k, v, group=None, *, causal: bool = False, scale: Optio
     info = None
     if num_chunks == "auto":
         if q.is_cuda and world > 1 and _use_streams(None, q):
-            key = (group.group_name, B, Sl, Hq, Hkv, D, q.dtype, bool(causal), scale, max_chunks)
+            train = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+            key = (group.group_name, B, Sl, Hq, Hkv, D, q.dtype, bool(causal), scale, max_chunks, train)
             hit = _AUTO_CACHE.get(key)
             if hit is None:
                 with torch.no_grad():
-                    hit = _measure((group, world, me, B, Sl, Hq, Hkv, D, causal, scale, max_chunks), q, k, v)
+                    hit = _measure((group, world, me, B, Sl, Hq, Hkv, D, causal, scale, max_chunks), q, k, v,
+                                   train=train)
                 _AUTO_CACHE[key] = hit
             num_chunks, info = hit
         else:
@@ -616,9 +675,12 @@ class UlyssesAttention(torch.nn.Module):
     q, k and v; the backward is pipelined like the forward.
 
     ``num_chunks``: an int forces the number of head chunks C (1 = plain Ulysses). ``"auto"`` measures,
-    once per shape, the attention and all-to-all costs at one and at all heads per rank, fits a
-    per-chunk overhead, and picks the C that minimises the modelled pipeline time, 1 when overlap
-    cannot pay (always 1 on CPU, where there is no second stream). ``chunk_weights`` (with an int C)
+    once per shape (and per forward-only / training use), the attention and all-to-all costs at one
+    and at all heads per rank, fits a per-chunk overhead, picks the C that minimises the modelled
+    pipeline time, then times the layer at that C against C = 1 (forward, or forward+backward when
+    the inputs need gradients) and keeps C only if it is at least 1% faster; 1 when overlap cannot
+    pay (always 1 on CPU, where there is no second stream). ``last_info["auto"]`` holds the
+    measurements. ``chunk_weights`` (with an int C)
     sizes the chunks unequally, e.g. ``[1, 2, 2, 1]``: the first scatter and the last gather are the
     exposed ones, so small end chunks hide more.
     """
