@@ -534,10 +534,11 @@ allscanResult_t allscanScan(allscanComm_t comm, const allscanScanArgs_t* a, void
     // The head's own result, when it is not what is sent: init or zeros (exclusive), or x itself
     // (inclusive without init). It is never on the chain's critical path: a few CTAs write it on the
     // side stream (highest priority) while the send runs. Measured on 2 H200s, P = 2, fp32, the floor
-    // and the scan interleaved: 1.02x the bare send at 2 MiB, <= 1.07x from 256 KiB, against 1.17x
-    // (2 MiB) to 1.5x (small) for the same fill in series after the send (with other collectives
-    // interleaved too, 1.14x at 2 MiB: bench/README); a full-speed memset beside the send slowed
-    // large transfers.
+    // and the scan interleaved (bench/README, second and third runs): beside the send 1.02x the bare
+    // send at 2 MiB in one session and 1.10-1.26x in the next; in series after the send 1.14-1.17x;
+    // 1.5x for small states in series against <= 1.07x beside it from 256 KiB. At 2 MiB the excess
+    // is the head's second kernel (2-4 us, also under a CUDA graph), not the fill's bandwidth; a
+    // full-speed memset beside the send slowed large transfers.
     // In series (after the send, so the successor never waits for it) when ALLSCAN_FILL_CTAS=0 or a
     // buffer is not 16-byte aligned.
     const bool need_fill = !a->inclusive || a->init == nullptr;
