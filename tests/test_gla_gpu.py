@@ -324,10 +324,12 @@ def test_incoming_state_kernels_match_torch(tiles):
         torch.testing.assert_close(e2, e, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("dtype_name", ["bfloat16", "float16", "float32"])
 @pytest.mark.parametrize("varlen", [False, True])
-def test_output_with_state_matches_fla_output_plus_correction(varlen):
+def test_output_with_state_matches_fla_output_plus_correction(varlen, dtype_name):
     """The output kernel with the incoming state folded in against fla's output kernel followed by
-    the torch-op correction, with and without packing (the state reaches the first sequence only)."""
+    the torch-op correction, with and without packing (the state reaches the first sequence only);
+    16-bit inputs take the bf16 hi/lo products, fp32 inputs one fp32 product."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     try:
@@ -348,8 +350,9 @@ def test_output_with_state_matches_fla_output_plus_correction(varlen):
     cu = torch.tensor([0, 300, 310, 700], device=dev) if varlen else None
     ci = prepare_chunk_indices(cu, BT) if varlen else None
     L1 = 300 if varlen else T
-    q, k = (torch.randn(B, T, H, K, device=dev, generator=gen).to(torch.bfloat16) for _ in range(2))
-    v = torch.randn(B, T, H, V, device=dev, generator=gen).to(torch.bfloat16)
+    dtype = getattr(torch, dtype_name)
+    q, k = (torch.randn(B, T, H, K, device=dev, generator=gen).to(dtype) for _ in range(2))
+    v = torch.randn(B, T, H, V, device=dev, generator=gen).to(dtype)
     # slow decays: the incoming state reaches the whole first segment with a weight comparable to
     # the local output's, so a wrong or missing state term cannot hide in the rounding
     g = -1e-3 * torch.rand(B, T, H, K, device=dev, generator=gen)
@@ -361,7 +364,7 @@ def test_output_with_state_matches_fla_output_plus_correction(varlen):
     A = fgc.chunk_gla_fwd_intra_gk(q=q, k=k, g=gcum, scale=scale, cu_seqlens=cu, chunk_size=BT, chunk_indices=ci)
     o_fla = fgc.chunk_gla_fwd_o_gk(q=q, v=v, g=gcum, A=A, h=h, scale=scale, cu_seqlens=cu, chunk_size=BT,
                                    chunk_indices=ci)
-    o_ref = o_fla.float()
+    o_ref = o_fla.float().clone()  # a copy also when o_fla is fp32 (the correction works in place)
     torch_correct_(q, g, o_ref, S, scale, L1)
     o = GT.output_with_state(q, v, gcum, A, h, S, scale, BT, GT.chunk_offsets(gcum, L1, BT), cu_seqlens=cu,
                              chunk_indices=ci)
@@ -372,6 +375,48 @@ def test_output_with_state_matches_fla_output_plus_correction(varlen):
 
     head, tail = o[:, :L1], o[:, L1:]
     assert rms(o_ref[:, :L1], o_fla[:, :L1]) > 0.3, "the test state is too small to show the correction"
-    assert rms(head, o_ref[:, :L1]) < 1e-2, f"varlen={varlen}: first segment off by {rms(head, o_ref[:, :L1]):.3g}"
+    assert rms(head, o_ref[:, :L1]) < 1e-2, f"{dtype_name} varlen={varlen}: first segment off by {rms(head, o_ref[:, :L1]):.3g}"
     if varlen:
-        assert rms(tail, o_fla[:, L1:]) < 1e-2, f"later sequences off by {rms(tail, o_fla[:, L1:]):.3g}"
+        assert rms(tail, o_fla[:, L1:]) < 1e-2, f"{dtype_name}: later sequences off by {rms(tail, o_fla[:, L1:]):.3g}"
+
+
+def _fused_vs_separate(rank, world):
+    """zeco_gla with the state folded into the output kernel against the same call with the separate
+    correction kernel (the fallback), output and gradients, with and without packing."""
+    import torch.distributed as dist
+
+    from allscan.layers._gla_local import limit_fla_autotune, set_fused_output
+    from allscan.layers.gla import zeco_gla
+
+    limit_fla_autotune("one")
+    dev = torch.device("cuda", torch.cuda.current_device())
+    gen = torch.Generator(device=dev).manual_seed(3)  # same inputs on every rank: a fixed global sequence
+    B, T, H, K = 1, 2 * 512, 4, 64
+    full = [torch.randn(B, T, H, K, device=dev, generator=gen).to(torch.bfloat16) for _ in range(3)]
+    gfull = (torch.nn.functional.logsigmoid(torch.randn(B, T, H, K, device=dev, generator=gen)) / 16)
+    Tl = T // world
+    sl = slice(rank * Tl, (rank + 1) * Tl)
+    do = torch.randn(B, Tl, H, K, device=dev, generator=torch.Generator(device=dev).manual_seed(9 + rank))
+    do = do.to(torch.bfloat16)
+    worst = {}
+    for cu in (None, torch.tensor([0, 300, 700, T], device=dev)):
+        res = {}
+        for fused in (True, False):
+            set_fused_output(fused)
+            q, k, v = (t[:, sl].clone().requires_grad_(True) for t in full)
+            g = gfull[:, sl].clone().requires_grad_(True)
+            o, _ = zeco_gla(q, k, v, g, dist.group.WORLD, cu_seqlens=cu)
+            grads = torch.autograd.grad(o, (q, k, v, g), do)
+            res[fused] = (o,) + grads
+        set_fused_output(True)
+        for name, a, b in zip(("o", "dq", "dk", "dv", "dg"), res[True], res[False]):
+            err = _rms_ratio(a, b)
+            worst[f"{'varlen' if cu is not None else 'fixed'}/{name}"] = err
+            assert err < 3e-3, f"rank {rank}, cu_seqlens={cu}: {name} differs by {err:.3g} (fused vs separate)"
+    return worst
+
+
+def test_fused_output_matches_separate_correction():
+    _need()
+    res = run_distributed(_fused_vs_separate, 2, timeout=RUN_TIMEOUT, backend="nccl")
+    print("fused vs separate correction, RMS ratio:", res)

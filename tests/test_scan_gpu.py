@@ -223,6 +223,7 @@ def _async_handles(rank, P):
         g = gs[rank].clone()
         busy @ busy  # the side stream waits for this before reading x
         h = allscan.scan(x, g, async_op=True)
+        assert not h.is_completed()  # it waits behind the matmul (milliseconds) on the side stream
         del x, g  # freed while the scan may still read them ...
         junk = [torch.full((n,), 7.0, device=dev) for _ in range(3)]  # ... and their memory handed out again
         if it % 3 == 0:

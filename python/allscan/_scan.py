@@ -341,10 +341,14 @@ class ScanHandle:
     """What ``scan(..., async_op=True)`` returns. ``wait()`` returns the result; on CUDA it makes the
     current stream wait for the side stream the scan ran on (the host does not block)."""
 
-    def __init__(self, result: torch.Tensor, event: Optional["torch.cuda.Event"] = None, raw=None):
+    def __init__(self, result: torch.Tensor, event: Optional["torch.cuda.Event"] = None, raw=None,
+                 caller_stream: int = 0):
         self._result = result
         self._event = event
-        self._raw = raw  # (device, pooled cudaEvent_t) from the fast path
+        # Fast path: (device, pooled cudaEvent_t), held until the handle goes, and the stream the
+        # result was allocated on.
+        self._raw = raw
+        self._caller = caller_stream
 
     def is_completed(self) -> bool:
         if self._raw is not None:
@@ -355,13 +359,12 @@ class ScanHandle:
     def wait(self) -> torch.Tensor:
         if self._raw is not None:
             from . import _C
-            dev, ev = self._raw
-            self._raw = None
-            try:
-                _C.event_wait(_stream_ptr(self._result.device), ev)
-            finally:
-                _C.event_release(dev, ev)
-            self._event = None
+            dev = self._result.device
+            cur = _stream_ptr(dev)
+            _C.event_wait(cur, self._raw[1])
+            if cur != self._caller:
+                # The result was allocated on the calling stream; it is now used on this one too.
+                self._result.record_stream(torch.cuda.current_stream(dev))
             return self._result
         if self._event is not None:
             cur = torch.cuda.current_stream(self._result.device)
@@ -372,7 +375,7 @@ class ScanHandle:
 
     def __del__(self):
         raw = getattr(self, "_raw", None)
-        if raw is not None:  # never waited for: the event goes back to the pool
+        if raw is not None:  # the event goes back to the pool (a wait already enqueued keeps its record)
             try:
                 from . import _C
                 _C.event_release(*raw)
@@ -469,13 +472,14 @@ def scan(
         # switching torch's current stream (tens of microseconds of Python per call otherwise).
         from . import _C
         side = _side_stream(x.device)
-        _C.stream_wait(side.cuda_stream, _raw_stream(x.device.index))
+        caller = _raw_stream(x.device.index)
+        _C.stream_wait(side.cuda_stream, caller)
         out = _run(x, g, i0, name, reverse, inclusive, k, method, group, stream=side)
         raw = _C.event_record(side.cuda_stream)
         for t in (x, g, i0, out):
             if t is not None:
                 t.record_stream(side)  # freed only after the side stream is done with them
-        return ScanHandle(out, raw=raw)
+        return ScanHandle(out, raw=raw, caller_stream=caller)
     cur = torch.cuda.current_stream(x.device)
     side = _side_stream(x.device)
     side.wait_stream(cur)

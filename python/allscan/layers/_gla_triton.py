@@ -77,7 +77,7 @@ def _corr_fwd_kernel(q, gc, off, S, o, T, L1, NT, scale,
                      BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
     # one chunk of BT tokens x BV value columns of one head; the K dimension in BK-wide slices, so
     # the fp32 state slice, the decayed queries and the accumulator fit in registers together
-    i_c = tl.program_id(0)
+    i_c = tl.program_id(0).to(tl.int64)  # token offsets in int64: T * H * K may pass 2^31
     i_bh = tl.program_id(1).to(tl.int64)
     i_v = tl.program_id(2)
     i_b = i_bh // H
@@ -112,7 +112,7 @@ def _corr_bwd_kernel(q, gc, off, do, Xp, T, L1, NT, scale,
     # a [BK, BV] tile of one head's X, summed over CPS consecutive chunks (one partial per split).
     # SPLIT (bf16 do, exact in bf16): the fp32 decayed queries as hi + lo bf16 halves, two bf16
     # products on the tensor cores instead of one with fp32 operands (tf32)
-    i_s = tl.program_id(0)
+    i_s = tl.program_id(0).to(tl.int64)
     i_bh = tl.program_id(1).to(tl.int64)
     i_kv = tl.program_id(2)
     NV = tl.cdiv(V, BV)
@@ -215,7 +215,7 @@ def _fwd_o_state_kernel(q, v, gc, h, A, off, S, o, cu_seqlens, chunk_indices, sc
     # ran this kernel at 2.6x the time of fla's output kernel (270 against 103 us at T = 8K, H = 16),
     # and plain bf16 operands round the incoming state (see the module docstring).
     NV = tl.cdiv(V, BV)
-    i_t = tl.program_id(0) // NV
+    i_t = (tl.program_id(0) // NV).to(tl.int64)  # token offsets in int64, as fla
     i_v = tl.program_id(0) % NV
     i_bh = tl.program_id(1).to(tl.int64)
     i_b = i_bh // H
@@ -223,7 +223,7 @@ def _fwd_o_state_kernel(q, v, gc, h, A, off, S, o, cu_seqlens, chunk_indices, sc
     if IS_VARLEN:
         i_tg = i_t.to(tl.int64)
         i_n = tl.load(chunk_indices + i_t * 2).to(tl.int32)
-        i_t = tl.load(chunk_indices + i_t * 2 + 1).to(tl.int32)
+        i_t = tl.load(chunk_indices + i_t * 2 + 1).to(tl.int64)
         bos = tl.load(cu_seqlens + i_n).to(tl.int64)
         eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
         T = (eos - bos).to(tl.int32)
