@@ -680,7 +680,8 @@ class UlyssesAttention(torch.nn.Module):
     pipeline time, then times the layer at that C against C = 1 (forward, or forward+backward when
     the inputs need gradients) and keeps C only if it is at least 1% faster; 1 when overlap cannot
     pay (always 1 on CPU, where there is no second stream). ``last_info["auto"]`` holds the
-    measurements. ``chunk_weights`` (with an int C)
+    measurements. The first call of a shape runs the layer about a dozen times to measure (for
+    training on copies of q, k, v: one extra forward's memory, once). ``chunk_weights`` (with an int C)
     sizes the chunks unequally, e.g. ``[1, 2, 2, 1]``: the first scatter and the last gather are the
     exposed ones, so small end chunks hide more.
     """
