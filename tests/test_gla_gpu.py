@@ -255,6 +255,16 @@ def test_zeco_gla_matches_fla_whole_sequence(dtype_name):
     assert not bad, f"RMS error ratio above the bound ({dtype_name}; (error, bound)): {bad}"
 
 
+def _chunk_local_log2(g, BT):
+    """Chunk-local cumulative decays in log2 units, as fla's chunk_local_cumsum(g, BT, scale=1/ln2)
+    makes them (no fla needed: the kernel tests run with Triton alone)."""
+    B, T, H, K = g.shape
+    NT = (T + BT - 1) // BT
+    pad = torch.zeros(B, NT * BT, H, K, device=g.device)
+    pad[:, :T] = g
+    return (pad.view(B, NT, BT, H, K).cumsum(2) / 0.6931471805599453).view(B, NT * BT, H, K)[:, :T].contiguous()
+
+
 def test_chunk_offsets_kernel_matches_torch():
     """The one-launch Triton prefix of the chunk decays against the torch-op reference, at segment
     lengths that end inside a chunk, span several 64-chunk tiles, and K not a power of two."""
@@ -269,11 +279,7 @@ def test_chunk_offsets_kernel_matches_torch():
     for B, T, H, K, BT, L1 in [(1, 8192, 4, 128, 64, 8192), (2, 300, 3, 48, 16, 250),
                                (1, 64 * 130 + 5, 2, 64, 64, 64 * 130 + 5), (1, 100, 2, 16, 64, 1)]:
         raw = torch.nn.functional.logsigmoid(torch.randn(B, T, H, K, generator=g, device=dev)) / 16
-        # chunk-local cumulative log2 decays, as fla's chunk_local_cumsum makes them
-        NT = (T + BT - 1) // BT
-        pad = torch.zeros(B, NT * BT, H, K, device=dev)
-        pad[:, :T] = raw
-        gc = (pad.view(B, NT, BT, H, K).cumsum(2) / 0.6931471805599453).view(B, NT * BT, H, K)[:, :T].contiguous()
+        gc = _chunk_local_log2(raw, BT)
         off, e = chunk_offsets(gc, L1, BT)
         off_ref, e_ref = chunk_offsets_torch(gc, L1, BT)
         assert off.shape == off_ref.shape and e.shape == e_ref.shape
@@ -300,10 +306,7 @@ def test_incoming_state_kernels_match_torch(tiles):
         do = torch.randn(B, T, H, V, device=dev, generator=gen).to(torch.bfloat16)
         o0 = torch.randn(B, T, H, V, device=dev, generator=gen)  # fp32: the comparison sees the dot's error
         g = torch.nn.functional.logsigmoid(torch.randn(B, T, H, K, device=dev, generator=gen)) / 16
-        NT = (T + BT - 1) // BT
-        pad = torch.zeros(B, NT * BT, H, K, device=dev)
-        pad[:, :T] = g
-        gc = (pad.view(B, NT, BT, H, K).cumsum(2) / 0.6931471805599453).view(B, NT * BT, H, K)[:, :T].contiguous()
+        gc = _chunk_local_log2(g, BT)
         S = torch.randn(B, H, K, V, device=dev, generator=gen) / K
         scale = K ** -0.5
         o_ref = o0.clone()
