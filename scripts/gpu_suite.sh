@@ -3,8 +3,8 @@
 #
 #   scripts/gpu_suite.sh [stage ...]      (default: every stage)
 #
-# Stages: build tests perf perffill perfab scanhost scanbench glakern glatest glabench glatrain glatrain32 ulysses
-#         ulysses_host (default: all but perfab, scanhost and glakern, the investigations)
+# Stages: build tests perf perffill perfab perfhead scanhost scanbench glakern glatest glabench glatrain glatrain32 ulysses
+#         ulysses_host (default: all but perfab, perfhead, scanhost and glakern, the investigations)
 # Limits: TIMEOUT_<stage> or STAGE_TIMEOUT seconds per stage; KSWEEP=0 skips the K sweep of perf.
 # Logs and JSON go to $OUT (default ./gpu_out); a short table is printed last.
 # Needs: python3 with torch (CUDA), nvcc, cmake, ninja, pybind11, scikit-build-core; fla-core and
@@ -58,21 +58,29 @@ for s in $STAGES; do
       run_stage perf_graph "$PERF" -b 4K -e 256M -f 4 -g "$NGPU" -G 5 -K auto -j "$OUT/perf_graph.json"
       [ "${KSWEEP:-1}" = 0 ] || run_stage ksweep "$PERF" -b 64K -e 256M -f 4 -g "$NGPU" -m pipelined -K 1,2,4,8,16,32,64 -x chain -N 3 -j "$OUT/ksweep.json"
       ;;
-    perffill)  # the head's own result in series after the send (ALLSCAN_FILL_CTAS=0) against perf's default (beside it)
+    perffill)  # the head's own result in series after the send against perf's default
       PERF=$(ls build/*/bench/allscan_perf 2>/dev/null | head -1)
-      ALLSCAN_FILL_CTAS=0 run_stage perf_series "$PERF" -b 4K -e 256M -f 2 -g "$NGPU" -m pipelined -x chain -j "$OUT/perf_series.json"
+      ALLSCAN_HEAD_FILL=series run_stage perf_series "$PERF" -b 4K -e 256M -f 2 -g "$NGPU" -m pipelined -x chain -j "$OUT/perf_series.json"
       ;;
     perfab)  # 2 MiB, P = NGPU: the scan against the bare send, by how the head writes its own result (issue 2)
+      # variant: name:ALLSCAN_HEAD_FILL:perf args (auto = the default: self copy up to 8 MiB)
       PERF=$(ls build/*/bench/allscan_perf 2>/dev/null | head -1)
       for i in 1 2; do
-        for v in "side8::-m pipelined -x chain" "series:0:-m pipelined -x chain" "side1:1:-m pipelined -x chain" \
-                 "side32:32:-m pipelined -x chain" "graph8::-m pipelined -x chain -G 5" "graph0:0:-m pipelined -x chain -G 5" \
-                 "side8_1M::-m pipelined -x chain -b 1M -e 4M"; do
-          name=ab_${v%%:*}_$i; rest=${v#*:}; ctas=${rest%%:*}
+        for v in "auto:auto:-m pipelined -x chain" "side:side:-m pipelined -x chain" "series:series:-m pipelined -x chain" \
+                 "graphauto:auto:-m pipelined -x chain -G 5" "graphside:side:-m pipelined -x chain -G 5" \
+                 "auto_1M:auto:-m pipelined -x chain -b 1M -e 4M" "side_1M:side:-m pipelined -x chain -b 1M -e 4M"; do
+          IFS=: read -r name hf args <<< "$v"
+          name=ab_${name}_$i
           # shellcheck disable=SC2086
-          ALLSCAN_FILL_CTAS=${ctas:-8} run_stage "$name" "$PERF" -b 2M -e 2M -g "$NGPU" -N 11 ${rest#*:} > /dev/null
+          ALLSCAN_HEAD_FILL=$hf run_stage "$name" "$PERF" -b 2M -e 2M -g "$NGPU" -N 11 $args > /dev/null
           grep -E '^ +(1048576|2097152|4194304) ' "$OUT/$name.log" | sed "s/^/$name /" >> "$SUMMARY"
         done
+      done
+      ;;
+    perfhead)  # the full sweep, the head's result by the default (auto) against always beside the send
+      PERF=$(ls build/*/bench/allscan_perf 2>/dev/null | head -1)
+      for hf in auto side self; do
+        ALLSCAN_HEAD_FILL=$hf run_stage "perfhead_$hf" "$PERF" -b 4K -e 256M -f 4 -g "$NGPU" -m pipelined -x chain -j "$OUT/perfhead_$hf.json"
       done
       ;;
     scanhost)  # host time of one scan call, piece by piece

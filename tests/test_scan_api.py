@@ -216,6 +216,36 @@ def test_choose_num_blocks_minimises_the_model():
     assert C.choose_num_blocks_model(2, 1 << 30, a, b) == 1  # two ranks: one block whatever the size
 
 
+@pytest.mark.parametrize("var,value,needle", [
+    ("ALLSCAN_HEAD_FILL", "selff", "expected auto, self, side or series, got 'selff'"),
+    ("ALLSCAN_SELF_FILL_MAX_BYTES", "8M", "expected a byte count, got '8M'"),
+    ("ALLSCAN_SELF_FILL_MAX_BYTES", "99999999999999999999999", "expected a byte count"),
+    ("ALLSCAN_FILL_CTAS", "-1", "expected a CTA count from 0 (in series) to 1024, got '-1'"),
+    ("ALLSCAN_LINK_MODEL", "5", "two floats"),
+])
+def test_bad_environment_is_a_clear_error(monkeypatch, var, value, needle):
+    from allscan import _comm
+
+    monkeypatch.setenv(var, value)
+    with pytest.raises(ValueError, match=var) as e:
+        _comm.check_env()  # what the NCCL path runs before its first collective
+    assert needle in str(e.value)
+    if var != "ALLSCAN_LINK_MODEL":  # read by the core itself when it makes a communicator
+        with pytest.raises(ValueError, match=var):
+            C.comm_create_detached(0, 2)
+
+
+@pytest.mark.parametrize("var,value", [("ALLSCAN_HEAD_FILL", v) for v in ("auto", "self", "side", "series")]
+                         + [("ALLSCAN_SELF_FILL_MAX_BYTES", "0"), ("ALLSCAN_FILL_CTAS", "0"),
+                            ("ALLSCAN_FILL_CTAS", "32")])
+def test_good_environment_is_accepted(monkeypatch, var, value):
+    from allscan import _comm
+
+    monkeypatch.setenv(var, value)
+    _comm.check_env()
+    C.comm_destroy(C.comm_create_detached(0, 2))
+
+
 def test_core_argument_checks():
     h = C.comm_create_detached(1, 4)
     try:

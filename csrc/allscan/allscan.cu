@@ -6,6 +6,7 @@
 #include <cuda_fp16.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -23,15 +24,24 @@ struct allscanComm {
   bool model_set = false;
   double latency_us = 0.0;
   double us_per_byte = 0.0;
-  // The chain head writes its own result (zeros or init) off the critical path: forked onto this
-  // stream while the send runs, joined back before the call returns (capturable fork/join).
+  // For states above self_fill_max the chain head writes its own result (zeros or init) off the
+  // critical path: forked onto this stream while the send runs, joined back before the call
+  // returns (capturable fork/join).
   cudaStream_t side = nullptr;
   cudaEvent_t fork = nullptr;
   cudaEvent_t join = nullptr;
   int fill_ctas = 8;  // CTAs of the side fill (ALLSCAN_FILL_CTAS; 0: in series after the send)
+  // How the chain head writes its own result (ALLSCAN_HEAD_FILL, see allscanScan).
+  int head_fill = 0;                 // HeadFill
+  size_t self_fill_max = 8u << 20;   // auto: self copy up to this many bytes (ALLSCAN_SELF_FILL_MAX_BYTES)
+  void* zeros = nullptr;             // zeroed buffer (self_fill_max bytes): an exclusive head's zeros
+  size_t zeros_bytes = 0;
 };
 
 namespace {
+
+// How the chain head writes its own result (init, zeros, or x itself for an inclusive scan).
+enum HeadFill { kFillAuto = 0, kFillSelf = 1, kFillSide = 2, kFillSeries = 3 };
 
 // ------------------------------------------------------------------------------------------------
 // Element types
@@ -305,6 +315,79 @@ size_t workspaceBytes(const allscanComm* comm, const allscanScanArgs_t* a) {
   return needs ? alignUp(a->count * es, kAlign) : 0;
 }
 
+// The communicator's environment settings (read when it is made); a value that does not parse is an
+// error naming the variable, never silently the default.
+allscanResult_t readEnv(allscanComm* c) {
+  auto parseSize = [](const char* v, size_t* out) {
+    if (v == nullptr || *v == '\0') return false;
+    for (const char* p = v; *p; ++p)
+      if (*p < '0' || *p > '9') return false;
+    errno = 0;
+    const unsigned long long n = std::strtoull(v, nullptr, 10);
+    if (errno == ERANGE) return false;
+    *out = static_cast<size_t>(n);
+    return true;
+  };
+  if (const char* v = std::getenv("ALLSCAN_FILL_CTAS")) {
+    size_t n = 0;
+    ALLSCAN_ARG_CHECK(parseSize(v, &n) && n <= 1024,
+                      std::string("ALLSCAN_FILL_CTAS: expected a CTA count from 0 (in series) to 1024, got '") + v + "'");
+    c->fill_ctas = static_cast<int>(n);
+  }
+  if (const char* v = std::getenv("ALLSCAN_HEAD_FILL")) {
+    const std::string m(v);
+    if (m == "auto" || m.empty()) c->head_fill = kFillAuto;
+    else if (m == "self") c->head_fill = kFillSelf;
+    else if (m == "side") c->head_fill = kFillSide;
+    else if (m == "series") c->head_fill = kFillSeries;
+    else return setError(allscanInvalidArgument, "ALLSCAN_HEAD_FILL: expected auto, self, side or series, got '" + m + "'");
+  }
+  if (const char* v = std::getenv("ALLSCAN_SELF_FILL_MAX_BYTES")) {
+    ALLSCAN_ARG_CHECK(parseSize(v, &c->self_fill_max),
+                      std::string("ALLSCAN_SELF_FILL_MAX_BYTES: expected a byte count, got '") + v + "'");
+  }
+  return allscanSuccess;
+}
+
+// Makes comm->zeros hold at least `bytes` zero bytes. Allocated outside stream capture only, once
+// at self_fill_max bytes (8 MiB by default: auto never needs more), larger only when the self copy
+// is forced for a larger state. The call that allocates pays one allocation and one
+// synchronisation, as NCCL's lazy connection setup does. Returns false under capture or when the
+// allocation fails, and the caller takes another path.
+bool ensureZeros(allscanComm* comm, size_t bytes, cudaStream_t stream) {
+  if (comm->zeros_bytes >= bytes) return true;
+  cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;
+  if (cudaStreamIsCapturing(stream, &cs) != cudaSuccess || cs != cudaStreamCaptureStatusNone) {
+    cudaGetLastError();
+    return false;
+  }
+  const size_t want = alignUp(std::max(bytes, comm->self_fill_max), kAlign);
+  if (comm->zeros != nullptr) {
+    // Work in flight on any stream may still read the old buffer.
+    if (cudaDeviceSynchronize() != cudaSuccess) {
+      cudaGetLastError();
+      return false;
+    }
+    cudaFree(comm->zeros);
+    comm->zeros = nullptr;
+    comm->zeros_bytes = 0;
+  }
+  void* p = nullptr;
+  if (cudaMalloc(&p, want) != cudaSuccess) {
+    cudaGetLastError();
+    return false;
+  }
+  // Zeroed and finished before any stream reads it.
+  if (cudaMemsetAsync(p, 0, want, stream) != cudaSuccess || cudaStreamSynchronize(stream) != cudaSuccess) {
+    cudaGetLastError();
+    cudaFree(p);
+    return false;
+  }
+  comm->zeros = p;
+  comm->zeros_bytes = want;
+  return true;
+}
+
 }  // namespace
 
 // ------------------------------------------------------------------------------------------------
@@ -324,7 +407,9 @@ allscanResult_t allscanCommCreate(ncclComm_t nccl, allscanComm_t* comm) {
   ALLSCAN_NCCL_CHECK(nccl, ncclCommCount(nccl, &nranks));
   int dev = -1, cur = -1;
   ALLSCAN_NCCL_CHECK(nccl, ncclCommCuDevice(nccl, &dev));
-  auto* c = new (std::nothrow) allscanComm();
+  allscanComm settings;
+  ALLSCAN_CHECK(readEnv(&settings));
+  auto* c = new (std::nothrow) allscanComm(settings);
   if (c == nullptr) return setError(allscanInternalError, "out of host memory");
   c->nccl = nccl;
   c->rank = rank;
@@ -340,7 +425,6 @@ allscanResult_t allscanCommCreate(ncclComm_t nccl, allscanComm_t* comm) {
   if (e == cudaSuccess) e = cudaEventCreateWithFlags(&c->fork, cudaEventDisableTiming);
   if (e == cudaSuccess) e = cudaEventCreateWithFlags(&c->join, cudaEventDisableTiming);
   if (cur >= 0 && cur != dev) cudaSetDevice(cur);
-  if (const char* v = std::getenv("ALLSCAN_FILL_CTAS")) c->fill_ctas = std::max(0, std::atoi(v));
   if (e != cudaSuccess) {
     allscanCommDestroy(c);
     return setError(allscanCudaError, std::string("allscanCommCreate: stream/event creation failed: ") + cudaGetErrorString(e));
@@ -354,7 +438,9 @@ allscanResult_t allscanCommCreateDetached(int rank, int nranks, allscanComm_t* c
   ALLSCAN_ARG_CHECK(nranks >= 1, "nranks: expected >= 1, got " + std::to_string(nranks));
   ALLSCAN_ARG_CHECK(rank >= 0 && rank < nranks,
                     "rank: expected 0 <= rank < nranks (" + std::to_string(nranks) + "), got " + std::to_string(rank));
-  auto* c = new (std::nothrow) allscanComm();
+  allscanComm settings;
+  ALLSCAN_CHECK(readEnv(&settings));
+  auto* c = new (std::nothrow) allscanComm(settings);
   if (c == nullptr) return setError(allscanInternalError, "out of host memory");
   c->rank = rank;
   c->nranks = nranks;
@@ -367,6 +453,7 @@ allscanResult_t allscanCommDestroy(allscanComm_t comm) {
   if (comm->join) cudaEventDestroy(comm->join);
   if (comm->fork) cudaEventDestroy(comm->fork);
   if (comm->side) cudaStreamDestroy(comm->side);
+  if (comm->zeros) cudaFree(comm->zeros);
   delete comm;  // the NCCL communicator is borrowed: not destroyed here
   return allscanSuccess;
 }
@@ -532,19 +619,27 @@ allscanResult_t allscanScan(allscanComm_t comm, const allscanScanArgs_t* a, void
       s = dst;
     }
     // The head's own result, when it is not what is sent: init or zeros (exclusive), or x itself
-    // (inclusive without init). It is never on the chain's critical path: a few CTAs write it on the
-    // side stream (highest priority) while the send runs. Measured on 2 H200s, P = 2, fp32, the floor
-    // and the scan interleaved (bench/README, second and third runs): beside the send 1.02x the bare
-    // send at 2 MiB in one session and 1.10-1.26x in the next; in series after the send 1.14-1.17x;
-    // 1.5x for small states in series against <= 1.07x beside it from 256 KiB. At 2 MiB the excess
-    // is the head's second kernel (2-4 us, also under a CUDA graph), not the fill's bandwidth; a
-    // full-speed memset beside the send slowed large transfers.
-    // In series (after the send, so the successor never waits for it) when ALLSCAN_FILL_CTAS=0 or a
-    // buffer is not 16-byte aligned.
+    // (inclusive without init). It is off the chain's critical path, but a second kernel on the
+    // head costs its launch and join: 2-4 us beside a 15 us send of 2 MiB on 2 H200s (1.10-1.26x
+    // the bare send; in series 1.14x; also under a CUDA graph). So up to self_fill_max bytes (auto)
+    // it is a self send/recv in the chain's own NCCL group call: one kernel, as in the floor
+    // (measured 0.994-1.006x the bare send at 1-4 MiB; bench/README, fourth run). Larger states
+    // take a few CTAs on the side stream beside the send, whose bandwidth the self copy would share
+    // (16-256 MiB: self 1.01-1.05x, side 1.00x). Zeros come from a grow-only zeroed buffer of the
+    // communicator, allocated on the first call that needs it (outside capture; under capture
+    // without it, the side kernel). In series after the send (ALLSCAN_HEAD_FILL=series or
+    // ALLSCAN_FILL_CTAS=0) when asked, or when the side kernel's buffers are not 16-byte aligned.
     const bool need_fill = !a->inclusive || a->init == nullptr;
     const void* fill_src = a->inclusive ? a->x : a->init;  // null: zeros
-    const bool side_fill = need_fill && comm->fill_ctas > 0 && bytes % 16 == 0 && aligned16(a->y) &&
-                           (fill_src == nullptr || aligned16(fill_src));
+    int mode = comm->head_fill;
+    if (mode == kFillAuto) mode = bytes <= comm->self_fill_max ? kFillSelf : kFillSide;
+    if (mode == kFillSide && comm->fill_ctas == 0) mode = kFillSeries;
+    if (need_fill && mode == kFillSelf && fill_src == nullptr && !ensureZeros(comm, bytes, stream)) mode = kFillSide;
+    if (need_fill && mode == kFillSide &&
+        !(bytes % 16 == 0 && aligned16(a->y) && (fill_src == nullptr || aligned16(fill_src))))
+      mode = kFillSeries;
+    const bool self_fill = need_fill && mode == kFillSelf;
+    const bool side_fill = need_fill && mode == kFillSide;
     if (side_fill) {
       ALLSCAN_CUDA_CHECK(cudaEventRecord(comm->fork, stream));
       ALLSCAN_CUDA_CHECK(cudaStreamWaitEvent(comm->side, comm->fork, 0));
@@ -561,12 +656,17 @@ allscanResult_t allscanScan(allscanComm_t comm, const allscanScanArgs_t* a, void
     allscanResult_t st = allscanSuccess;
     ncclResult_t nr = ncclGroupStart();
     for (size_t k = 0; k < nblocks && nr == ncclSuccess; ++k) nr = ncclSend(blk(s, k), blen(k), nt, next, nc, stream);
+    if (self_fill) {
+      const void* src = fill_src != nullptr ? fill_src : comm->zeros;
+      if (nr == ncclSuccess) nr = ncclSend(src, bytes, ncclUint8, r, nc, stream);
+      if (nr == ncclSuccess) nr = ncclRecv(a->y, bytes, ncclUint8, r, nc, stream);
+    }
     ncclResult_t ne = allscan::detail::ncclSettle(nc, ncclGroupEnd());
     if (nr == ncclSuccess) nr = ne;
     if (nr != ncclSuccess) st = setError(allscanNcclError, std::string("ncclSend (chain head): ") + ncclGetErrorString(nr));
     if (side_fill) ALLSCAN_CUDA_CHECK(cudaStreamWaitEvent(stream, comm->join, 0));
     if (st != allscanSuccess) return st;
-    if (need_fill && !side_fill) {
+    if (need_fill && mode == kFillSeries) {
       if (fill_src != nullptr) {
         ALLSCAN_CUDA_CHECK(cudaMemcpyAsync(a->y, fill_src, bytes, cudaMemcpyDeviceToDevice, stream));
       } else {

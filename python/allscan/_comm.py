@@ -151,6 +151,23 @@ def _link_model_from_env() -> Optional[Tuple[float, float]]:
     return a, b
 
 
+_ENV_VARS = ("ALLSCAN_HEAD_FILL", "ALLSCAN_SELF_FILL_MAX_BYTES", "ALLSCAN_FILL_CTAS", "ALLSCAN_LINK_MODEL")
+_env_checked: set = set()
+
+
+def check_env() -> None:
+    """Raise ``ValueError`` naming the variable if an ``ALLSCAN_*`` setting the core reads when it
+    makes a communicator does not parse (a local check, no collective: made before the first one,
+    so a misconfigured rank fails there rather than after the other ranks entered NCCL)."""
+    values = tuple(os.environ.get(v) for v in _ENV_VARS)
+    if values in _env_checked:
+        return
+    _link_model_from_env()
+    C = _C()
+    C.comm_destroy(C.comm_create_detached(0, 1))  # the core parses its own settings
+    _env_checked.add(values)
+
+
 def check_device(group, device: torch.device) -> None:
     """Raise if ``device`` is not the one ``group`` communicates on (a local check, no collective)."""
     group = normalize_group(group)

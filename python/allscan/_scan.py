@@ -183,6 +183,7 @@ def _prepare(x, g, init, group, reverse, inclusive, num_blocks, method) -> _Plan
     if nccl:
         try:
             _comm.check_device(group, x.device)  # before any collective
+            _comm.check_env()
         except ValueError:
             _announce_invalid(group, torch.device("cuda", torch.cuda.current_device()))
             raise

@@ -152,7 +152,15 @@ ALLSCAN_API allscanResult_t allscanWorkspaceSize(allscanComm_t comm, const allsc
 /* Check the arguments without running anything (also works on a detached communicator). */
 ALLSCAN_API allscanResult_t allscanCheckArgs(allscanComm_t comm, const allscanScanArgs_t* args);
 
-/* The All-Scan. Enqueued on `stream`; collective over the communicator. */
+/* The All-Scan. Enqueued on `stream`; collective over the communicator.
+ * The chain head's own result (zeros, init, or x for an inclusive scan without init) is written in
+ * the same NCCL group call as its send, as a send/recv to itself, for states up to 8 MiB, so the
+ * head runs one kernel as the bare send does; above, by a few CTAs on a side stream beside the send.
+ * Zeros come from an 8 MiB zeroed buffer the communicator allocates on the first call that needs
+ * it (one cudaMalloc and one synchronisation of `stream`, never under stream capture: a call
+ * captured before it exists writes with the side kernel). Environment, read by allscanCommCreate:
+ * ALLSCAN_HEAD_FILL=auto|self|side|series, ALLSCAN_SELF_FILL_MAX_BYTES (default 8388608),
+ * ALLSCAN_FILL_CTAS (side kernel CTAs, default 8; 0 = series). */
 ALLSCAN_API allscanResult_t allscanScan(allscanComm_t comm, const allscanScanArgs_t* args, void* workspace,
                             size_t workspace_bytes, cudaStream_t stream);
 
