@@ -71,6 +71,8 @@ def run_distributed(fn, world_size, *args, timeout=120, backend="gloo"):
         while len(results) + len(errors) < world_size:
             left = deadline - time.monotonic()
             if left <= 0:
+                if errors:
+                    break  # the others hang on a collective the failed rank left: report its error
                 raise TimeoutError(
                     f"run_distributed: {fn.__name__} on {world_size} ranks did not finish in {timeout} s "
                     f"(finished: {sorted(results)}; failed: {[r for r, _ in errors]})")

@@ -64,15 +64,17 @@ def _matrix(rank, P):
     return n
 
 
-# The chain head writes its own result beside the send (side stream) by default; "series" forces
-# the other path (after the send, on the caller's stream), taken for unaligned buffers.
-FILLS = [(1, "side"), (2, "side"), (2, "series")]
+# How the chain head writes its own result (ALLSCAN_HEAD_FILL, read when the communicator is made):
+# "auto" (default) is an NCCL self send/recv in the chain's group call up to 8 MiB (every state
+# here), else a kernel beside the send on a side stream ("side"); "series" writes it after the send
+# on the caller's stream (also taken for unaligned buffers).
+FILLS = [(1, "auto"), (2, "auto"), (2, "side"), (2, "series")]
 
 
 @pytest.fixture
 def fill_mode(request, monkeypatch):
-    if request.param == "series":
-        monkeypatch.setenv("ALLSCAN_FILL_CTAS", "0")  # read when the communicator is made
+    if request.param != "auto":
+        monkeypatch.setenv("ALLSCAN_HEAD_FILL", request.param)
     return request.param
 
 
@@ -101,8 +103,60 @@ def _sizes(rank, P):
 
 
 def test_nccl_sizes_4k_to_256m():
+    # Default head fill: the self copy up to 8 MiB, the side kernel above (both sides covered).
     _need(2)
     run_distributed(_sizes, 2, backend="nccl", timeout=600)
+
+
+def _capture_before_zeros(rank, P):
+    from allscan import _C, _comm
+    from allscan._scan import _DTYPE_CODE, _stream_ptr
+
+    dev = torch.device("cuda", torch.cuda.current_device())
+    # A fresh group: its communicator has no zero buffer yet. The inclusive scan needs none at the
+    # head (it copies x), so priming with it leaves the buffer unallocated.
+    group = dist.new_group(backend="nccl")
+    n = 1 << 18  # 1 MiB fp32: the self-copy path when not capturing
+    xs = [torch.randn(n, generator=torch.Generator(device=dev).manual_seed(q), device=dev) for q in range(P)]
+    ref = scan_reference(xs, None)
+    assert torch.equal(allscan.scan(xs[rank], group=group, inclusive=True), scan_reference(xs, None, inclusive=True)[rank])
+    comm = _comm.get_communicator(group, dev)
+    assert _C.workspace_size(comm.handle, n, 0, 0, 0, 0, 0, False, False, 0, 0) == 0
+
+    def raw_scan(x, y):  # the exclusive scan, straight into the core (no signature check)
+        _C.scan(comm.handle, x.data_ptr(), y.data_ptr(), n, _DTYPE_CODE[x.dtype], 0, 0, 0, 0, False, False, 0, 0,
+                0, 0, _stream_ptr(dev))
+
+    # Captured before the buffer exists: the head cannot allocate under capture and writes its
+    # zeros with the side kernel instead.
+    x_static = xs[rank].clone()
+    y_static = torch.full_like(x_static, float("nan"))
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        raw_scan(x_static, y_static)
+    for trial in range(2):
+        y_static.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(y_static, ref[rank]), trial
+    # Eagerly the head allocates it; a graph captured afterwards uses the self copy.
+    y = torch.full_like(x_static, float("nan"))
+    raw_scan(x_static, y)
+    torch.cuda.synchronize()
+    assert torch.equal(y, ref[rank])
+    graph2 = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph2):
+        raw_scan(x_static, y_static)
+    y_static.fill_(float("nan"))
+    graph2.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(y_static, ref[rank])
+
+
+def test_capture_before_zero_buffer():
+    _need(2)
+    run_distributed(_capture_before_zeros, 2, backend="nccl", timeout=300)
 
 
 def _streams_graphs_grads(rank, P):
@@ -218,12 +272,16 @@ def _async_handles(rank, P):
     gs = [torch.rand(4, generator=gen, device=dev) for _ in range(P)]
     ref = scan_reference([x.view(4, -1) for x in xs], gs)
     busy = torch.randn(4096, 4096, device=dev)
+    # The first call of a signature checks it across ranks, which synchronises the host with the
+    # GPU: made here, so that no call in the loop waits for the matmul it is queued behind.
+    allscan.scan(xs[rank].view(4, -1), gs[rank], async_op=True).wait()
+    torch.cuda.synchronize()
     for it in range(20):
         x = xs[rank].clone().view(4, -1)
         g = gs[rank].clone()
         busy @ busy  # the side stream waits for this before reading x
         h = allscan.scan(x, g, async_op=True)
-        assert not h.is_completed()  # it waits behind the matmul (milliseconds) on the side stream
+        assert not h.is_completed(), f"iteration {it}"  # it waits behind the matmul (ms) on the side stream
         del x, g  # freed while the scan may still read them ...
         junk = [torch.full((n,), 7.0, device=dev) for _ in range(3)]  # ... and their memory handed out again
         if it % 3 == 0:
