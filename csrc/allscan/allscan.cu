@@ -625,18 +625,17 @@ allscanResult_t allscanScan(allscanComm_t comm, const allscanScanArgs_t* a, void
     // it is a self send/recv in the chain's own NCCL group call: one kernel, as in the floor
     // (measured 0.994-1.006x the bare send at 1-4 MiB; bench/README, fourth run). Larger states
     // take a few CTAs on the side stream beside the send, whose bandwidth the self copy would share
-    // (16-256 MiB: self 1.01-1.05x, side 1.00x). Zeros come from a grow-only zeroed buffer of the
-    // communicator, allocated on the first call that needs it (outside capture; under capture
-    // without it, the side kernel). In series after the send (ALLSCAN_HEAD_FILL=series or
+    // (16-256 MiB: self 1.01-1.05x, side 1.00-1.03x). Zeros come from the communicator's zeroed
+    // buffer (self_fill_max bytes), allocated by the first call that needs it (outside capture;
+    // under capture without it, the side kernel). In series after the send (ALLSCAN_HEAD_FILL=series or
     // ALLSCAN_FILL_CTAS=0) when asked, or when the side kernel's buffers are not 16-byte aligned.
     const bool need_fill = !a->inclusive || a->init == nullptr;
     const void* fill_src = a->inclusive ? a->x : a->init;  // null: zeros
     int mode = comm->head_fill;
     if (mode == kFillAuto) mode = bytes <= comm->self_fill_max ? kFillSelf : kFillSide;
-    if (mode == kFillSide && comm->fill_ctas == 0) mode = kFillSeries;
     if (need_fill && mode == kFillSelf && fill_src == nullptr && !ensureZeros(comm, bytes, stream)) mode = kFillSide;
     if (need_fill && mode == kFillSide &&
-        !(bytes % 16 == 0 && aligned16(a->y) && (fill_src == nullptr || aligned16(fill_src))))
+        (comm->fill_ctas == 0 || bytes % 16 != 0 || !aligned16(a->y) || (fill_src != nullptr && !aligned16(fill_src))))
       mode = kFillSeries;
     const bool self_fill = need_fill && mode == kFillSelf;
     const bool side_fill = need_fill && mode == kFillSide;
