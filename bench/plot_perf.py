@@ -23,6 +23,9 @@ def load(path: str, op: str):
     for r in rows:
         if r["size"] not in by_size or r.get("K_auto"):
             by_size[r["size"]] = r
+    fixed = sorted({str(r.get("K")) for r in by_size.values() if not r.get("K_auto")})
+    if fixed:
+        print(f"# {path}: no automatic-K row at some sizes; plotted K = {', '.join(fixed)} there")
     return doc, {s: by_size[s]["vs_floor"] for s in sorted(by_size)}
 
 

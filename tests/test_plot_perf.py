@@ -25,6 +25,7 @@ def _plot(*args):
 
 
 def test_table_and_png(tmp_path):
+    pytest.importorskip("matplotlib")  # the "bench" extra (CI installs it)
     a, b = tmp_path / "a.json", tmp_path / "b.json"
     _run_json(a, {4096: 1.25, 2 << 20: 0.994})
     _run_json(b, {2 << 20: 1.163})

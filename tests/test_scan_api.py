@@ -218,10 +218,15 @@ def test_choose_num_blocks_minimises_the_model():
 
 @pytest.mark.parametrize("var,value,needle", [
     ("ALLSCAN_HEAD_FILL", "selff", "expected auto, self, side or series, got 'selff'"),
-    ("ALLSCAN_SELF_FILL_MAX_BYTES", "8M", "expected a byte count, got '8M'"),
-    ("ALLSCAN_SELF_FILL_MAX_BYTES", "99999999999999999999999", "expected a byte count"),
-    ("ALLSCAN_FILL_CTAS", "-1", "expected a CTA count from 0 (in series) to 1024, got '-1'"),
+    ("ALLSCAN_SELF_FILL_MAX_BYTES", "8M", "expected a byte count up to 1073741824, got '8M'"),
+    ("ALLSCAN_SELF_FILL_MAX_BYTES", "99999999999999999999999", "expected a byte count up to 1073741824"),
+    ("ALLSCAN_SELF_FILL_MAX_BYTES", "18446744073709551615", "expected a byte count up to 1073741824"),
+    ("ALLSCAN_SELF_FILL_MAX_BYTES", "1073741825", "expected a byte count up to 1073741824"),
+    ("ALLSCAN_FILL_CTAS", "-1", "to 1024, got '-1'"),
+    ("ALLSCAN_FILL_CTAS", "1025", "to 1024, got '1025'"),
     ("ALLSCAN_LINK_MODEL", "5", "two floats"),
+    ("ALLSCAN_LINK_MODEL", "0,1e-6", "positive finite"),
+    ("ALLSCAN_LINK_MODEL", "nan,1e-6", "positive finite"),
 ])
 def test_bad_environment_is_a_clear_error(monkeypatch, var, value, needle):
     from allscan import _comm
@@ -236,8 +241,10 @@ def test_bad_environment_is_a_clear_error(monkeypatch, var, value, needle):
 
 
 @pytest.mark.parametrize("var,value", [("ALLSCAN_HEAD_FILL", v) for v in ("auto", "self", "side", "series")]
-                         + [("ALLSCAN_SELF_FILL_MAX_BYTES", "0"), ("ALLSCAN_FILL_CTAS", "0"),
-                            ("ALLSCAN_FILL_CTAS", "32")])
+                         + [("ALLSCAN_SELF_FILL_MAX_BYTES", "0"), ("ALLSCAN_SELF_FILL_MAX_BYTES", "1073741824"),
+                            ("ALLSCAN_FILL_CTAS", "0"), ("ALLSCAN_FILL_CTAS", "32")]
+                         + [(v, "") for v in ("ALLSCAN_HEAD_FILL", "ALLSCAN_SELF_FILL_MAX_BYTES", "ALLSCAN_FILL_CTAS",
+                                              "ALLSCAN_LINK_MODEL")])  # empty = unset
 def test_good_environment_is_accepted(monkeypatch, var, value):
     from allscan import _comm
 

@@ -68,7 +68,7 @@ def _matrix(rank, P):
 # "auto" (default) is an NCCL self send/recv in the chain's group call up to 8 MiB (every state
 # here), else a kernel beside the send on a side stream ("side"); "series" writes it after the send
 # on the caller's stream (also taken for unaligned buffers).
-FILLS = [(1, "auto"), (2, "auto"), (2, "side"), (2, "series")]
+FILLS = [(1, "auto"), (2, "auto"), (2, "side"), (2, "series")]  # P = 1: no chain, no head fill
 
 
 @pytest.fixture
@@ -87,7 +87,9 @@ def test_nccl_matrix(P, fill_mode):
 
 def _sizes(rank, P):
     dev = torch.device("cuda", torch.cuda.current_device())
-    for nbytes in (4 << 10, 64 << 10, 1 << 20, 2 << 20, 16 << 20, 256 << 20):
+    # 8 MiB is the largest state the head's self copy takes by default; 8 MiB + 256 B the smallest
+    # that goes to the side kernel.
+    for nbytes in (4 << 10, 64 << 10, 1 << 20, 2 << 20, 8 << 20, (8 << 20) + 256, 16 << 20, 256 << 20):
         n = nbytes // 4
         gen = torch.Generator(device=dev).manual_seed(nbytes)
         xs = [torch.randn(n, generator=gen, device=dev) for _ in range(P)]
@@ -157,6 +159,37 @@ def _capture_before_zeros(rank, P):
 def test_capture_before_zero_buffer():
     _need(2)
     run_distributed(_capture_before_zeros, 2, backend="nccl", timeout=300)
+
+
+def _zero_buffer_growth(rank, P):
+    # ALLSCAN_HEAD_FILL=self: the self copy at every size, so a 16 MiB state replaces the head's
+    # 8 MiB zero buffer; a graph captured before keeps reading the old one, which must still be
+    # there, and zero.
+    dev = torch.device("cuda", torch.cuda.current_device())
+    small, large = (1 << 20) // 4, (16 << 20) // 4
+    gen = torch.Generator(device=dev).manual_seed(3)
+    xs = [torch.randn(small, generator=gen, device=dev) for _ in range(P)]
+    xl = [torch.randn(large, generator=gen, device=dev) for _ in range(P)]
+    x_static = xs[rank].clone()
+    assert torch.equal(allscan.scan(x_static), scan_reference(xs, None)[rank])  # allocates 8 MiB
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y_static = allscan.scan(x_static)
+    assert torch.equal(allscan.scan(xl[rank]), scan_reference(xl, None)[rank])  # grows to 16 MiB
+    junk = torch.full((large,), 7.0, device=dev)  # memory handed out after the growth
+    for trial in range(2):
+        y_static.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(y_static, scan_reference(xs, None)[rank]), trial
+    del junk
+
+
+def test_zero_buffer_growth_keeps_captured_graphs_valid(monkeypatch):
+    _need(2)
+    monkeypatch.setenv("ALLSCAN_HEAD_FILL", "self")
+    run_distributed(_zero_buffer_growth, 2, backend="nccl", timeout=300)
 
 
 def _streams_graphs_grads(rank, P):

@@ -12,6 +12,7 @@
 #include <cstdlib>
 #include <new>
 #include <string>
+#include <vector>
 
 #include "common/error.h"
 
@@ -33,15 +34,21 @@ struct allscanComm {
   int fill_ctas = 8;  // CTAs of the side fill (ALLSCAN_FILL_CTAS; 0: in series after the send)
   // How the chain head writes its own result (ALLSCAN_HEAD_FILL, see allscanScan).
   int head_fill = 0;                 // HeadFill
-  size_t self_fill_max = 8u << 20;   // auto: self copy up to this many bytes (ALLSCAN_SELF_FILL_MAX_BYTES)
-  void* zeros = nullptr;             // zeroed buffer (self_fill_max bytes): an exclusive head's zeros
+  size_t self_fill_max = size_t(8) << 20;  // auto: self copy up to this many bytes (ALLSCAN_SELF_FILL_MAX_BYTES)
+  void* zeros = nullptr;             // zeroed buffer: an exclusive head's zeros (see ensureZeros)
   size_t zeros_bytes = 0;
+  size_t zeros_failed = 0;           // smallest size whose allocation failed (0: none); not retried
+  // Buffers replaced by a larger one: graphs captured earlier may still read them, so they live
+  // until the communicator goes.
+  std::vector<void*> retired;
 };
 
 namespace {
 
 // How the chain head writes its own result (init, zeros, or x itself for an inclusive scan).
 enum HeadFill { kFillAuto = 0, kFillSelf = 1, kFillSide = 2, kFillSeries = 3 };
+constexpr size_t kDefaultSelfFill = size_t(8) << 20;  // auto: the self copy up to 8 MiB
+constexpr size_t kMaxSelfFill = size_t(1) << 30;      // ALLSCAN_SELF_FILL_MAX_BYTES at most 1 GiB
 
 // ------------------------------------------------------------------------------------------------
 // Element types
@@ -319,7 +326,7 @@ size_t workspaceBytes(const allscanComm* comm, const allscanScanArgs_t* a) {
 // error naming the variable, never silently the default.
 allscanResult_t readEnv(allscanComm* c) {
   auto parseSize = [](const char* v, size_t* out) {
-    if (v == nullptr || *v == '\0') return false;
+    if (v == nullptr) return false;
     for (const char* p = v; *p; ++p)
       if (*p < '0' || *p > '9') return false;
     errno = 0;
@@ -328,61 +335,65 @@ allscanResult_t readEnv(allscanComm* c) {
     *out = static_cast<size_t>(n);
     return true;
   };
-  if (const char* v = std::getenv("ALLSCAN_FILL_CTAS")) {
+  // An empty value is the same as an unset one.
+  auto get = [](const char* name) -> const char* {
+    const char* v = std::getenv(name);
+    return v != nullptr && *v != '\0' ? v : nullptr;
+  };
+  if (const char* v = get("ALLSCAN_FILL_CTAS")) {
     size_t n = 0;
     ALLSCAN_ARG_CHECK(parseSize(v, &n) && n <= 1024,
-                      std::string("ALLSCAN_FILL_CTAS: expected a CTA count from 0 (in series) to 1024, got '") + v + "'");
+                      std::string("ALLSCAN_FILL_CTAS: expected the side fill's CTA count, 0 (then it runs in series "
+                                  "after the send) to 1024, got '") + v + "'");
     c->fill_ctas = static_cast<int>(n);
   }
-  if (const char* v = std::getenv("ALLSCAN_HEAD_FILL")) {
+  if (const char* v = get("ALLSCAN_HEAD_FILL")) {
     const std::string m(v);
-    if (m == "auto" || m.empty()) c->head_fill = kFillAuto;
+    if (m == "auto") c->head_fill = kFillAuto;
     else if (m == "self") c->head_fill = kFillSelf;
     else if (m == "side") c->head_fill = kFillSide;
     else if (m == "series") c->head_fill = kFillSeries;
     else return setError(allscanInvalidArgument, "ALLSCAN_HEAD_FILL: expected auto, self, side or series, got '" + m + "'");
   }
-  if (const char* v = std::getenv("ALLSCAN_SELF_FILL_MAX_BYTES")) {
-    ALLSCAN_ARG_CHECK(parseSize(v, &c->self_fill_max),
-                      std::string("ALLSCAN_SELF_FILL_MAX_BYTES: expected a byte count, got '") + v + "'");
+  if (const char* v = get("ALLSCAN_SELF_FILL_MAX_BYTES")) {
+    ALLSCAN_ARG_CHECK(parseSize(v, &c->self_fill_max) && c->self_fill_max <= kMaxSelfFill,
+                      std::string("ALLSCAN_SELF_FILL_MAX_BYTES: expected a byte count up to ") +
+                          std::to_string(kMaxSelfFill) + ", got '" + v + "'");
   }
   return allscanSuccess;
 }
 
-// Makes comm->zeros hold at least `bytes` zero bytes. Allocated outside stream capture only, once
-// at self_fill_max bytes (8 MiB by default: auto never needs more), larger only when the self copy
-// is forced for a larger state. The call that allocates pays one allocation and one
-// synchronisation, as NCCL's lazy connection setup does. Returns false under capture or when the
-// allocation fails, and the caller takes another path.
+// Makes comm->zeros hold at least `bytes` zero bytes: max(bytes, 8 MiB) when first needed (auto
+// never needs more than self_fill_max, 8 MiB by default), a larger one only for a larger state;
+// a replaced buffer is kept until the communicator goes (graphs captured before may read it). The
+// call that allocates pays one cudaMalloc and one synchronisation of `stream`, outside capture
+// only (relaxed capture mode, so another thread's capture is not disturbed). Returns false under
+// capture or when the allocation fails (not retried for that size or larger), and the caller
+// takes another path.
 bool ensureZeros(allscanComm* comm, size_t bytes, cudaStream_t stream) {
   if (comm->zeros_bytes >= bytes) return true;
+  if (comm->zeros_failed != 0 && bytes >= comm->zeros_failed) return false;
   cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;
   if (cudaStreamIsCapturing(stream, &cs) != cudaSuccess || cs != cudaStreamCaptureStatusNone) {
     cudaGetLastError();
     return false;
   }
-  const size_t want = alignUp(std::max(bytes, comm->self_fill_max), kAlign);
-  if (comm->zeros != nullptr) {
-    // Work in flight on any stream may still read the old buffer.
-    if (cudaDeviceSynchronize() != cudaSuccess) {
-      cudaGetLastError();
-      return false;
-    }
-    cudaFree(comm->zeros);
-    comm->zeros = nullptr;
-    comm->zeros_bytes = 0;
-  }
+  const size_t want = alignUp(std::max(bytes, std::min(comm->self_fill_max, kDefaultSelfFill)), kAlign);
+  cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
+  cudaThreadExchangeStreamCaptureMode(&mode);
   void* p = nullptr;
-  if (cudaMalloc(&p, want) != cudaSuccess) {
-    cudaGetLastError();
-    return false;
-  }
+  bool ok = cudaMalloc(&p, want) == cudaSuccess;
   // Zeroed and finished before any stream reads it.
-  if (cudaMemsetAsync(p, 0, want, stream) != cudaSuccess || cudaStreamSynchronize(stream) != cudaSuccess) {
+  ok = ok && cudaMemsetAsync(p, 0, want, stream) == cudaSuccess && cudaStreamSynchronize(stream) == cudaSuccess;
+  cudaThreadExchangeStreamCaptureMode(&mode);
+  if (!ok) {
     cudaGetLastError();
-    cudaFree(p);
+    if (p != nullptr) cudaFree(p);
+    cudaGetLastError();
+    comm->zeros_failed = comm->zeros_failed == 0 ? bytes : std::min(comm->zeros_failed, bytes);
     return false;
   }
+  if (comm->zeros != nullptr) comm->retired.push_back(comm->zeros);
   comm->zeros = p;
   comm->zeros_bytes = want;
   return true;
@@ -454,6 +465,8 @@ allscanResult_t allscanCommDestroy(allscanComm_t comm) {
   if (comm->fork) cudaEventDestroy(comm->fork);
   if (comm->side) cudaStreamDestroy(comm->side);
   if (comm->zeros) cudaFree(comm->zeros);
+  for (void* p : comm->retired) cudaFree(p);
+  cudaGetLastError();  // nothing left for the caller's next launch check to misreport
   delete comm;  // the NCCL communicator is borrowed: not destroyed here
   return allscanSuccess;
 }
@@ -626,9 +639,9 @@ allscanResult_t allscanScan(allscanComm_t comm, const allscanScanArgs_t* a, void
     // (measured 0.994-1.006x the bare send at 1-4 MiB; bench/README, fourth run). Larger states
     // take a few CTAs on the side stream beside the send, whose bandwidth the self copy would share
     // (16-256 MiB: self 1.01-1.05x, side 1.00-1.03x). Zeros come from the communicator's zeroed
-    // buffer (self_fill_max bytes), allocated by the first call that needs it (outside capture;
-    // under capture without it, the side kernel). In series after the send (ALLSCAN_HEAD_FILL=series or
-    // ALLSCAN_FILL_CTAS=0) when asked, or when the side kernel's buffers are not 16-byte aligned.
+    // buffer, allocated by the first call that needs it (ensureZeros; under capture without it,
+    // the side path). The side path runs in series after the send when asked
+    // (ALLSCAN_HEAD_FILL=series, or ALLSCAN_FILL_CTAS=0) or when its buffers are not 16-byte aligned.
     const bool need_fill = !a->inclusive || a->init == nullptr;
     const void* fill_src = a->inclusive ? a->x : a->init;  // null: zeros
     int mode = comm->head_fill;

@@ -9,6 +9,7 @@ from an ``ncclUniqueId`` broadcast over the group, and destroys it at exit or in
 from __future__ import annotations
 
 import atexit
+import math
 import os
 import threading
 import weakref
@@ -148,6 +149,8 @@ def _link_model_from_env() -> Optional[Tuple[float, float]]:
         raise ValueError(
             f"ALLSCAN_LINK_MODEL must be 'latency_us,us_per_byte' (two floats), got {v!r}"
         ) from e
+    if not (math.isfinite(a) and math.isfinite(b) and a > 0 and b > 0):
+        raise ValueError(f"ALLSCAN_LINK_MODEL must be two positive finite floats 'latency_us,us_per_byte', got {v!r}")
     return a, b
 
 
@@ -209,6 +212,7 @@ def get_communicator(group, device: torch.device) -> Communicator:
         except Exception:  # noqa: BLE001 - its group is gone; nothing more to do
             pass
     check_device(group, device)  # one device per process and group
+    check_env()  # before the collectives below (owned communicator, calibration)
     if torch.cuda.is_current_stream_capturing():
         raise RuntimeError(
             "allscan: the first call on a group creates its communicator, which cannot happen while a "

@@ -155,12 +155,15 @@ ALLSCAN_API allscanResult_t allscanCheckArgs(allscanComm_t comm, const allscanSc
 /* The All-Scan. Enqueued on `stream`; collective over the communicator.
  * The chain head's own result (zeros, init, or x for an inclusive scan without init) is written in
  * the same NCCL group call as its send, as a send/recv to itself, for states up to 8 MiB, so the
- * head runs one kernel as the bare send does; above, by a few CTAs on a side stream beside the send.
- * Zeros come from an 8 MiB zeroed buffer the communicator allocates on the first call that needs
- * it (one cudaMalloc and one synchronisation of `stream`, never under stream capture: a call
- * captured before it exists writes with the side kernel). Environment, read by allscanCommCreate:
- * ALLSCAN_HEAD_FILL=auto|self|side|series, ALLSCAN_SELF_FILL_MAX_BYTES (default 8388608),
- * ALLSCAN_FILL_CTAS (side kernel CTAs, default 8; 0 = series). */
+ * head runs one kernel as the bare send does; above, by a few CTAs on a side stream beside the send
+ * (in series after it when its buffers are not 16-byte aligned). Zeros come from a zeroed buffer
+ * the communicator allocates (8 MiB, or the state's size when a forced self copy is larger) on the
+ * first call that needs it: one cudaMalloc and one synchronisation of `stream`, never under stream
+ * capture (a call captured before it exists takes the side path). A CUDA graph holding a scan must
+ * not outlive the communicator (as with NCCL's). Environment, read by allscanCommCreate (a value
+ * that does not parse fails it with allscanInvalidArgument naming the variable):
+ * ALLSCAN_HEAD_FILL=auto|self|side|series, ALLSCAN_SELF_FILL_MAX_BYTES (auto's switch, default
+ * 8388608, at most 1 GiB), ALLSCAN_FILL_CTAS (the side fill's CTAs, default 8; 0 = in series). */
 ALLSCAN_API allscanResult_t allscanScan(allscanComm_t comm, const allscanScanArgs_t* args, void* workspace,
                             size_t workspace_bytes, cudaStream_t stream);
 
