@@ -363,8 +363,9 @@ allscanResult_t readEnv(allscanComm* c) {
   return allscanSuccess;
 }
 
-// Makes comm->zeros hold at least `bytes` zero bytes: max(bytes, 8 MiB) when first needed (auto
-// never needs more than self_fill_max, 8 MiB by default), a larger one only for a larger state;
+// Makes comm->zeros hold at least `bytes` zero bytes: max(bytes, min(self_fill_max, 8 MiB)) when
+// first needed (auto never needs more than self_fill_max, 8 MiB by default), a larger one only
+// for a larger state (a raised ALLSCAN_SELF_FILL_MAX_BYTES, or a forced self copy);
 // a replaced buffer is kept until the communicator goes (graphs captured before may read it). The
 // call that allocates pays one cudaMalloc and one synchronisation of `stream`, outside capture
 // only (relaxed capture mode, so another thread's capture is not disturbed). Returns false under

@@ -157,7 +157,7 @@ ALLSCAN_API allscanResult_t allscanCheckArgs(allscanComm_t comm, const allscanSc
  * the same NCCL group call as its send, as a send/recv to itself, for states up to 8 MiB, so the
  * head runs one kernel as the bare send does; above, by a few CTAs on a side stream beside the send
  * (in series after it when its buffers are not 16-byte aligned). Zeros come from a zeroed buffer
- * the communicator allocates (8 MiB, or the state's size when a forced self copy is larger) on the
+ * the communicator allocates (8 MiB, or the state's size when larger) on the
  * first call that needs it: one cudaMalloc and one synchronisation of `stream`, never under stream
  * capture (a call captured before it exists takes the side path). A CUDA graph holding a scan must
  * not outlive the communicator (as with NCCL's). Environment, read by allscanCommCreate (a value
