@@ -1,0 +1,356 @@
+"""What every allscan op and layer shares: the dtype table, the settings, the cross-rank check.
+
+- :data:`DTYPE_CODES`: torch dtype -> the core's dtype code (from ``allscan._C``); the only table.
+- :data:`settings`: every ``ALLSCAN_*`` environment variable, read and validated once, at first use
+  (:data:`VARIABLES` lists them; README.md's table mirrors it, a test keeps the two equal).
+- :func:`check_across_ranks`: the one cross-rank signature check every collective runs before it
+  communicates, so that ranks passing different shapes raise instead of hanging; and
+  :func:`announce_invalid` for a rank whose own arguments failed a local check.
+"""
+from __future__ import annotations
+
+import math
+import os
+import threading
+import warnings
+import weakref
+import zlib
+from collections import OrderedDict
+from typing import Callable, NamedTuple, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+
+from . import _C
+
+__all__ = [
+    "DTYPE_CODES",
+    "DTYPE_NAMES",
+    "dtype_code",
+    "Variable",
+    "VARIABLES",
+    "settings",
+    "markdown_table",
+    "MAX_CHECKED_SIGNATURES",
+    "check_across_ranks",
+    "announce_invalid",
+    "peers_exchange",
+    "clear_checked_signatures",
+]
+
+# ------------------------------------------------------------------------------------------------
+# The dtype table
+# ------------------------------------------------------------------------------------------------
+DTYPE_CODES = {
+    torch.float32: _C.FLOAT32,
+    torch.float16: _C.FLOAT16,
+    torch.bfloat16: _C.BFLOAT16,
+    torch.float64: _C.FLOAT64,
+}
+DTYPE_NAMES = {code: str(dt).replace("torch.", "") for dt, code in DTYPE_CODES.items()}
+
+
+def dtype_code(dtype: torch.dtype, what: str) -> int:
+    """The core's code of ``dtype``; ``TypeError`` naming ``what`` for a dtype the core lacks."""
+    code = DTYPE_CODES.get(dtype)
+    if code is None:
+        raise TypeError(f"{what} must be float32, float16, bfloat16 or float64, got {dtype}")
+    return code
+
+
+# ------------------------------------------------------------------------------------------------
+# The settings
+# ------------------------------------------------------------------------------------------------
+class Variable(NamedTuple):
+    name: str       # the environment variable
+    attr: str       # the settings attribute ("" for a deprecated alias)
+    values: str     # what it accepts
+    default: str    # unset (or empty)
+    when: str       # when it is read
+    meaning: str
+
+
+_FIRST_USE = "first use"
+_COMM = "first use; the C++ core when it makes a communicator"
+
+VARIABLES: Tuple[Variable, ...] = (
+    Variable("ALLSCAN_CHECK", "check", "`first`, `always`, `never`", "`first`", _FIRST_USE,
+             "The cross-rank argument check of every collective and layer. `first`: on NCCL, the first "
+             "time a signature is seen per group (then cached); on other backends every call. `always`: "
+             "every call (one small all-gather and a host synchronisation), a rank whose own arguments "
+             "fail joins the exchange so the others raise too, and Ulysses attention repeats each "
+             "two-stream forward on one stream and compares. `never`: no check."),
+    Variable("ALLSCAN_LINK_MODEL", "link_model", "`latency_us,us_per_byte` (two positive floats)",
+             "measured (P > 2)", _FIRST_USE,
+             "The link model that chooses the All-Scan's block count, instead of measuring it."),
+    Variable("ALLSCAN_HEAD_FILL", "head_fill", "`auto`, `self`, `side`, `series`", "`auto`", _COMM,
+             "How the All-Scan's chain head writes its own result (README, \"the head's own result\")."),
+    Variable("ALLSCAN_SELF_FILL_MAX_BYTES", "self_fill_max_bytes", "bytes, 0 to 1073741824", "8388608", _COMM,
+             "`auto` head fill: the largest state that takes the self copy."),
+    Variable("ALLSCAN_FILL_CTAS", "fill_ctas", "0 to 1024", "8", _COMM,
+             "CTAs of the head's side fill (0: in series after the send)."),
+    Variable("ALLSCAN_GLA_BACKEND", "gla_backend", "`auto`, `fla`, `torch`", "`auto`", _FIRST_USE,
+             "The GLA layer's local kernels: fla-core on CUDA when importable (`auto`), or forced."),
+    Variable("ALLSCAN_GLA_FUSED", "gla_fused", "`0`, `1`", "`1`", _FIRST_USE,
+             "GLA: the fused Triton correction kernel (`0`: torch ops)."),
+    Variable("ALLSCAN_GLA_FUSED_OUTPUT", "gla_fused_output", "`0`, `1`", "`1`", _FIRST_USE,
+             "GLA: fold the incoming state into the output kernel (`0`: fla's output kernel, then a "
+             "separate correction)."),
+    Variable("ALLSCAN_FLA_AUTOTUNE", "fla_autotune", "`one`, `full`", "unset (fla's own)", "first fla call",
+             "How fla-core's Triton kernels autotune: `one` fixed config per kernel or `full`."),
+    Variable("ALLSCAN_ULYSSES_STREAMS", "ulysses_streams", "`0`, `1`", "`1`", _FIRST_USE,
+             "Ulysses attention: pipeline the chunks over two CUDA streams (`0`: one stream)."),
+    Variable("ALLSCAN_A2A_IMPL", "a2a_impl", "`auto`, `torch`", "`auto`", _FIRST_USE,
+             "The chunked all-to-all: the C++ core on NCCL (`auto`) or torch.distributed everywhere."),
+    Variable("ALLSCAN_PERF", "perf_binary", "a path", "`build/*/bench/allscan_perf`", "by tests/test_perf_cli.py",
+             "The `allscan_perf` binary the CLI tests run."),
+    Variable("ALLSCAN_A2A_CHECK", "", "`auto`, `always`, `never`", "unset", _FIRST_USE,
+             "Deprecated (FutureWarning): `ALLSCAN_CHECK` (`auto` = `first`); ignored when that is set."),
+    Variable("ALLSCAN_ULYSSES_CHECK", "", "`0`, `1`", "unset", _FIRST_USE,
+             "Deprecated (FutureWarning): `1` = `ALLSCAN_CHECK=always`; ignored when that is set."),
+)
+
+MAX_SELF_FILL_BYTES = 1 << 30
+MAX_FILL_CTAS = 1024
+
+
+def _choice(*allowed: str) -> Callable[[str, str], str]:
+    def parse(name: str, v: str) -> str:
+        if v not in allowed:
+            raise ValueError(f"{name}: expected {', '.join(allowed)}, got {v!r}")
+        return v
+    return parse
+
+
+def _flag(name: str, v: str) -> bool:
+    if v not in ("0", "1"):
+        raise ValueError(f"{name}: expected 0 or 1, got {v!r}")
+    return v == "1"
+
+
+def _count(limit: int, what: str) -> Callable[[str, str], int]:
+    def parse(name: str, v: str) -> int:
+        if not v.isdigit() or int(v) > limit:
+            raise ValueError(f"{name}: expected {what} from 0 to {limit}, got {v!r}")
+        return int(v)
+    return parse
+
+
+def _link_model(name: str, v: str) -> Tuple[float, float]:
+    try:
+        a, b = (float(s) for s in v.split(","))
+    except ValueError as e:
+        raise ValueError(f"{name}: expected 'latency_us,us_per_byte' (two floats), got {v!r}") from e
+    if not (math.isfinite(a) and math.isfinite(b) and a > 0 and b > 0):
+        raise ValueError(f"{name}: expected two positive finite floats 'latency_us,us_per_byte', got {v!r}")
+    return a, b
+
+
+_PARSE = {
+    "ALLSCAN_CHECK": (_choice("first", "always", "never"), "first"),
+    "ALLSCAN_LINK_MODEL": (_link_model, None),
+    "ALLSCAN_HEAD_FILL": (_choice("auto", "self", "side", "series"), "auto"),
+    "ALLSCAN_SELF_FILL_MAX_BYTES": (_count(MAX_SELF_FILL_BYTES, "a byte count"), 8 << 20),
+    "ALLSCAN_FILL_CTAS": (_count(MAX_FILL_CTAS, "a CTA count"), 8),
+    "ALLSCAN_GLA_BACKEND": (_choice("auto", "fla", "torch"), "auto"),
+    "ALLSCAN_GLA_FUSED": (_flag, True),
+    "ALLSCAN_GLA_FUSED_OUTPUT": (_flag, True),
+    "ALLSCAN_FLA_AUTOTUNE": (_choice("one", "full"), None),
+    "ALLSCAN_ULYSSES_STREAMS": (_flag, True),
+    "ALLSCAN_A2A_IMPL": (_choice("auto", "torch"), "auto"),
+    "ALLSCAN_PERF": (lambda name, v: v, None),
+}
+_A2A_CHECK_ALIAS = {"auto": "first", "always": "always", "never": "never"}
+
+
+def _env(name: str) -> Optional[str]:
+    v = os.environ.get(name)
+    return v if v else None  # empty = unset
+
+
+class Settings:
+    """Every ``ALLSCAN_*`` variable, read and validated together at the first attribute access
+    (``ValueError`` naming the variable on a value it does not know); :meth:`reload` re-reads.
+    Attributes may be assigned (``allscan.set_check_every_call`` sets ``check``)."""
+
+    _lock = threading.Lock()
+
+    def __getattr__(self, attr: str):
+        # Only reached while the attribute is missing: before the first read.
+        if attr.startswith("_"):
+            raise AttributeError(attr)
+        self._load()
+        try:
+            return self.__dict__[attr]
+        except KeyError:
+            raise AttributeError(f"allscan settings have no attribute {attr!r}") from None
+
+    def reload(self) -> None:
+        with self._lock:
+            self.__dict__.clear()
+        self._load()
+
+    def _load(self) -> None:
+        values = {}
+        for var in VARIABLES:
+            if var.attr:
+                parse, default = _PARSE[var.name]
+                raw = _env(var.name)
+                values[var.attr] = default if raw is None else parse(var.name, raw)
+        values["check"] = self._check_with_aliases(values["check"])
+        with self._lock:
+            for attr, value in values.items():
+                self.__dict__.setdefault(attr, value)  # keep what was assigned before the first read
+
+    @staticmethod
+    def _check_with_aliases(check: str) -> str:
+        explicit = _env("ALLSCAN_CHECK") is not None
+        a2a = _env("ALLSCAN_A2A_CHECK")
+        uly = _env("ALLSCAN_ULYSSES_CHECK")
+        if a2a is not None:
+            mapped = _choice("auto", "always", "never")("ALLSCAN_A2A_CHECK", a2a.lower())
+            warnings.warn("ALLSCAN_A2A_CHECK is deprecated: use ALLSCAN_CHECK=first|always|never"
+                          + (" (ALLSCAN_CHECK is set and wins)" if explicit else ""), FutureWarning, stacklevel=4)
+            if not explicit:
+                check, explicit = _A2A_CHECK_ALIAS[mapped], True
+        if uly is not None:
+            on = _flag("ALLSCAN_ULYSSES_CHECK", uly)
+            warnings.warn("ALLSCAN_ULYSSES_CHECK is deprecated: use ALLSCAN_CHECK=always"
+                          + (" (ALLSCAN_CHECK is set and wins)" if explicit else ""), FutureWarning, stacklevel=4)
+            if on and not explicit:
+                check = "always"
+        return check
+
+
+settings = Settings()
+
+
+def markdown_table() -> str:
+    """README.md's table of the variables (a test checks that the README holds exactly this)."""
+    rows = ["| Variable | Values | Default | Read | Meaning |", "|---|---|---|---|---|"]
+    rows += [f"| `{v.name}` | {v.values} | {v.default} | {v.when} | {v.meaning} |" for v in VARIABLES]
+    return "\n".join(rows)
+
+
+# ------------------------------------------------------------------------------------------------
+# The cross-rank signature check
+# ------------------------------------------------------------------------------------------------
+# One row per rank: [magic, op code, number of fields, values..., zero padding]. The width is fixed,
+# so the all-gather itself can never mismatch, whatever the ranks pass.
+_WIDTH = 32
+_HEADER = 3
+_VALID = 0x5CA4
+_INVALID = 0xBAD
+MAX_CHECKED_SIGNATURES = 1024  # LRU: an evicted signature is checked again on its next use
+
+_checked: "OrderedDict[tuple, weakref.ReferenceType]" = OrderedDict()
+_checked_lock = threading.Lock()
+
+
+def _op_code(op: str) -> int:
+    return zlib.crc32(op.encode())
+
+
+def _on_nccl(group, device: torch.device) -> bool:
+    return device.type == "cuda" and "nccl" in str(dist.get_backend(group)).lower()
+
+
+def peers_exchange(group, device: torch.device) -> bool:
+    """Whether every rank exchanges its signature on every call (so a rank that failed locally must
+    join): with ``ALLSCAN_CHECK=always``, and in ``first`` mode off NCCL (there the exchange costs no
+    host synchronisation the op does not already make)."""
+    mode = settings.check
+    return mode == "always" or (mode == "first" and not _on_nccl(group, device))
+
+
+def _gather_rows(group, device: torch.device, row: Sequence[int]):
+    P = dist.get_world_size(group)
+    local = torch.tensor(list(row), dtype=torch.int64, device=device if _on_nccl(group, device) else "cpu")
+    rows = [torch.empty_like(local) for _ in range(P)]
+    dist.all_gather(rows, local, group=group)
+    return [r.tolist() for r in rows]
+
+
+def _show(name: str, value: int) -> str:
+    return DTYPE_NAMES.get(value, "none") if name.endswith("dtype") else str(value)
+
+
+def check_across_ranks(group, device: torch.device, op: str, fields: Sequence[Tuple[str, int]]) -> None:
+    """Raise ``ValueError`` on every rank if the ranks of ``group`` pass different ``fields``
+    ((name, int) pairs, at most 29) to ``op``, naming each field that differs and every rank's value.
+
+    Obeys ``settings.check`` (``first``: on NCCL once per signature and group, cached in an LRU of
+    :data:`MAX_CHECKED_SIGNATURES`, elsewhere every call; ``always``: every call; ``never``: no
+    check). Under CUDA graph capture it exchanges nothing: a signature checked before capture passes,
+    a new one raises ``RuntimeError``. Collective whenever it exchanges."""
+    mode = settings.check
+    if mode == "never" or dist.get_world_size(group) == 1:
+        return
+    values = tuple(int(v) for _, v in fields)
+    if len(values) > _WIDTH - _HEADER:
+        raise ValueError(f"check_across_ranks: {op} passes {len(values)} fields, at most {_WIDTH - _HEADER}")
+    key = (group.group_name, id(group), op, values)
+    with _checked_lock:
+        ref = _checked.get(key)
+        seen = ref is not None and ref() is group
+        if seen:
+            _checked.move_to_end(key)
+    capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    if capturing:
+        if seen:
+            return  # checked before capture; the exchange would synchronise, which capture forbids
+        raise RuntimeError(
+            f"allscan.{op}: these arguments were never checked across ranks, and the check cannot run while "
+            f"a CUDA graph is being captured; call it once with them before capturing")
+    if seen and mode == "first" and _on_nccl(group, device):
+        return
+    row = [_VALID, _op_code(op), len(values), *values]
+    rows = _gather_rows(group, device, row + [0] * (_WIDTH - len(row)))
+    _raise_on_difference(op, fields, rows, dist.get_rank(group))
+    with _checked_lock:
+        _checked[key] = weakref.ref(group)
+        _checked.move_to_end(key)
+        while len(_checked) > MAX_CHECKED_SIGNATURES:
+            _checked.popitem(last=False)
+
+
+def _raise_on_difference(op: str, fields, rows, me: int) -> None:
+    bad = [q for q, row in enumerate(rows) if row[0] == _INVALID]
+    if bad:
+        raise ValueError(f"allscan.{op}: rank(s) {bad} rejected their own arguments (see the error raised there); "
+                         f"this is rank {me}")
+    others = [q for q, row in enumerate(rows) if row[1] != rows[me][1]]
+    if others:
+        raise ValueError(f"allscan.{op}: rank(s) {others} are in a different collective at the same time "
+                         f"(this is rank {me}, in {op})")
+    if all(row == rows[0] for row in rows):
+        return
+    parts = []
+    counts = {row[2] for row in rows}
+    if len(counts) > 1:
+        parts.append("the number of fields (" + ", ".join(f"rank {q}: {row[2]}" for q, row in enumerate(rows)) + ")")
+    for i, (name, _) in enumerate(fields):
+        column = [row[_HEADER + i] for row in rows]
+        if any(v != column[0] for v in column):
+            per_rank = ", ".join(f"rank {q}: {_show(name, v)}" for q, v in enumerate(column))
+            parts.append(f"{name} ({per_rank})")
+    raise ValueError(
+        f"allscan.{op}: ranks passed different arguments (a collective would hang): ranks disagree on "
+        + "; ".join(parts) + f". Every rank must pass the same shapes, dtypes and options (this is rank {me})")
+
+
+def announce_invalid(group, device: torch.device, op: str) -> None:
+    """A rank whose own arguments failed a local check joins the exchange its peers make in the
+    current mode (see :func:`peers_exchange`), with a marker that makes them raise instead of
+    waiting for it. Nothing when the peers may not exchange, under capture, or alone."""
+    if dist.get_world_size(group) == 1 or not peers_exchange(group, device):
+        return
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return
+    _gather_rows(group, device, [_INVALID, _op_code(op)] + [0] * (_WIDTH - 2))
+
+
+def clear_checked_signatures() -> None:
+    """Forget every checked signature (``allscan.destroy_communicators`` calls it)."""
+    with _checked_lock:
+        _checked.clear()
