@@ -2,67 +2,19 @@
 // communicator wrapper and the link model that chooses the block count. No libtorch.
 #include "allscan/allscan.h"
 
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-
 #include <algorithm>
-#include <cerrno>
 #include <cmath>
 #include <cstdint>
-#include <cstdlib>
 #include <new>
 #include <string>
-#include <vector>
 
+#include "comm.h"
+#include "common/acc.cuh"
 #include "common/error.h"
 
-using allscan::detail::setError;
-
-struct allscanComm {
-  ncclComm_t nccl = nullptr;  // borrowed, never destroyed here (null for a detached communicator)
-  int rank = 0;
-  int nranks = 1;
-  bool model_set = false;
-  double latency_us = 0.0;
-  double us_per_byte = 0.0;
-  // For states above self_fill_max the chain head writes its own result (zeros or init) off the
-  // critical path: forked onto this stream while the send runs, joined back before the call
-  // returns (capturable fork/join).
-  cudaStream_t side = nullptr;
-  cudaEvent_t fork = nullptr;
-  cudaEvent_t join = nullptr;
-  int fill_ctas = 8;  // CTAs of the side fill (ALLSCAN_FILL_CTAS; 0: in series after the send)
-  // How the chain head writes its own result (ALLSCAN_HEAD_FILL, see allscanScan).
-  int head_fill = 0;                 // HeadFill
-  size_t self_fill_max = size_t(8) << 20;  // auto: self copy up to this many bytes (ALLSCAN_SELF_FILL_MAX_BYTES)
-  void* zeros = nullptr;             // zeroed buffer: an exclusive head's zeros (see ensureZeros)
-  size_t zeros_bytes = 0;
-  size_t zeros_failed = 0;           // smallest size whose allocation failed (0: none); not retried
-  // Buffers replaced by a larger one: graphs captured earlier may still read them, so they live
-  // until the communicator goes.
-  std::vector<void*> retired;
-};
+using namespace allscan::detail;
 
 namespace {
-
-// How the chain head writes its own result (init, zeros, or x itself for an inclusive scan).
-enum HeadFill { kFillAuto = 0, kFillSelf = 1, kFillSide = 2, kFillSeries = 3 };
-constexpr size_t kDefaultSelfFill = size_t(8) << 20;  // auto: the self copy up to 8 MiB
-constexpr size_t kMaxSelfFill = size_t(1) << 30;      // ALLSCAN_SELF_FILL_MAX_BYTES at most 1 GiB
-
-// ------------------------------------------------------------------------------------------------
-// Element types
-// ------------------------------------------------------------------------------------------------
-template <typename T> struct Acc { using type = float; };
-template <> struct Acc<double> { using type = double; };
-
-template <typename T> __device__ __forceinline__ typename Acc<T>::type toAcc(T v) { return static_cast<typename Acc<T>::type>(v); }
-template <> __device__ __forceinline__ float toAcc<__half>(__half v) { return __half2float(v); }
-template <> __device__ __forceinline__ float toAcc<__nv_bfloat16>(__nv_bfloat16 v) { return __bfloat162float(v); }
-
-template <typename T> __device__ __forceinline__ T fromAcc(typename Acc<T>::type v) { return static_cast<T>(v); }
-template <> __device__ __forceinline__ __half fromAcc<__half>(float v) { return __float2half_rn(v); }
-template <> __device__ __forceinline__ __nv_bfloat16 fromAcc<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
 
 // g*y + x as a separate multiply and add (no FMA contraction), so the CPU/torch reference, which
 // computes the same two rounded operations, is bitwise equal.
@@ -72,22 +24,6 @@ __device__ __forceinline__ double combineOp(double g, double y, double x) { retu
 template <typename G, typename A> __device__ __forceinline__ A loadG(const G* g, size_t i) {
   return static_cast<A>(toAcc<G>(g[i]));
 }
-
-size_t dtypeSize(allscanDataType_t t) { return allscanDataTypeSize(t); }
-
-bool validDtype(int t) { return t >= allscanFloat32 && t <= allscanFloat64; }
-
-const char* dtypeName(allscanDataType_t t) {
-  switch (t) {
-    case allscanFloat32: return "float32";
-    case allscanFloat16: return "float16";
-    case allscanBfloat16: return "bfloat16";
-    case allscanFloat64: return "float64";
-  }
-  return "?";
-}
-
-ncclDataType_t ncclType(allscanDataType_t t) { return allscanNcclDataType(t); }
 
 // ------------------------------------------------------------------------------------------------
 // Kernels
@@ -251,21 +187,8 @@ cudaError_t launchFold(const allscanScanArgs_t& a, const void* X, const void* Gs
 }
 
 // ------------------------------------------------------------------------------------------------
-// Blocks and workspace layout
+// Arguments, blocks and workspace layout
 // ------------------------------------------------------------------------------------------------
-constexpr size_t kAlign = 256;
-size_t alignUp(size_t v, size_t a) { return (v + a - 1) / a * a; }
-
-// Elements per pipeline block: ceil(count/K) rounded up to 16 bytes' worth of elements, so every
-// block but the last starts 16-byte aligned. The number of blocks is then ceil(count / blockElems)
-// (<= K). Every rank computes the same partition from (count, K, dtype).
-size_t blockElems(size_t count, int K, size_t esize) {
-  const size_t vec = 16 / esize;
-  size_t b = (count + static_cast<size_t>(K) - 1) / static_cast<size_t>(K);
-  b = alignUp(std::max<size_t>(b, 1), vec);
-  return b;
-}
-
 allscanResult_t checkArgs(const allscanComm* comm, const allscanScanArgs_t* a) {
   ALLSCAN_ARG_CHECK(comm != nullptr, "comm: null communicator");
   ALLSCAN_ARG_CHECK(a != nullptr, "args: null argument struct");
@@ -293,13 +216,9 @@ allscanResult_t checkArgs(const allscanComm* comm, const allscanScanArgs_t* a) {
   return allscanSuccess;
 }
 
-int effectiveBlocks(const allscanComm* comm, const allscanScanArgs_t* a) {
+int scanBlocks(const allscanComm* comm, const allscanScanArgs_t* a) {
   if (a->method == allscanSerial || a->method == allscanAllGather) return 1;
-  int K = a->num_blocks;
-  if (K == 0) {
-    allscanChooseNumBlocks(const_cast<allscanComm*>(comm), a->count * dtypeSize(a->dtype), &K);
-  }
-  return std::min(K, static_cast<int>(allscanMaxBlocks));  // more blocks only add message latencies
+  return effectiveBlocks(comm, a->num_blocks, a->count * dtypeSize(a->dtype));
 }
 
 size_t workspaceBytes(const allscanComm* comm, const allscanScanArgs_t* a) {
@@ -322,82 +241,176 @@ size_t workspaceBytes(const allscanComm* comm, const allscanScanArgs_t* a) {
   return needs ? alignUp(a->count * es, kAlign) : 0;
 }
 
-// The communicator's environment settings (read when it is made); a value that does not parse is an
-// error naming the variable, never silently the default.
-allscanResult_t readEnv(allscanComm* c) {
-  auto parseSize = [](const char* v, size_t* out) {
-    if (v == nullptr) return false;
-    for (const char* p = v; *p; ++p)
-      if (*p < '0' || *p > '9') return false;
-    errno = 0;
-    const unsigned long long n = std::strtoull(v, nullptr, 10);
-    if (errno == ERANGE) return false;
-    *out = static_cast<size_t>(n);
-    return true;
-  };
-  // An empty value is the same as an unset one.
-  auto get = [](const char* name) -> const char* {
-    const char* v = std::getenv(name);
-    return v != nullptr && *v != '\0' ? v : nullptr;
-  };
-  if (const char* v = get("ALLSCAN_FILL_CTAS")) {
-    size_t n = 0;
-    ALLSCAN_ARG_CHECK(parseSize(v, &n) && n <= 1024,
-                      std::string("ALLSCAN_FILL_CTAS: expected the side fill's CTA count, 0 (then it runs in series "
-                                  "after the send) to 1024, got '") + v + "'");
-    c->fill_ctas = static_cast<int>(n);
-  }
-  if (const char* v = get("ALLSCAN_HEAD_FILL")) {
-    const std::string m(v);
-    if (m == "auto") c->head_fill = kFillAuto;
-    else if (m == "self") c->head_fill = kFillSelf;
-    else if (m == "side") c->head_fill = kFillSide;
-    else if (m == "series") c->head_fill = kFillSeries;
-    else return setError(allscanInvalidArgument, "ALLSCAN_HEAD_FILL: expected auto, self, side or series, got '" + m + "'");
-  }
-  if (const char* v = get("ALLSCAN_SELF_FILL_MAX_BYTES")) {
-    ALLSCAN_ARG_CHECK(parseSize(v, &c->self_fill_max) && c->self_fill_max <= kMaxSelfFill,
-                      std::string("ALLSCAN_SELF_FILL_MAX_BYTES: expected a byte count up to ") +
-                          std::to_string(kMaxSelfFill) + ", got '" + v + "'");
+// ------------------------------------------------------------------------------------------------
+// The schedules (allscanScan has checked the arguments and the workspace)
+// ------------------------------------------------------------------------------------------------
+
+// The pipeline's partition of a state into blocks (blockElems), as byte offsets into a buffer.
+struct Blocks {
+  Blocks(size_t count, int K, size_t esize)
+      : count(count), elems(blockElems(count, K, esize)), esize(esize), n((count + elems - 1) / elems) {}
+  const char* at(const void* base, size_t k) const { return static_cast<const char*>(base) + k * elems * esize; }
+  char* at(void* base, size_t k) const { return static_cast<char*>(base) + k * elems * esize; }
+  size_t len(size_t k) const { return std::min(elems, count - k * elems); }
+  size_t count;  // elements of the state
+  size_t elems;  // elements per block (the last may hold fewer)
+  size_t esize;  // bytes per element
+  size_t n;      // number of blocks
+};
+
+size_t gInner(const allscanScanArgs_t* a) { return a->g != nullptr ? a->count / a->g_count : 1; }
+
+// A chain of one: exclusive = init (or 0), inclusive = g*init + x (or x).
+allscanResult_t scanOneRank(const allscanScanArgs_t* a, cudaStream_t stream) {
+  const size_t bytes = a->count * dtypeSize(a->dtype);
+  if (a->inclusive) {
+    if (a->init != nullptr) {
+      ALLSCAN_CUDA_CHECK(launchCombine(a->dtype, a->g_dtype, a->x, a->init, a->g, a->y, a->count, gInner(a), 0, stream));
+    } else {
+      ALLSCAN_CUDA_CHECK(cudaMemcpyAsync(a->y, a->x, bytes, cudaMemcpyDeviceToDevice, stream));
+    }
+  } else if (a->init != nullptr) {
+    ALLSCAN_CUDA_CHECK(cudaMemcpyAsync(a->y, a->init, bytes, cudaMemcpyDeviceToDevice, stream));
+  } else {
+    ALLSCAN_CUDA_CHECK(cudaMemsetAsync(a->y, 0, bytes, stream));
   }
   return allscanSuccess;
 }
 
-// Makes comm->zeros hold at least `bytes` zero bytes: max(bytes, min(self_fill_max, 8 MiB)) when
-// first needed (auto never needs more than self_fill_max, 8 MiB by default), a larger one only
-// for a larger state (a raised ALLSCAN_SELF_FILL_MAX_BYTES, or a forced self copy);
-// a replaced buffer is kept until the communicator goes (graphs captured before may read it). The
-// call that allocates pays one cudaMalloc and one synchronisation of `stream`, outside capture
-// only (relaxed capture mode, so another thread's capture is not disturbed). Returns false under
-// capture or when the allocation fails (not retried for that size or larger), and the caller
-// takes another path.
-bool ensureZeros(allscanComm* comm, size_t bytes, cudaStream_t stream) {
-  if (comm->zeros_bytes >= bytes) return true;
-  if (comm->zeros_failed != 0 && bytes >= comm->zeros_failed) return false;
-  cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;
-  if (cudaStreamIsCapturing(stream, &cs) != cudaSuccess || cs != cudaStreamCaptureStatusNone) {
-    cudaGetLastError();
-    return false;
+// LASP-2 pattern: gather every rank's state (and decay), fold locally. init is read on the chain
+// head only (as in the other methods): it is broadcast from there.
+allscanResult_t scanAllGather(const allscanComm* comm, const allscanScanArgs_t* a, void* workspace, cudaStream_t stream) {
+  const int P = comm->nranks;
+  const int head = a->reverse ? P - 1 : 0;
+  ncclComm_t nc = comm->nccl;
+  const ncclDataType_t nt = ncclType(a->dtype);
+  const size_t count = a->count;
+  char* ws = static_cast<char*>(workspace);
+  void* X = ws;
+  size_t off = alignUp(static_cast<size_t>(P) * count * dtypeSize(a->dtype), kAlign);
+  void* Gs = nullptr;
+  void* I = nullptr;
+  if (a->g != nullptr) {
+    Gs = ws + off;
+    off += alignUp(static_cast<size_t>(P) * a->g_count * dtypeSize(a->g_dtype), kAlign);
   }
-  const size_t want = alignUp(std::max(bytes, std::min(comm->self_fill_max, kDefaultSelfFill)), kAlign);
-  cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
-  cudaThreadExchangeStreamCaptureMode(&mode);
-  void* p = nullptr;
-  bool ok = cudaMalloc(&p, want) == cudaSuccess;
-  // Zeroed and finished before any stream reads it.
-  ok = ok && cudaMemsetAsync(p, 0, want, stream) == cudaSuccess && cudaStreamSynchronize(stream) == cudaSuccess;
-  cudaThreadExchangeStreamCaptureMode(&mode);
-  if (!ok) {
-    cudaGetLastError();
-    if (p != nullptr) cudaFree(p);
-    cudaGetLastError();
-    comm->zeros_failed = comm->zeros_failed == 0 ? bytes : std::min(comm->zeros_failed, bytes);
-    return false;
+  if (a->init != nullptr) I = ws + off;
+  ALLSCAN_NCCL_CHECK(nc, ncclGroupStart());
+  ALLSCAN_NCCL_CHECK_IN_GROUP(nc, ncclAllGather(a->x, X, count, nt, nc, stream));
+  if (Gs != nullptr) ALLSCAN_NCCL_CHECK_IN_GROUP(nc, ncclAllGather(a->g, Gs, a->g_count, ncclType(a->g_dtype), nc, stream));
+  if (I != nullptr) ALLSCAN_NCCL_CHECK_IN_GROUP(nc, ncclBroadcast(a->init, I, count, nt, head, nc, stream));
+  ALLSCAN_NCCL_CHECK(nc, ncclGroupEnd());
+  allscanScanArgs_t folded = *a;
+  folded.init = I;
+  ALLSCAN_CUDA_CHECK(launchFold(folded, X, Gs, P, comm->rank, stream));
+  return allscanSuccess;
+}
+
+// How the chain head writes its own result y when it is not what it sends: init or zeros
+// (exclusive), or x itself (inclusive without init). A second kernel on the head costs its launch
+// and join beside a short send, so up to self_fill_max bytes (auto) y is written inside the send's
+// own NCCL group call, as a send/recv to itself: one kernel, like the bare send. Larger states take
+// a few CTAs on the side stream beside the send, whose bandwidth a self copy would share. Zeros
+// come from the communicator's zeroed buffer (ensureZeros; without it, the side path); the side
+// path runs in series after the send when asked or when its buffers are not 16-byte aligned.
+// Measurements: bench/README.md, "the head's own result" (second to fourth runs).
+HeadFill chooseHeadFill(allscanComm* comm, const allscanScanArgs_t* a, const void* fill_src, cudaStream_t stream) {
+  const size_t bytes = a->count * dtypeSize(a->dtype);
+  int mode = comm->head_fill;
+  if (mode == kFillAuto) mode = bytes <= comm->self_fill_max ? kFillSelf : kFillSide;
+  if (mode == kFillSelf && fill_src == nullptr && !ensureZeros(comm, bytes, stream)) mode = kFillSide;
+  if (mode == kFillSide &&
+      (comm->fill_ctas == 0 || bytes % 16 != 0 || !aligned16(a->y) || (fill_src != nullptr && !aligned16(fill_src))))
+    mode = kFillSeries;
+  return static_cast<HeadFill>(mode);
+}
+
+// The chain starts here: y = init (or 0); the value sent on is g*init + x (or x itself). All blocks
+// go in one group call: in order on the same peer connection, so the successor receives block 0
+// first and starts combining it while the rest is in flight.
+allscanResult_t scanHead(allscanComm* comm, const allscanScanArgs_t* a, const Blocks& b, void* workspace,
+                         cudaStream_t stream) {
+  const int r = comm->rank;
+  const int next = a->reverse ? r - 1 : r + 1;
+  ncclComm_t nc = comm->nccl;
+  const ncclDataType_t nt = ncclType(a->dtype);
+  const size_t bytes = a->count * b.esize;
+  const void* s = a->x;
+  if (a->init != nullptr) {
+    void* dst = a->inclusive ? a->y : workspace;
+    ALLSCAN_CUDA_CHECK(launchCombine(a->dtype, a->g_dtype, a->x, a->init, a->g, dst, a->count, gInner(a), 0, stream));
+    s = dst;
   }
-  if (comm->zeros != nullptr) comm->retired.push_back(comm->zeros);
-  comm->zeros = p;
-  comm->zeros_bytes = want;
-  return true;
+  const bool need_fill = !a->inclusive || a->init == nullptr;
+  const void* fill_src = a->inclusive ? a->x : a->init;  // null: zeros
+  const HeadFill mode = need_fill ? chooseHeadFill(comm, a, fill_src, stream) : kFillAuto;
+  const bool self_fill = need_fill && mode == kFillSelf;
+  const bool side_fill = need_fill && mode == kFillSide;
+  if (side_fill) {
+    ALLSCAN_CUDA_CHECK(cudaEventRecord(comm->fork, stream));
+    ALLSCAN_CUDA_CHECK(cudaStreamWaitEvent(comm->side, comm->fork, 0));
+    const size_t n16 = bytes / 16;
+    const int ctas = static_cast<int>(std::min<size_t>(comm->fill_ctas, (n16 + kThreads - 1) / kThreads));
+    fillKernel<<<std::max(ctas, 1), kThreads, 0, comm->side>>>(static_cast<uint4*>(a->y),
+                                                             static_cast<const uint4*>(fill_src), n16);
+    ALLSCAN_CUDA_CHECK(cudaGetLastError());
+    ALLSCAN_CUDA_CHECK(cudaEventRecord(comm->join, comm->side));
+  }
+  // On an error the side branch is still joined, so a capture never holds an unjoined fork.
+  allscanResult_t st = allscanSuccess;
+  ncclResult_t nr = ncclGroupStart();
+  for (size_t k = 0; k < b.n && nr == ncclSuccess; ++k) nr = ncclSend(b.at(s, k), b.len(k), nt, next, nc, stream);
+  if (self_fill) {
+    const void* src = fill_src != nullptr ? fill_src : comm->zeros;
+    if (nr == ncclSuccess) nr = ncclSend(src, bytes, ncclUint8, r, nc, stream);
+    if (nr == ncclSuccess) nr = ncclRecv(a->y, bytes, ncclUint8, r, nc, stream);
+  }
+  ncclResult_t ne = ncclSettle(nc, ncclGroupEnd());
+  if (nr == ncclSuccess) nr = ne;
+  if (nr != ncclSuccess) st = setError(allscanNcclError, std::string("ncclSend (chain head): ") + ncclGetErrorString(nr));
+  if (side_fill) ALLSCAN_CUDA_CHECK(cudaStreamWaitEvent(stream, comm->join, 0));
+  if (st != allscanSuccess) return st;
+  if (need_fill && mode == kFillSeries) {
+    if (fill_src != nullptr) {
+      ALLSCAN_CUDA_CHECK(cudaMemcpyAsync(a->y, fill_src, bytes, cudaMemcpyDeviceToDevice, stream));
+    } else {
+      ALLSCAN_CUDA_CHECK(cudaMemsetAsync(a->y, 0, bytes, stream));
+    }
+  }
+  return st;
+}
+
+// Inner and tail ranks: receive block k while sending block k-1 on, combine block k. R receives
+// y_p; S holds g*y_p + x (what is sent on, or the inclusive result). Exclusive: R = y,
+// S = workspace. Inclusive: R = workspace, S = y.
+allscanResult_t scanLink(const allscanComm* comm, const allscanScanArgs_t* a, const Blocks& b, void* workspace,
+                         cudaStream_t stream) {
+  const int P = comm->nranks, r = comm->rank;
+  const bool has_next = a->reverse ? r > 0 : r < P - 1;
+  const int prev = a->reverse ? r + 1 : r - 1;
+  const int next = a->reverse ? r - 1 : r + 1;
+  ncclComm_t nc = comm->nccl;
+  const ncclDataType_t nt = ncclType(a->dtype);
+  const size_t inner = gInner(a);
+  void* R = a->inclusive ? workspace : a->y;
+  void* S = a->inclusive ? a->y : workspace;
+  const bool combine = has_next || a->inclusive;
+  for (size_t k = 0; k < b.n; ++k) {
+    ALLSCAN_NCCL_CHECK(nc, ncclGroupStart());
+    if (has_next && k > 0) ALLSCAN_NCCL_CHECK_IN_GROUP(nc, ncclSend(b.at(S, k - 1), b.len(k - 1), nt, next, nc, stream));
+    ALLSCAN_NCCL_CHECK_IN_GROUP(nc, ncclRecv(b.at(R, k), b.len(k), nt, prev, nc, stream));
+    ALLSCAN_NCCL_CHECK(nc, ncclGroupEnd());
+    if (combine) {
+      ALLSCAN_CUDA_CHECK(launchCombine(a->dtype, a->g_dtype, b.at(a->x, k), b.at(R, k), a->g, b.at(S, k), b.len(k),
+                                       inner, k * b.elems, stream));
+    }
+  }
+  if (has_next) {
+    ALLSCAN_NCCL_CHECK(nc, ncclGroupStart());
+    ALLSCAN_NCCL_CHECK_IN_GROUP(nc, ncclSend(b.at(S, b.n - 1), b.len(b.n - 1), nt, next, nc, stream));
+    ALLSCAN_NCCL_CHECK(nc, ncclGroupEnd());
+  }
+  return allscanSuccess;
 }
 
 }  // namespace
@@ -554,162 +567,18 @@ allscanResult_t allscanNeighborExchange(allscanComm_t comm, const void* sendbuf,
 allscanResult_t allscanScan(allscanComm_t comm, const allscanScanArgs_t* a, void* workspace, size_t workspace_bytes,
                             cudaStream_t stream) {
   ALLSCAN_CHECK(checkArgs(comm, a));
-  const int P = comm->nranks, r = comm->rank;
-  const size_t count = a->count;
-  if (count == 0) return allscanSuccess;
-  const size_t es = dtypeSize(a->dtype);
-  const size_t bytes = count * es;
+  if (a->count == 0) return allscanSuccess;
   const size_t need = workspaceBytes(comm, a);
   ALLSCAN_ARG_CHECK(workspace_bytes >= need && (need == 0 || workspace != nullptr),
                     "workspace: " + std::to_string(need) + " bytes needed (allscanWorkspaceSize), got " +
                         std::to_string(workspace_bytes));
-  const size_t inner = a->g != nullptr ? count / a->g_count : 1;
-  const void* g = a->g;
-
-  const int head = a->reverse ? P - 1 : 0;
-  const bool is_head = r == head;
-  const bool has_next = a->reverse ? r > 0 : r < P - 1;
-  const int prev = a->reverse ? r + 1 : r - 1;
-  const int next = a->reverse ? r - 1 : r + 1;
-
-  if (P == 1) {
-    // A chain of one: exclusive = init (or 0), inclusive = g*init + x (or x).
-    if (a->inclusive) {
-      if (a->init != nullptr) {
-        ALLSCAN_CUDA_CHECK(launchCombine(a->dtype, a->g_dtype, a->x, a->init, g, a->y, count, inner, 0, stream));
-      } else {
-        ALLSCAN_CUDA_CHECK(cudaMemcpyAsync(a->y, a->x, bytes, cudaMemcpyDeviceToDevice, stream));
-      }
-    } else if (a->init != nullptr) {
-      ALLSCAN_CUDA_CHECK(cudaMemcpyAsync(a->y, a->init, bytes, cudaMemcpyDeviceToDevice, stream));
-    } else {
-      ALLSCAN_CUDA_CHECK(cudaMemsetAsync(a->y, 0, bytes, stream));
-    }
-    return allscanSuccess;
-  }
+  if (comm->nranks == 1) return scanOneRank(a, stream);
   ALLSCAN_ARG_CHECK(comm->nccl != nullptr, "comm: a detached communicator has no NCCL communicator");
-  ncclComm_t nc = comm->nccl;
-  const ncclDataType_t nt = ncclType(a->dtype);
-
-  if (a->method == allscanAllGather) {
-    // LASP-2 pattern: gather every rank's state (and decay), fold locally.
-    // init is read on the chain head only (as in the other methods): it is broadcast from there.
-    char* ws = static_cast<char*>(workspace);
-    void* X = ws;
-    size_t off = alignUp(static_cast<size_t>(P) * bytes, kAlign);
-    void* Gs = nullptr;
-    void* I = nullptr;
-    if (g != nullptr) {
-      Gs = ws + off;
-      off += alignUp(static_cast<size_t>(P) * a->g_count * dtypeSize(a->g_dtype), kAlign);
-    }
-    if (a->init != nullptr) I = ws + off;
-    ALLSCAN_NCCL_CHECK(nc, ncclGroupStart());
-    ALLSCAN_NCCL_CHECK_IN_GROUP(nc, ncclAllGather(a->x, X, count, nt, nc, stream));
-    if (Gs != nullptr) ALLSCAN_NCCL_CHECK_IN_GROUP(nc, ncclAllGather(g, Gs, a->g_count, ncclType(a->g_dtype), nc, stream));
-    if (I != nullptr) ALLSCAN_NCCL_CHECK_IN_GROUP(nc, ncclBroadcast(a->init, I, count, nt, head, nc, stream));
-    ALLSCAN_NCCL_CHECK(nc, ncclGroupEnd());
-    allscanScanArgs_t folded = *a;
-    folded.init = I;
-    ALLSCAN_CUDA_CHECK(launchFold(folded, X, Gs, P, r, stream));
-    return allscanSuccess;
-  }
-
-  const int K = effectiveBlocks(comm, a);
-  const size_t be = blockElems(count, K, es);
-  const size_t nblocks = (count + be - 1) / be;
-  auto blk = [&](const void* base, size_t k) {
-    return static_cast<const char*>(base) + k * be * es;
-  };
-  auto blkm = [&](void* base, size_t k) { return static_cast<char*>(base) + k * be * es; };
-  auto blen = [&](size_t k) { return std::min(be, count - k * be); };
-
-  if (is_head) {
-    // The chain starts here: y = init (or 0); the value sent on is g*init + x (or x itself).
-    const void* s = a->x;
-    if (a->init != nullptr) {
-      void* dst = a->inclusive ? a->y : workspace;
-      ALLSCAN_CUDA_CHECK(launchCombine(a->dtype, a->g_dtype, a->x, a->init, g, dst, count, inner, 0, stream));
-      s = dst;
-    }
-    // The head's own result, when it is not what is sent: init or zeros (exclusive), or x itself
-    // (inclusive without init). It is off the chain's critical path, but a second kernel on the
-    // head costs its launch and join: 2-4 us beside a 15 us send of 2 MiB on 2 H200s (1.10-1.26x
-    // the bare send; in series 1.14x; also under a CUDA graph). So up to self_fill_max bytes (auto)
-    // it is a self send/recv in the chain's own NCCL group call: one kernel, as in the floor
-    // (measured 0.994-1.006x the bare send at 1-4 MiB; bench/README, fourth run). Larger states
-    // take a few CTAs on the side stream beside the send, whose bandwidth the self copy would share
-    // (16-256 MiB: self 1.01-1.05x, side 1.00-1.03x). Zeros come from the communicator's zeroed
-    // buffer, allocated by the first call that needs it (ensureZeros; under capture without it,
-    // the side path). The side path runs in series after the send when asked
-    // (ALLSCAN_HEAD_FILL=series, or ALLSCAN_FILL_CTAS=0) or when its buffers are not 16-byte aligned.
-    const bool need_fill = !a->inclusive || a->init == nullptr;
-    const void* fill_src = a->inclusive ? a->x : a->init;  // null: zeros
-    int mode = comm->head_fill;
-    if (mode == kFillAuto) mode = bytes <= comm->self_fill_max ? kFillSelf : kFillSide;
-    if (need_fill && mode == kFillSelf && fill_src == nullptr && !ensureZeros(comm, bytes, stream)) mode = kFillSide;
-    if (need_fill && mode == kFillSide &&
-        (comm->fill_ctas == 0 || bytes % 16 != 0 || !aligned16(a->y) || (fill_src != nullptr && !aligned16(fill_src))))
-      mode = kFillSeries;
-    const bool self_fill = need_fill && mode == kFillSelf;
-    const bool side_fill = need_fill && mode == kFillSide;
-    if (side_fill) {
-      ALLSCAN_CUDA_CHECK(cudaEventRecord(comm->fork, stream));
-      ALLSCAN_CUDA_CHECK(cudaStreamWaitEvent(comm->side, comm->fork, 0));
-      const size_t n16 = bytes / 16;
-      const int ctas = static_cast<int>(std::min<size_t>(comm->fill_ctas, (n16 + kThreads - 1) / kThreads));
-      fillKernel<<<std::max(ctas, 1), kThreads, 0, comm->side>>>(static_cast<uint4*>(a->y),
-                                                               static_cast<const uint4*>(fill_src), n16);
-      ALLSCAN_CUDA_CHECK(cudaGetLastError());
-      ALLSCAN_CUDA_CHECK(cudaEventRecord(comm->join, comm->side));
-    }
-    // All blocks in one group call: they go out in order on the same peer connection, so the
-    // successor receives block 0 first and starts combining it while the rest is in flight.
-    // On an error the side branch is still joined, so a capture never holds an unjoined fork.
-    allscanResult_t st = allscanSuccess;
-    ncclResult_t nr = ncclGroupStart();
-    for (size_t k = 0; k < nblocks && nr == ncclSuccess; ++k) nr = ncclSend(blk(s, k), blen(k), nt, next, nc, stream);
-    if (self_fill) {
-      const void* src = fill_src != nullptr ? fill_src : comm->zeros;
-      if (nr == ncclSuccess) nr = ncclSend(src, bytes, ncclUint8, r, nc, stream);
-      if (nr == ncclSuccess) nr = ncclRecv(a->y, bytes, ncclUint8, r, nc, stream);
-    }
-    ncclResult_t ne = allscan::detail::ncclSettle(nc, ncclGroupEnd());
-    if (nr == ncclSuccess) nr = ne;
-    if (nr != ncclSuccess) st = setError(allscanNcclError, std::string("ncclSend (chain head): ") + ncclGetErrorString(nr));
-    if (side_fill) ALLSCAN_CUDA_CHECK(cudaStreamWaitEvent(stream, comm->join, 0));
-    if (st != allscanSuccess) return st;
-    if (need_fill && mode == kFillSeries) {
-      if (fill_src != nullptr) {
-        ALLSCAN_CUDA_CHECK(cudaMemcpyAsync(a->y, fill_src, bytes, cudaMemcpyDeviceToDevice, stream));
-      } else {
-        ALLSCAN_CUDA_CHECK(cudaMemsetAsync(a->y, 0, bytes, stream));
-      }
-    }
-    return st;
-  }
-
-  // Inner and tail ranks. R receives y_p; S holds g*y_p + x (what is sent on, or the inclusive
-  // result). Exclusive: R = y, S = workspace. Inclusive: R = workspace, S = y.
-  void* R = a->inclusive ? workspace : a->y;
-  void* S = a->inclusive ? a->y : workspace;
-  const bool combine = has_next || a->inclusive;
-  for (size_t k = 0; k < nblocks; ++k) {
-    ALLSCAN_NCCL_CHECK(nc, ncclGroupStart());
-    if (has_next && k > 0) ALLSCAN_NCCL_CHECK_IN_GROUP(nc, ncclSend(blk(S, k - 1), blen(k - 1), nt, next, nc, stream));
-    ALLSCAN_NCCL_CHECK_IN_GROUP(nc, ncclRecv(blkm(R, k), blen(k), nt, prev, nc, stream));
-    ALLSCAN_NCCL_CHECK(nc, ncclGroupEnd());
-    if (combine) {
-      ALLSCAN_CUDA_CHECK(launchCombine(a->dtype, a->g_dtype, blk(a->x, k), blk(R, k), g, blkm(S, k), blen(k), inner,
-                                       k * be, stream));
-    }
-  }
-  if (has_next) {
-    ALLSCAN_NCCL_CHECK(nc, ncclGroupStart());
-    ALLSCAN_NCCL_CHECK_IN_GROUP(nc, ncclSend(blk(S, nblocks - 1), blen(nblocks - 1), nt, next, nc, stream));
-    ALLSCAN_NCCL_CHECK(nc, ncclGroupEnd());
-  }
-  return allscanSuccess;
+  if (a->method == allscanAllGather) return scanAllGather(comm, a, workspace, stream);
+  const Blocks blocks(a->count, scanBlocks(comm, a), dtypeSize(a->dtype));
+  const int head = a->reverse ? comm->nranks - 1 : 0;
+  if (comm->rank == head) return scanHead(comm, a, blocks, workspace, stream);
+  return scanLink(comm, a, blocks, workspace, stream);
 }
 
 allscanResult_t allscanCalibrate(allscanComm_t comm, cudaStream_t stream) {

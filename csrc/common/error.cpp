@@ -1,5 +1,7 @@
 #include "common/error.h"
 
+#include <cstdarg>
+#include <cstdio>
 #include <thread>
 
 namespace allscan {
@@ -9,6 +11,16 @@ static thread_local std::string t_last_error;
 
 allscanResult_t setError(allscanResult_t code, const std::string& msg) {
   t_last_error = msg;
+  return code;
+}
+
+allscanResult_t setErrorf(allscanResult_t code, const char* fmt, ...) {
+  char buf[1024];
+  va_list ap;
+  va_start(ap, fmt);
+  std::vsnprintf(buf, sizeof(buf), fmt, ap);
+  va_end(ap);
+  t_last_error = buf;
   return code;
 }
 
@@ -30,9 +42,9 @@ ncclResult_t ncclSettle(ncclComm_t comm, ncclResult_t r) {
 }  // namespace detail
 }  // namespace allscan
 
-extern "C" const char* allscanGetLastError(void) { return allscan::detail::lastError(); }
+extern "C" ALLSCAN_API const char* allscanGetLastError(void) { return allscan::detail::lastError(); }
 
-extern "C" const char* allscanGetErrorString(allscanResult_t r) {
+extern "C" ALLSCAN_API const char* allscanGetErrorString(allscanResult_t r) {
   switch (r) {
     case allscanSuccess: return "success";
     case allscanInvalidArgument: return "invalid argument";

@@ -1,4 +1,6 @@
-// Internal error plumbing shared by the core's C API implementations (not installed).
+// The error plumbing every collective of the core uses (internal, not installed): one thread-local
+// last error, one way to record it, one set of argument / CUDA / NCCL check macros. Depends only
+// on the public allscan/common.h, never on a collective.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -6,13 +8,23 @@
 
 #include <string>
 
-#include "allscan/allscan.h"
+#include "allscan/common.h"
 
 namespace allscan {
 namespace detail {
 
-// Records `msg` as this thread's last error and returns `code`.
+// Records `msg` as this thread's last error (allscanGetLastError) and returns `code`.
 allscanResult_t setError(allscanResult_t code, const std::string& msg);
+
+// The same with a printf-style message.
+allscanResult_t setErrorf(allscanResult_t code, const char* fmt, ...)
+#if defined(__GNUC__)
+    __attribute__((format(printf, 2, 3)))
+#endif
+    ;
+
+// This thread's last error message.
+const char* lastError();
 
 // Waits for a non-blocking communicator's pending operation (ncclInProgress) to settle.
 ncclResult_t ncclSettle(ncclComm_t comm, ncclResult_t r);

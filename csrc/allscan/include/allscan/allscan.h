@@ -31,12 +31,7 @@
 #include <cuda_runtime.h>
 #include <nccl.h>
 
-#if defined(_WIN32)
-#define ALLSCAN_API
-#else
-/* The library is built with hidden visibility; only the C API is exported. */
-#define ALLSCAN_API __attribute__((visibility("default")))
-#endif
+#include <allscan/common.h> /* allscanResult_t, allscanDataType_t, ALLSCAN_API, allscanGetLastError */
 
 #ifdef __cplusplus
 extern "C" {
@@ -45,21 +40,6 @@ extern "C" {
 #define ALLSCAN_VERSION_MAJOR 0
 #define ALLSCAN_VERSION_MINOR 1
 #define ALLSCAN_VERSION_PATCH 0
-
-typedef enum {
-  allscanSuccess = 0,
-  allscanInvalidArgument = 1,
-  allscanCudaError = 2,
-  allscanNcclError = 3,
-  allscanInternalError = 4,
-} allscanResult_t;
-
-typedef enum {
-  allscanFloat32 = 0,
-  allscanFloat16 = 1,
-  allscanBfloat16 = 2,
-  allscanFloat64 = 3,
-} allscanDataType_t;
 
 typedef enum {
   /* receive block k, combine it with one fused kernel, send it on while receiving block k+1 */
@@ -93,30 +73,7 @@ typedef struct {
  * size, and the link model used to choose the block count. */
 typedef struct allscanComm* allscanComm_t;
 
-ALLSCAN_API const char* allscanGetErrorString(allscanResult_t result);
-/* The message of the last error on this thread (names the argument at fault). */
-ALLSCAN_API const char* allscanGetLastError(void);
 ALLSCAN_API int allscanGetVersion(void); /* major*10000 + minor*100 + patch */
-/* Bytes per element of a dtype (0 for a value that is not an allscanDataType_t). */
-static inline size_t allscanDataTypeSize(allscanDataType_t dtype) {
-  switch (dtype) {
-    case allscanFloat32: return 4;
-    case allscanFloat16: return 2;
-    case allscanBfloat16: return 2;
-    case allscanFloat64: return 8;
-  }
-  return 0;
-}
-/* The NCCL dtype of an allscan dtype (ncclFloat32 for a value that is not an allscanDataType_t). */
-static inline ncclDataType_t allscanNcclDataType(allscanDataType_t dtype) {
-  switch (dtype) {
-    case allscanFloat32: return ncclFloat32;
-    case allscanFloat16: return ncclFloat16;
-    case allscanBfloat16: return ncclBfloat16;
-    case allscanFloat64: return ncclFloat64;
-  }
-  return ncclFloat32;
-}
 
 ALLSCAN_API allscanResult_t allscanCommCreate(ncclComm_t nccl, allscanComm_t* comm);
 /* Build a communicator with an explicit rank/size and no NCCL (for choosing blocks, workspace

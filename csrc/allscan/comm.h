@@ -1,0 +1,91 @@
+// The All-Scan communicator and what every scan flavour of the core shares (internal, not
+// installed): dtype helpers, the pipeline's block partition, the chain head's zeroed buffer and
+// the communicator's environment settings.
+#pragma once
+
+#include <cuda_runtime.h>
+#include <nccl.h>
+
+#include <algorithm>
+#include <cstddef>
+#include <vector>
+
+#include "allscan/allscan.h"
+
+struct allscanComm {
+  ncclComm_t nccl = nullptr;  // borrowed, never destroyed here (null for a detached communicator)
+  int rank = 0;
+  int nranks = 1;
+  // The link model (allscanSetLinkModel / allscanCalibrate): one message of n bytes between
+  // neighbours costs latency_us + n * us_per_byte.
+  bool model_set = false;
+  double latency_us = 0.0;
+  double us_per_byte = 0.0;
+  // For states above self_fill_max the chain head writes its own result (zeros or init) off the
+  // critical path: forked onto this stream while the send runs, joined back before the call
+  // returns (capturable fork/join).
+  cudaStream_t side = nullptr;
+  cudaEvent_t fork = nullptr;
+  cudaEvent_t join = nullptr;
+  int fill_ctas = 8;  // CTAs of the side fill (ALLSCAN_FILL_CTAS; 0: in series after the send)
+  int head_fill = 0;  // allscan::detail::HeadFill (ALLSCAN_HEAD_FILL)
+  size_t self_fill_max = size_t(8) << 20;  // auto: self copy up to this many bytes (ALLSCAN_SELF_FILL_MAX_BYTES)
+  void* zeros = nullptr;  // zeroed buffer: an exclusive head's zeros (see ensureZeros)
+  size_t zeros_bytes = 0;
+  size_t zeros_failed = 0;  // smallest size whose allocation failed (0: none); not retried
+  // Buffers replaced by a larger one: graphs captured earlier may still read them, so they live
+  // until the communicator goes.
+  std::vector<void*> retired;
+};
+
+namespace allscan {
+namespace detail {
+
+// How the chain head writes its own result (init, zeros, or x itself for an inclusive scan).
+enum HeadFill { kFillAuto = 0, kFillSelf = 1, kFillSide = 2, kFillSeries = 3 };
+constexpr size_t kDefaultSelfFill = size_t(8) << 20;  // auto: the self copy up to 8 MiB
+constexpr size_t kMaxSelfFill = size_t(1) << 30;      // ALLSCAN_SELF_FILL_MAX_BYTES at most 1 GiB
+
+// ------------------------------------------------------------------------------------------------
+// Dtypes
+// ------------------------------------------------------------------------------------------------
+inline size_t dtypeSize(allscanDataType_t t) { return allscanDataTypeSize(t); }
+inline bool validDtype(int t) { return t >= allscanFloat32 && t <= allscanFloat64; }
+inline ncclDataType_t ncclType(allscanDataType_t t) { return allscanNcclDataType(t); }
+const char* dtypeName(allscanDataType_t t);
+
+// ------------------------------------------------------------------------------------------------
+// Blocks and workspace layout
+// ------------------------------------------------------------------------------------------------
+constexpr size_t kAlign = 256;  // workspace sub-buffers start at this alignment
+inline size_t alignUp(size_t v, size_t a) { return (v + a - 1) / a * a; }
+
+// Elements per pipeline block: ceil(count/K) rounded up to 16 bytes' worth of elements, so every
+// block but the last starts 16-byte aligned. The number of blocks is then ceil(count / blockElems)
+// (<= K). Every rank computes the same partition from (count, K, dtype).
+inline size_t blockElems(size_t count, int K, size_t esize) {
+  const size_t vec = 16 / esize;
+  size_t b = (count + static_cast<size_t>(K) - 1) / static_cast<size_t>(K);
+  b = alignUp(std::max<size_t>(b, 1), vec);
+  return b;
+}
+
+// The pipeline's block count for a state of `bytes` bytes: `numBlocks`, or (0) the link model's
+// choice (allscanChooseNumBlocks), at most allscanMaxBlocks.
+int effectiveBlocks(const allscanComm* comm, int numBlocks, size_t bytes);
+
+// ------------------------------------------------------------------------------------------------
+// Communicator state
+// ------------------------------------------------------------------------------------------------
+
+// Reads ALLSCAN_FILL_CTAS, ALLSCAN_HEAD_FILL and ALLSCAN_SELF_FILL_MAX_BYTES into `c` (when the
+// communicator is made); a value that does not parse is allscanInvalidArgument naming the
+// variable, never silently the default.
+allscanResult_t readEnv(allscanComm* c);
+
+// Makes comm->zeros hold at least `bytes` zero bytes. Returns false under stream capture or when
+// the allocation fails; the caller then takes a path that needs no zeros.
+bool ensureZeros(allscanComm* comm, size_t bytes, cudaStream_t stream);
+
+}  // namespace detail
+}  // namespace allscan

@@ -1,0 +1,68 @@
+/*
+ * allscan: what every collective of the library shares in its C API: the result codes, the
+ * storage dtypes, the last-error getter and the export macro. Included by allscan/allscan.h and
+ * allscan/a2a_chunked.h; depends on no collective.
+ */
+#ifndef ALLSCAN_COMMON_H_
+#define ALLSCAN_COMMON_H_
+
+#include <stddef.h>
+
+#include <nccl.h>
+
+#if defined(_WIN32)
+#define ALLSCAN_API
+#else
+/* The library is built with hidden visibility; only the C API is exported. */
+#define ALLSCAN_API __attribute__((visibility("default")))
+#endif
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef enum {
+  allscanSuccess = 0,
+  allscanInvalidArgument = 1,
+  allscanCudaError = 2,
+  allscanNcclError = 3,
+  allscanInternalError = 4,
+} allscanResult_t;
+
+typedef enum {
+  allscanFloat32 = 0,
+  allscanFloat16 = 1,
+  allscanBfloat16 = 2,
+  allscanFloat64 = 3,
+} allscanDataType_t;
+
+ALLSCAN_API const char* allscanGetErrorString(allscanResult_t result);
+/* The message of the last error of any allscan call on this thread (names the argument at fault). */
+ALLSCAN_API const char* allscanGetLastError(void);
+
+/* Bytes per element of a dtype (0 for a value that is not an allscanDataType_t). */
+static inline size_t allscanDataTypeSize(allscanDataType_t dtype) {
+  switch (dtype) {
+    case allscanFloat32: return 4;
+    case allscanFloat16: return 2;
+    case allscanBfloat16: return 2;
+    case allscanFloat64: return 8;
+  }
+  return 0;
+}
+/* The NCCL dtype of an allscan dtype (ncclFloat32 for a value that is not an allscanDataType_t). */
+static inline ncclDataType_t allscanNcclDataType(allscanDataType_t dtype) {
+  switch (dtype) {
+    case allscanFloat32: return ncclFloat32;
+    case allscanFloat16: return ncclFloat16;
+    case allscanBfloat16: return ncclBfloat16;
+    case allscanFloat64: return ncclFloat64;
+  }
+  return ncclFloat32;
+}
+
+#ifdef __cplusplus
+} /* extern "C" */
+#endif
+
+#endif /* ALLSCAN_COMMON_H_ */
