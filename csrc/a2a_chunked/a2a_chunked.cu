@@ -2,54 +2,25 @@
 // group of send/recv pairs. See include/allscan/a2a_chunked.h for the contract.
 #include <allscan/a2a_chunked.h>
 
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-
 #include <algorithm>
-#include <cstdarg>
-#include <cstdio>
 #include <cstring>
 #include <string>
 #include <vector>
 
-#if defined(__GNUC__)
-#define A2A_API __attribute__((visibility("default")))
-#else
-#define A2A_API
-#endif
+#include "common/acc.cuh"
+#include "common/error.h"
+
+using allscan::detail::Acc;
+using allscan::detail::fromAcc;
+using allscan::detail::setErrorf;
+using allscan::detail::toAcc;
 
 namespace {
 
-thread_local std::string g_last_error;
-
-allscanResult_t fail(allscanResult_t code, const char* fmt, ...) {
-  char buf[1024];
-  va_list ap;
-  va_start(ap, fmt);
-  vsnprintf(buf, sizeof(buf), fmt, ap);
-  va_end(ap);
-  g_last_error = buf;
-  return code;
-}
-
-#define A2A_CUDA(call)                                                                          \
-  do {                                                                                          \
-    cudaError_t e_ = (call);                                                                    \
-    if (e_ != cudaSuccess)                                                                      \
-      return fail(allscanCudaError, "allscanA2A: %s failed: %s", #call, cudaGetErrorString(e_)); \
-  } while (0)
-
-#define A2A_NCCL(call)                                                                          \
-  do {                                                                                          \
-    ncclResult_t r_ = (call);                                                                   \
-    if (r_ != ncclSuccess && r_ != ncclInProgress)                                              \
-      return fail(allscanNcclError, "allscanA2A: %s failed: %s", #call, ncclGetErrorString(r_)); \
-  } while (0)
-
 constexpr size_t kAlign = 256;
-inline size_t align_up(size_t x) { return (x + kAlign - 1) / kAlign * kAlign; }
+inline size_t alignUp(size_t x) { return (x + kAlign - 1) / kAlign * kAlign; }
 
-int dtype_size(allscanDataType_t t) { return static_cast<int>(allscanDataTypeSize(t)); }
+int dtypeSize(allscanDataType_t t) { return static_cast<int>(allscanDataTypeSize(t)); }
 
 // ------------------------------------------------------------------------------------------------
 // Kernels
@@ -77,7 +48,7 @@ struct CopyBatch {
 
 // I is the index type: 32-bit division when every segment of the launch has < 2^32 vectors.
 template <typename V, typename I>
-__global__ void copy_segments_kernel(const CopyBatch batch) {
+__global__ void copySegmentsKernel(const CopyBatch batch) {
   const CopySeg& sg = batch.seg[blockIdx.y];
   const I vpr = static_cast<I>(batch.row_bytes / sizeof(V));
   const I n = static_cast<I>(sg.n);
@@ -118,42 +89,9 @@ struct SumBatch {
   SumPiece piece[kMaxSumPieces];
 };
 
-template <typename T>
-struct Acc {
-  using type = float;
-};
-template <>
-struct Acc<double> {
-  using type = double;
-};
 
 template <typename T>
-__device__ __forceinline__ typename Acc<T>::type to_acc(T x) {
-  return static_cast<typename Acc<T>::type>(x);
-}
-template <>
-__device__ __forceinline__ float to_acc<__nv_bfloat16>(__nv_bfloat16 x) {
-  return __bfloat162float(x);
-}
-template <>
-__device__ __forceinline__ float to_acc<__half>(__half x) {
-  return __half2float(x);
-}
-template <typename T>
-__device__ __forceinline__ T from_acc(typename Acc<T>::type x) {
-  return static_cast<T>(x);
-}
-template <>
-__device__ __forceinline__ __nv_bfloat16 from_acc<__nv_bfloat16>(float x) {
-  return __float2bfloat16(x);
-}
-template <>
-__device__ __forceinline__ __half from_acc<__half>(float x) {
-  return __float2half(x);
-}
-
-template <typename T>
-__global__ void sum_pieces_kernel(const SumBatch batch) {
+__global__ void sumPiecesKernel(const SumBatch batch) {
   using A = typename Acc<T>::type;
   const unsigned nh = static_cast<unsigned>(batch.h_end - batch.h_begin);
   const unsigned D = static_cast<unsigned>(batch.D);
@@ -172,18 +110,18 @@ __global__ void sum_pieces_kernel(const SumBatch batch) {
     A acc = 0;
     bool any = false;
     if (batch.accumulate) {
-      acc = to_acc<T>(*out);
+      acc = toAcc<T>(*out);
       any = true;
     }
     for (int r = 0; r < batch.num; ++r) {
       const SumPiece& p = batch.piece[r];
       if (h >= p.lo && h < p.hi) {
         const T* src = reinterpret_cast<const T*>(p.ptr + b * p.sb + s * p.ss + (h - p.lo) * row_bytes);
-        acc = acc + to_acc<T>(src[d]);
+        acc = acc + toAcc<T>(src[d]);
         any = true;
       }
     }
-    if (any) *out = from_acc<T>(acc);
+    if (any) *out = fromAcc<T>(acc);
   }
 }
 
@@ -208,33 +146,33 @@ struct Plan {
   std::vector<SumBatch> sums;   // after the NCCL group (one per summing tensor)
 };
 
-allscanResult_t check_args(int nranks, int rank, allscanA2ADirection_t dir, const allscanA2AArgs_t* a,
+allscanResult_t checkArgs(int nranks, int rank, allscanA2ADirection_t dir, const allscanA2AArgs_t* a,
                            bool need_pointers) {
-  if (a == nullptr) return fail(allscanInvalidArgument, "allscanA2A: args is NULL");
+  if (a == nullptr) return setErrorf(allscanInvalidArgument, "allscanA2A: args is NULL");
   if (nranks < 1 || nranks > ALLSCAN_A2A_MAX_RANKS)
-    return fail(allscanInvalidArgument, "allscanA2A: nranks must be in [1, %d], got %d", ALLSCAN_A2A_MAX_RANKS, nranks);
+    return setErrorf(allscanInvalidArgument, "allscanA2A: nranks must be in [1, %d], got %d", ALLSCAN_A2A_MAX_RANKS, nranks);
   if (rank < 0 || rank >= nranks)
-    return fail(allscanInvalidArgument, "allscanA2A: rank must be in [0, %d), got %d", nranks, rank);
+    return setErrorf(allscanInvalidArgument, "allscanA2A: rank must be in [0, %d), got %d", nranks, rank);
   if (dir != allscanA2AScatterHeads && dir != allscanA2AGatherHeads)
-    return fail(allscanInvalidArgument, "allscanA2A: direction must be allscanA2AScatterHeads (0) or allscanA2AGatherHeads (1), got %d", (int)dir);
-  if (a->batch < 1) return fail(allscanInvalidArgument, "allscanA2A: batch must be >= 1, got %d", a->batch);
-  if (a->seq_local < 0) return fail(allscanInvalidArgument, "allscanA2A: seq_local must be >= 0, got %d", a->seq_local);
-  if (a->head_dim < 1) return fail(allscanInvalidArgument, "allscanA2A: head_dim must be >= 1, got %d", a->head_dim);
-  if (dtype_size(a->dtype) == 0)
-    return fail(allscanInvalidArgument, "allscanA2A: dtype must be an allscanDataType_t (0..3), got %d", (int)a->dtype);
+    return setErrorf(allscanInvalidArgument, "allscanA2A: direction must be allscanA2AScatterHeads (0) or allscanA2AGatherHeads (1), got %d", (int)dir);
+  if (a->batch < 1) return setErrorf(allscanInvalidArgument, "allscanA2A: batch must be >= 1, got %d", a->batch);
+  if (a->seq_local < 0) return setErrorf(allscanInvalidArgument, "allscanA2A: seq_local must be >= 0, got %d", a->seq_local);
+  if (a->head_dim < 1) return setErrorf(allscanInvalidArgument, "allscanA2A: head_dim must be >= 1, got %d", a->head_dim);
+  if (dtypeSize(a->dtype) == 0)
+    return setErrorf(allscanInvalidArgument, "allscanA2A: dtype must be an allscanDataType_t (0..3), got %d", (int)a->dtype);
   if (a->num_tensors < 1 || a->num_tensors > ALLSCAN_A2A_MAX_TENSORS)
-    return fail(allscanInvalidArgument, "allscanA2A: num_tensors must be in [1, %d], got %d", ALLSCAN_A2A_MAX_TENSORS, a->num_tensors);
-  const uint64_t es = dtype_size(a->dtype);
+    return setErrorf(allscanInvalidArgument, "allscanA2A: num_tensors must be in [1, %d], got %d", ALLSCAN_A2A_MAX_TENSORS, a->num_tensors);
+  const uint64_t es = dtypeSize(a->dtype);
   for (int t = 0; t < a->num_tensors; ++t) {
     const allscanA2ATensor_t& x = a->tensors[t];
-    if (x.num_heads < 1) return fail(allscanInvalidArgument, "allscanA2A: tensors[%d].num_heads must be >= 1, got %d", t, x.num_heads);
+    if (x.num_heads < 1) return setErrorf(allscanInvalidArgument, "allscanA2A: tensors[%d].num_heads must be >= 1, got %d", t, x.num_heads);
     if (x.head_lo == nullptr || x.head_hi == nullptr)
-      return fail(allscanInvalidArgument, "allscanA2A: tensors[%d].head_lo / head_hi must be host arrays of nranks (%d) ints, got NULL", t, nranks);
+      return setErrorf(allscanInvalidArgument, "allscanA2A: tensors[%d].head_lo / head_hi must be host arrays of nranks (%d) ints, got NULL", t, nranks);
     bool overlap = false;
     for (int r = 0; r < nranks; ++r) {
       const int lo = x.head_lo[r], hi = x.head_hi[r];
       if (lo < 0 || hi < lo || hi > x.num_heads)
-        return fail(allscanInvalidArgument,
+        return setErrorf(allscanInvalidArgument,
                     "allscanA2A: tensors[%d] head range of rank %d is [%d, %d); expected 0 <= lo <= hi <= num_heads (%d)",
                     t, r, lo, hi, x.num_heads);
       for (int q = 0; q < r && !overlap; ++q)
@@ -242,33 +180,33 @@ allscanResult_t check_args(int nranks, int rank, allscanA2ADirection_t dir, cons
     }
     (void)overlap;
     if (x.accumulate && dir != allscanA2AGatherHeads)
-      return fail(allscanInvalidArgument, "allscanA2A: tensors[%d].accumulate is only defined for gather-heads", t);
+      return setErrorf(allscanInvalidArgument, "allscanA2A: tensors[%d].accumulate is only defined for gather-heads", t);
     // Sizes: the sequence-sharded tensor and the head-sharded one must be addressable.
     const uint64_t n_me = static_cast<uint64_t>(x.head_hi[rank] - x.head_lo[rank]);
     const uint64_t full = static_cast<uint64_t>(a->batch) * a->seq_local * x.num_heads * a->head_dim * es;
     const uint64_t mine = static_cast<uint64_t>(a->batch) * a->seq_local * nranks * n_me * a->head_dim * es;
     if (full / es >= (1ull << 40) || mine / es >= (1ull << 40))
-      return fail(allscanInvalidArgument, "allscanA2A: tensors[%d] is too large (%llu / %llu elements)", t,
+      return setErrorf(allscanInvalidArgument, "allscanA2A: tensors[%d] is too large (%llu / %llu elements)", t,
                   (unsigned long long)(full / es), (unsigned long long)(mine / es));
     if (need_pointers) {
       const bool in_needed = (dir == allscanA2AScatterHeads) ? full > 0 : mine > 0;
       const bool out_needed = (dir == allscanA2AScatterHeads) ? mine > 0 : full > 0;
-      if (in_needed && x.input == nullptr) return fail(allscanInvalidArgument, "allscanA2A: tensors[%d].input is NULL", t);
-      if (out_needed && x.output == nullptr) return fail(allscanInvalidArgument, "allscanA2A: tensors[%d].output is NULL", t);
+      if (in_needed && x.input == nullptr) return setErrorf(allscanInvalidArgument, "allscanA2A: tensors[%d].input is NULL", t);
+      if (out_needed && x.output == nullptr) return setErrorf(allscanInvalidArgument, "allscanA2A: tensors[%d].output is NULL", t);
       if (x.input != nullptr && x.output != nullptr) {
         const char* i0 = static_cast<const char*>(x.input);
         const char* o0 = static_cast<const char*>(x.output);
         const uint64_t in_b = (dir == allscanA2AScatterHeads) ? full : mine;
         const uint64_t out_b = (dir == allscanA2AScatterHeads) ? mine : full;
         if (in_b > 0 && out_b > 0 && i0 < o0 + out_b && o0 < i0 + in_b)
-          return fail(allscanInvalidArgument, "allscanA2A: tensors[%d].input and .output overlap", t);
+          return setErrorf(allscanInvalidArgument, "allscanA2A: tensors[%d].input and .output overlap", t);
       }
     }
   }
   return allscanSuccess;
 }
 
-bool ranges_overlap(const allscanA2ATensor_t& x, int nranks) {
+bool rangesOverlap(const allscanA2ATensor_t& x, int nranks) {
   // Sort the non-empty ranges by start and look at neighbours.
   std::vector<std::pair<int, int>> v;
   v.reserve(nranks);
@@ -282,8 +220,8 @@ bool ranges_overlap(const allscanA2ATensor_t& x, int nranks) {
 
 // Builds the plan. With workspace == nullptr only sizes are computed (pointers are then garbage
 // offsets, never dereferenced).
-void build_plan(int nranks, int me, allscanA2ADirection_t dir, const allscanA2AArgs_t* a, char* ws, Plan* plan) {
-  const int64_t es = dtype_size(a->dtype);
+void buildPlan(int nranks, int me, allscanA2ADirection_t dir, const allscanA2AArgs_t* a, char* ws, Plan* plan) {
+  const int64_t es = dtypeSize(a->dtype);
   const int64_t B = a->batch, Sl = a->seq_local, D = a->head_dim;
   const int64_t row = D * es;
   const int64_t S = Sl * nranks;
@@ -291,7 +229,7 @@ void build_plan(int nranks, int me, allscanA2ADirection_t dir, const allscanA2AA
   size_t off = 0;
   auto take = [&](size_t bytes) -> char* {
     char* p = ws + off;  // ws may be nullptr for a size query
-    off += align_up(bytes);
+    off += alignUp(bytes);
     return p;
   };
   for (int t = 0; t < a->num_tensors; ++t) {
@@ -341,7 +279,7 @@ void build_plan(int nranks, int me, allscanA2ADirection_t dir, const allscanA2AA
       }
     } else {
       // input [B, S, n_me, D]; output [B, Sl, H, D]
-      const bool sum = x.accumulate || ranges_overlap(x, nranks);
+      const bool sum = x.accumulate || rangesOverlap(x, nranks);
       SumBatch sb;
       std::memset(&sb, 0, sizeof(sb));
       if (sum) {
@@ -415,20 +353,20 @@ void build_plan(int nranks, int me, allscanA2ADirection_t dir, const allscanA2AA
 }
 
 template <typename V>
-cudaError_t launch_copy_v(const CopyBatch& b, uint64_t max_vectors, cudaStream_t stream) {
+cudaError_t launchCopyV(const CopyBatch& b, uint64_t max_vectors, cudaStream_t stream) {
   const int threads = 256;
   uint64_t blocks = (max_vectors + threads * 4 - 1) / (threads * 4);
   const uint64_t cap = std::max<uint64_t>(1, 4096 / static_cast<uint64_t>(b.num));
   blocks = std::max<uint64_t>(1, std::min(blocks, cap));
   dim3 grid(static_cast<unsigned>(blocks), static_cast<unsigned>(b.num));
   if (max_vectors + static_cast<uint64_t>(blocks) * threads < (1ull << 32))
-    copy_segments_kernel<V, uint32_t><<<grid, threads, 0, stream>>>(b);
+    copySegmentsKernel<V, uint32_t><<<grid, threads, 0, stream>>>(b);
   else
-    copy_segments_kernel<V, uint64_t><<<grid, threads, 0, stream>>>(b);
+    copySegmentsKernel<V, uint64_t><<<grid, threads, 0, stream>>>(b);
   return cudaGetLastError();
 }
 
-allscanResult_t launch_copies(const std::vector<CopySeg>& segs, int B, int64_t row_bytes, cudaStream_t stream) {
+allscanResult_t launchCopies(const std::vector<CopySeg>& segs, int B, int64_t row_bytes, cudaStream_t stream) {
   if (segs.empty()) return allscanSuccess;
   // The widest vector that divides the row and every base pointer.
   uintptr_t bits = static_cast<uintptr_t>(row_bytes);
@@ -449,30 +387,30 @@ allscanResult_t launch_copies(const std::vector<CopySeg>& segs, int B, int64_t r
     if (maxv == 0) continue;
     cudaError_t e;
     switch (vec) {
-      case 16: e = launch_copy_v<uint4>(b, maxv, stream); break;
-      case 8: e = launch_copy_v<uint2>(b, maxv, stream); break;
-      case 4: e = launch_copy_v<uint32_t>(b, maxv, stream); break;
-      case 2: e = launch_copy_v<uint16_t>(b, maxv, stream); break;
-      default: e = launch_copy_v<uint8_t>(b, maxv, stream); break;
+      case 16: e = launchCopyV<uint4>(b, maxv, stream); break;
+      case 8: e = launchCopyV<uint2>(b, maxv, stream); break;
+      case 4: e = launchCopyV<uint32_t>(b, maxv, stream); break;
+      case 2: e = launchCopyV<uint16_t>(b, maxv, stream); break;
+      default: e = launchCopyV<uint8_t>(b, maxv, stream); break;
     }
-    if (e != cudaSuccess) return fail(allscanCudaError, "allscanA2A: copy kernel launch failed: %s", cudaGetErrorString(e));
+    if (e != cudaSuccess) return setErrorf(allscanCudaError, "allscanA2A: copy kernel launch failed: %s", cudaGetErrorString(e));
   }
   return allscanSuccess;
 }
 
-allscanResult_t launch_sum(const SumBatch& b, allscanDataType_t dtype, cudaStream_t stream) {
+allscanResult_t launchSum(const SumBatch& b, allscanDataType_t dtype, cudaStream_t stream) {
   const uint64_t total = static_cast<uint64_t>(b.B) * b.S * (b.h_end - b.h_begin) * b.D;
   if (total == 0) return allscanSuccess;
   const int threads = 256;
   const uint64_t blocks = std::max<uint64_t>(1, std::min<uint64_t>((total + threads * 4 - 1) / (threads * 4), 8192));
   switch (dtype) {
-    case allscanFloat32: sum_pieces_kernel<float><<<(unsigned)blocks, threads, 0, stream>>>(b); break;
-    case allscanFloat64: sum_pieces_kernel<double><<<(unsigned)blocks, threads, 0, stream>>>(b); break;
-    case allscanFloat16: sum_pieces_kernel<__half><<<(unsigned)blocks, threads, 0, stream>>>(b); break;
-    case allscanBfloat16: sum_pieces_kernel<__nv_bfloat16><<<(unsigned)blocks, threads, 0, stream>>>(b); break;
+    case allscanFloat32: sumPiecesKernel<float><<<(unsigned)blocks, threads, 0, stream>>>(b); break;
+    case allscanFloat64: sumPiecesKernel<double><<<(unsigned)blocks, threads, 0, stream>>>(b); break;
+    case allscanFloat16: sumPiecesKernel<__half><<<(unsigned)blocks, threads, 0, stream>>>(b); break;
+    case allscanBfloat16: sumPiecesKernel<__nv_bfloat16><<<(unsigned)blocks, threads, 0, stream>>>(b); break;
   }
   cudaError_t e = cudaGetLastError();
-  if (e != cudaSuccess) return fail(allscanCudaError, "allscanA2A: sum kernel launch failed: %s", cudaGetErrorString(e));
+  if (e != cudaSuccess) return setErrorf(allscanCudaError, "allscanA2A: sum kernel launch failed: %s", cudaGetErrorString(e));
   return allscanSuccess;
 }
 
@@ -480,12 +418,13 @@ allscanResult_t launch_sum(const SumBatch& b, allscanDataType_t dtype, cudaStrea
 
 extern "C" {
 
-A2A_API const char* allscanA2AGetLastError(void) { return g_last_error.c_str(); }
+// The same thread-local message as allscanGetLastError (one error state for the whole library).
+ALLSCAN_API const char* allscanA2AGetLastError(void) { return allscan::detail::lastError(); }
 
-A2A_API allscanResult_t allscanA2ASplitHeads(int h0, int h1, int nranks, int* head_lo, int* head_hi) {
-  if (nranks < 1) return fail(allscanInvalidArgument, "allscanA2ASplitHeads: nranks must be >= 1, got %d", nranks);
-  if (h0 < 0 || h1 < h0) return fail(allscanInvalidArgument, "allscanA2ASplitHeads: need 0 <= h0 <= h1, got [%d, %d)", h0, h1);
-  if (head_lo == nullptr || head_hi == nullptr) return fail(allscanInvalidArgument, "allscanA2ASplitHeads: head_lo / head_hi is NULL");
+ALLSCAN_API allscanResult_t allscanA2ASplitHeads(int h0, int h1, int nranks, int* head_lo, int* head_hi) {
+  if (nranks < 1) return setErrorf(allscanInvalidArgument, "allscanA2ASplitHeads: nranks must be >= 1, got %d", nranks);
+  if (h0 < 0 || h1 < h0) return setErrorf(allscanInvalidArgument, "allscanA2ASplitHeads: need 0 <= h0 <= h1, got [%d, %d)", h0, h1);
+  if (head_lo == nullptr || head_hi == nullptr) return setErrorf(allscanInvalidArgument, "allscanA2ASplitHeads: head_lo / head_hi is NULL");
   const int n = h1 - h0, q = n / nranks, rem = n % nranks;
   for (int r = 0; r < nranks; ++r) {
     head_lo[r] = h0 + r * q + std::min(r, rem);
@@ -494,14 +433,14 @@ A2A_API allscanResult_t allscanA2ASplitHeads(int h0, int h1, int nranks, int* he
   return allscanSuccess;
 }
 
-A2A_API allscanResult_t allscanA2AKvHeads(int nranks, const int* q_lo, const int* q_hi, int q_per_kv, int* kv_lo,
+ALLSCAN_API allscanResult_t allscanA2AKvHeads(int nranks, const int* q_lo, const int* q_hi, int q_per_kv, int* kv_lo,
                                           int* kv_hi) {
-  if (nranks < 1) return fail(allscanInvalidArgument, "allscanA2AKvHeads: nranks must be >= 1, got %d", nranks);
-  if (q_per_kv < 1) return fail(allscanInvalidArgument, "allscanA2AKvHeads: q_per_kv must be >= 1, got %d", q_per_kv);
-  if (!q_lo || !q_hi || !kv_lo || !kv_hi) return fail(allscanInvalidArgument, "allscanA2AKvHeads: NULL array");
+  if (nranks < 1) return setErrorf(allscanInvalidArgument, "allscanA2AKvHeads: nranks must be >= 1, got %d", nranks);
+  if (q_per_kv < 1) return setErrorf(allscanInvalidArgument, "allscanA2AKvHeads: q_per_kv must be >= 1, got %d", q_per_kv);
+  if (!q_lo || !q_hi || !kv_lo || !kv_hi) return setErrorf(allscanInvalidArgument, "allscanA2AKvHeads: NULL array");
   for (int r = 0; r < nranks; ++r) {
     if (q_lo[r] < 0 || q_hi[r] < q_lo[r])
-      return fail(allscanInvalidArgument, "allscanA2AKvHeads: query range of rank %d is [%d, %d)", r, q_lo[r], q_hi[r]);
+      return setErrorf(allscanInvalidArgument, "allscanA2AKvHeads: query range of rank %d is [%d, %d)", r, q_lo[r], q_hi[r]);
     if (q_hi[r] == q_lo[r]) {
       kv_lo[r] = kv_hi[r] = q_lo[r] / q_per_kv;
     } else {
@@ -512,50 +451,50 @@ A2A_API allscanResult_t allscanA2AKvHeads(int nranks, const int* q_lo, const int
   return allscanSuccess;
 }
 
-A2A_API allscanResult_t allscanA2ACheckArgs(int nranks, int rank, allscanA2ADirection_t direction,
+ALLSCAN_API allscanResult_t allscanA2ACheckArgs(int nranks, int rank, allscanA2ADirection_t direction,
                                             const allscanA2AArgs_t* args) {
-  return check_args(nranks, rank, direction, args, /*need_pointers=*/false);
+  return checkArgs(nranks, rank, direction, args, /*need_pointers=*/false);
 }
 
-A2A_API allscanResult_t allscanA2AWorkspaceSize(int nranks, int rank, allscanA2ADirection_t direction,
+ALLSCAN_API allscanResult_t allscanA2AWorkspaceSize(int nranks, int rank, allscanA2ADirection_t direction,
                                                 const allscanA2AArgs_t* args, size_t* bytes) {
-  if (bytes == nullptr) return fail(allscanInvalidArgument, "allscanA2AWorkspaceSize: bytes is NULL");
-  allscanResult_t r = check_args(nranks, rank, direction, args, false);
+  if (bytes == nullptr) return setErrorf(allscanInvalidArgument, "allscanA2AWorkspaceSize: bytes is NULL");
+  allscanResult_t r = checkArgs(nranks, rank, direction, args, false);
   if (r != allscanSuccess) return r;
   Plan plan;
-  build_plan(nranks, rank, direction, args, nullptr, &plan);
+  buildPlan(nranks, rank, direction, args, nullptr, &plan);
   *bytes = plan.workspace_bytes;
   return allscanSuccess;
 }
 
-A2A_API allscanResult_t allscanA2A(ncclComm_t comm, allscanA2ADirection_t direction, const allscanA2AArgs_t* args,
+ALLSCAN_API allscanResult_t allscanA2A(ncclComm_t comm, allscanA2ADirection_t direction, const allscanA2AArgs_t* args,
                                    void* workspace, size_t workspace_bytes, cudaStream_t stream) {
-  if (comm == nullptr) return fail(allscanInvalidArgument, "allscanA2A: comm is NULL");
+  if (comm == nullptr) return setErrorf(allscanInvalidArgument, "allscanA2A: comm is NULL");
   int nranks = 0, rank = 0;
-  A2A_NCCL(ncclCommCount(comm, &nranks));
-  A2A_NCCL(ncclCommUserRank(comm, &rank));
-  allscanResult_t r = check_args(nranks, rank, direction, args, true);
+  ALLSCAN_NCCL_CHECK(comm, ncclCommCount(comm, &nranks));
+  ALLSCAN_NCCL_CHECK(comm, ncclCommUserRank(comm, &rank));
+  allscanResult_t r = checkArgs(nranks, rank, direction, args, true);
   if (r != allscanSuccess) return r;
   Plan plan;
-  build_plan(nranks, rank, direction, args, nullptr, &plan);
+  buildPlan(nranks, rank, direction, args, nullptr, &plan);
   if (plan.workspace_bytes > 0) {
     if (workspace == nullptr || workspace_bytes < plan.workspace_bytes)
-      return fail(allscanInvalidArgument, "allscanA2A: workspace of %zu bytes at %p is too small; %zu bytes needed",
+      return setErrorf(allscanInvalidArgument, "allscanA2A: workspace of %zu bytes at %p is too small; %zu bytes needed",
                   workspace_bytes, workspace, plan.workspace_bytes);
     if (reinterpret_cast<uintptr_t>(workspace) % kAlign != 0)
-      return fail(allscanInvalidArgument, "allscanA2A: workspace must be %zu-byte aligned", kAlign);
+      return setErrorf(allscanInvalidArgument, "allscanA2A: workspace must be %zu-byte aligned", kAlign);
   }
   Plan real;
-  build_plan(nranks, rank, direction, args, static_cast<char*>(workspace), &real);
+  buildPlan(nranks, rank, direction, args, static_cast<char*>(workspace), &real);
   for (const SumBatch& s : real.sums)
     if (s.num > kMaxSumPieces)
-      return fail(allscanInvalidArgument, "allscanA2A: overlapping head maps or accumulate are supported up to %d ranks",
+      return setErrorf(allscanInvalidArgument, "allscanA2A: overlapping head maps or accumulate are supported up to %d ranks",
                   kMaxSumPieces);
 
-  r = launch_copies(real.pack, args->batch, real.row_bytes, stream);
+  r = launchCopies(real.pack, args->batch, real.row_bytes, stream);
   if (r != allscanSuccess) return r;
   if (!real.xfers.empty()) {
-    A2A_NCCL(ncclGroupStart());
+    ALLSCAN_NCCL_CHECK(comm, ncclGroupStart());
     ncclResult_t e = ncclSuccess;
     for (const Transfer& t : real.xfers) {
       if (t.send_bytes && e == ncclSuccess) e = ncclSend(t.send, t.send_bytes, ncclUint8, t.peer, comm, stream);
@@ -563,18 +502,17 @@ A2A_API allscanResult_t allscanA2A(ncclComm_t comm, allscanA2ADirection_t direct
     }
     ncclResult_t e_end = ncclGroupEnd();
     if (e != ncclSuccess && e != ncclInProgress)
-      return fail(allscanNcclError, "allscanA2A: ncclSend/ncclRecv failed: %s", ncclGetErrorString(e));
-    e = e_end;
-    while (e == ncclInProgress) ncclCommGetAsyncError(comm, &e);
-    if (e != ncclSuccess) return fail(allscanNcclError, "allscanA2A: ncclGroupEnd failed: %s", ncclGetErrorString(e));
+      return setErrorf(allscanNcclError, "allscanA2A: ncclSend/ncclRecv failed: %s", ncclGetErrorString(e));
+    e = allscan::detail::ncclSettle(comm, e_end);
+    if (e != ncclSuccess) return setErrorf(allscanNcclError, "allscanA2A: ncclGroupEnd failed: %s", ncclGetErrorString(e));
   }
-  r = launch_copies(real.unpack, args->batch, real.row_bytes, stream);
+  r = launchCopies(real.unpack, args->batch, real.row_bytes, stream);
   if (r != allscanSuccess) return r;
   for (const SumBatch& s : real.sums) {
-    r = launch_sum(s, args->dtype, stream);
+    r = launchSum(s, args->dtype, stream);
     if (r != allscanSuccess) return r;
   }
-  if (args->done_event != nullptr) A2A_CUDA(cudaEventRecord(args->done_event, stream));
+  if (args->done_event != nullptr) ALLSCAN_CUDA_CHECK(cudaEventRecord(args->done_event, stream));
   return allscanSuccess;
 }
 

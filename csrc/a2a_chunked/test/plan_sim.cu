@@ -3,11 +3,12 @@
 // semantics, and the NCCL transfers are matched pairwise in issue order, as NCCL matches them. The
 // results are compared with the contract of include/allscan/a2a_chunked.h.
 //
-//   nvcc -std=c++17 -I csrc/allscan/include -I csrc/a2a_chunked/include -I <nccl include> \
-//        csrc/a2a_chunked/test/plan_sim.cu -o plan_sim && ./plan_sim
+//   nvcc -std=c++17 -I csrc -I csrc/common/include -I csrc/allscan/include -I csrc/a2a_chunked/include \
+//        -I <nccl include> csrc/a2a_chunked/test/plan_sim.cu -o plan_sim && ./plan_sim
 // (links nothing from NCCL or CUDA at run time beyond what the compiled TU references: the kernels
 // are never launched.)
 #include "../a2a_chunked.cu"
+#include "common/error.cpp"
 
 #include <cstdlib>
 #include <map>
@@ -24,7 +25,7 @@ struct Case {
   std::vector<int> acc;                                // per tensor
 };
 
-void host_copy(const CopySeg& s, int B, int64_t row) {
+void hostCopy(const CopySeg& s, int B, int64_t row) {
   for (int b = 0; b < B; ++b)
     for (int i = 0; i < s.S; ++i)
       for (int h = 0; h < s.n; ++h)
@@ -32,7 +33,7 @@ void host_copy(const CopySeg& s, int B, int64_t row) {
 }
 
 template <typename T>
-void host_sum(const SumBatch& sb) {
+void hostSum(const SumBatch& sb) {
   const int64_t row = static_cast<int64_t>(sb.D) * sizeof(T);
   for (int b = 0; b < sb.B; ++b)
     for (int s = 0; s < sb.S; ++s)
@@ -56,9 +57,9 @@ void host_sum(const SumBatch& sb) {
         }
 }
 
-int run_case(const Case& c, int idx) {
+int runCase(const Case& c, int idx) {
   const int P = c.P, T = static_cast<int>(c.H.size());
-  const int64_t es = dtype_size(c.dtype);
+  const int64_t es = dtypeSize(c.dtype);
   const int64_t S = static_cast<int64_t>(c.Sl) * P;
   std::mt19937 rng(idx);
   // Element values: float / double, small integers so that sums are exact.
@@ -109,16 +110,16 @@ int run_case(const Case& c, int idx) {
       a.tensors[t].head_hi = hi[t].data();
       a.tensors[t].accumulate = c.acc.empty() ? 0 : c.acc[t];
     }
-    if (check_args(P, r, c.dir, &a, true) != allscanSuccess) {
-      std::printf("case %d: check_args failed: %s\n", idx, g_last_error.c_str());
+    if (checkArgs(P, r, c.dir, &a, true) != allscanSuccess) {
+      std::printf("case %d: checkArgs failed: %s\n", idx, allscanGetLastError());
       return 1;
     }
     Plan sz;
-    build_plan(P, r, c.dir, &a, nullptr, &sz);
+    buildPlan(P, r, c.dir, &a, nullptr, &sz);
     ws[r].resize(sz.workspace_bytes + kAlign);
     char* base = ws[r].data();
     base += (kAlign - reinterpret_cast<uintptr_t>(base) % kAlign) % kAlign;
-    build_plan(P, r, c.dir, &a, base, &plans[r]);
+    buildPlan(P, r, c.dir, &a, base, &plans[r]);
     if (plans[r].workspace_bytes != sz.workspace_bytes) {
       std::printf("case %d: workspace size differs between size query and run\n", idx);
       return 1;
@@ -126,7 +127,7 @@ int run_case(const Case& c, int idx) {
   }
   out0 = out;
   for (int r = 0; r < P; ++r) {
-    for (const CopySeg& s : plans[r].pack) host_copy(s, c.B, plans[r].row_bytes);
+    for (const CopySeg& s : plans[r].pack) hostCopy(s, c.B, plans[r].row_bytes);
   }
   // NCCL matching: the k-th send from a to b meets the k-th receive on b from a.
   std::map<std::pair<int, int>, std::vector<const Transfer*>> sends, recvs;
@@ -156,10 +157,10 @@ int run_case(const Case& c, int idx) {
       return 1;
     }
   for (int r = 0; r < P; ++r) {
-    for (const CopySeg& s : plans[r].unpack) host_copy(s, c.B, plans[r].row_bytes);
+    for (const CopySeg& s : plans[r].unpack) hostCopy(s, c.B, plans[r].row_bytes);
     for (const SumBatch& s : plans[r].sums) {
-      if (es == 4) host_sum<float>(s);
-      else if (es == 8) host_sum<double>(s);
+      if (es == 4) hostSum<float>(s);
+      else if (es == 8) hostSum<double>(s);
       else { std::printf("case %d: sums need float32/float64 in the simulator\n", idx); return 1; }
     }
   }
@@ -269,7 +270,7 @@ int main() {
   cases.push_back(Case{2, 2, 3, 3, allscanBfloat16, allscanA2AScatterHeads, {5}, {split(0, 5, 2)}, {}});
   cases.push_back(Case{2, 2, 3, 3, allscanBfloat16, allscanA2AGatherHeads, {5}, {split(0, 5, 2)}, {}});
   int failed = 0;
-  for (size_t i = 0; i < cases.size(); ++i) failed += run_case(cases[i], static_cast<int>(i));
+  for (size_t i = 0; i < cases.size(); ++i) failed += runCase(cases[i], static_cast<int>(i));
   // Argument errors name the argument.
   {
     int lo[2] = {0, 2}, hi[2] = {2, 5};

@@ -40,7 +40,7 @@
 #include <cuda_runtime.h>
 #include <nccl.h>
 
-#include <allscan/allscan.h> /* allscanResult_t, allscanDataType_t */
+#include <allscan/common.h> /* allscanResult_t, allscanDataType_t, ALLSCAN_API */
 
 #ifdef __cplusplus
 extern "C" {
@@ -74,30 +74,31 @@ typedef struct {
   cudaEvent_t done_event;    /* optional: recorded on the stream once the call's work is enqueued */
 } allscanA2AArgs_t;
 
-/* The message of the last error of an allscanA2A* call on this thread (names the argument). */
-const char* allscanA2AGetLastError(void);
+/* The message of the last error of an allscan call on this thread (names the argument); the same
+ * as allscanGetLastError. */
+ALLSCAN_API const char* allscanA2AGetLastError(void);
 
 /* The uneven split of heads [h0, h1) over nranks: rank r gets (h1-h0)/nranks heads, the first
  * (h1-h0)%nranks ranks one more, in rank order. Fills head_lo/head_hi [nranks]. */
-allscanResult_t allscanA2ASplitHeads(int h0, int h1, int nranks, int* head_lo, int* head_hi);
+ALLSCAN_API allscanResult_t allscanA2ASplitHeads(int h0, int h1, int nranks, int* head_lo, int* head_hi);
 
 /* Grouped-query attention: the k/v heads each rank needs for its query heads, query head h using
  * k/v head h / q_per_kv. An empty query range gives an empty k/v range. Ranks share (replicate) a
  * k/v head when their query heads use the same one. */
-allscanResult_t allscanA2AKvHeads(int nranks, const int* q_lo, const int* q_hi, int q_per_kv,
+ALLSCAN_API allscanResult_t allscanA2AKvHeads(int nranks, const int* q_lo, const int* q_hi, int q_per_kv,
                                   int* kv_lo, int* kv_hi);
 
 /* Check the arguments without running anything (no GPU, no NCCL needed). */
-allscanResult_t allscanA2ACheckArgs(int nranks, int rank, allscanA2ADirection_t direction,
+ALLSCAN_API allscanResult_t allscanA2ACheckArgs(int nranks, int rank, allscanA2ADirection_t direction,
                                     const allscanA2AArgs_t* args);
 
 /* Bytes of device workspace one call with these arguments needs (0 is possible). */
-allscanResult_t allscanA2AWorkspaceSize(int nranks, int rank, allscanA2ADirection_t direction,
+ALLSCAN_API allscanResult_t allscanA2AWorkspaceSize(int nranks, int rank, allscanA2ADirection_t direction,
                                         const allscanA2AArgs_t* args, size_t* bytes);
 
 /* The chunked all-to-all. Enqueued on `stream`; collective over `comm`. The workspace must be 256-byte
  * aligned and not in use by other work that may run concurrently. */
-allscanResult_t allscanA2A(ncclComm_t comm, allscanA2ADirection_t direction, const allscanA2AArgs_t* args,
+ALLSCAN_API allscanResult_t allscanA2A(ncclComm_t comm, allscanA2ADirection_t direction, const allscanA2AArgs_t* args,
                            void* workspace, size_t workspace_bytes, cudaStream_t stream);
 
 #ifdef __cplusplus
