@@ -17,6 +17,7 @@
 namespace py = pybind11;
 
 void bind_a2a(py::module_& m);
+void bind_matrix(py::module_& m);
 
 namespace {
 
@@ -226,4 +227,5 @@ PYBIND11_MODULE(_C, m) {
   m.def("event_release", [](int dev, std::uintptr_t e) { releaseEvent(dev, ptr<CUevent_st>(e)); });
 
   bind_a2a(m);
+  bind_matrix(m);
 }

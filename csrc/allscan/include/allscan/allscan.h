@@ -131,6 +131,49 @@ ALLSCAN_API allscanResult_t allscanScan(allscanComm_t comm, const allscanScanArg
 ALLSCAN_API allscanResult_t allscanNeighborExchange(allscanComm_t comm, const void* sendbuf, void* recvbuf,
                                         size_t bytes, int reverse, int chain, cudaStream_t stream);
 
+/* ------------------------------------------------------------------------------------------------
+ * The matrix-transition All-Scan (delta-rule layers: Gated DeltaNet, KDA). Rank p holds a state
+ * x_p [batch, k, v] and a transition M_p [batch, k, k] (row-major; one per batch entry):
+ *
+ *   forward:  y_0     = init (zeros when init == NULL)   y_{p+1} = M_p @ y_p + x_p
+ *   reverse:  y_{P-1} = init (zeros when init == NULL)   y_{p-1} = M_p @ y_p + x_p
+ *
+ * exclusive: y_p; inclusive: M_p @ y_p + x_p. With no init the head sends x_p itself. Arithmetic is
+ * fp32 FFMA (fp64 for fp64 states), rounded to the storage dtype at every rank boundary. Unlike the
+ * diagonal scan the methods are not bitwise equal to each other (a GEMM's summation order is its
+ * own), but each matches a float64 chain to the accuracy of fp32 dot products. Same rules as
+ * allscanScan otherwise: caller's stream, caller's workspace, no host synchronisation (except the
+ * head's zero buffer, allocated once, as allscanScan's), capturable, same arguments on every rank.
+ * Pipeline blocks: whole batch entries while there are at least as many as blocks (contiguous);
+ * more blocks split the v columns of every entry, staged through the workspace.
+ * ------------------------------------------------------------------------------------------------ */
+typedef struct {
+  const void* x;              /* [batch, k, v] local state, storage dtype `dtype` */
+  void* y;                    /* [batch, k, v] result; may not alias x, m or init */
+  size_t batch;               /* leading dims flattened (0 is allowed: nothing is sent) */
+  size_t k;                   /* rows of the state = order of the transition */
+  size_t v;                   /* columns of the state */
+  allscanDataType_t dtype;    /* storage dtype of x, y, init */
+  const void* m;              /* [batch, k, k] transition, never NULL for a non-empty state */
+  allscanDataType_t m_dtype;  /* allscanFloat32 or the state's dtype */
+  int transpose_m;            /* 1: use M_p^T (the backward) without materialising it */
+  const void* init;           /* [batch, k, v] initial state, read on the chain head only, or NULL */
+  int reverse;                /* 0: rank p-1 -> p; 1: rank p+1 -> p */
+  int inclusive;              /* 0: y_p; 1: M_p @ y_p + x_p */
+  int num_blocks;             /* pipeline blocks (0 = from the link model, as allscanScan) */
+  allscanMethod_t method;     /* pipelined, serial, or allgather (all-gather x and M, fold locally) */
+} allscanMatrixScanArgs_t;
+
+/* The pipeline's blocks for a requested block count (every rank computes the same): the number of
+ * blocks and the v columns per block (v when blocks are whole batch entries). */
+ALLSCAN_API allscanResult_t allscanMatrixBlocks(size_t batch, size_t k, size_t v, int num_blocks, int* blocks,
+                                                size_t* cols_per_block);
+ALLSCAN_API allscanResult_t allscanMatrixCheckArgs(allscanComm_t comm, const allscanMatrixScanArgs_t* args);
+ALLSCAN_API allscanResult_t allscanMatrixWorkspaceSize(allscanComm_t comm, const allscanMatrixScanArgs_t* args,
+                                                       size_t* bytes);
+ALLSCAN_API allscanResult_t allscanMatrixScan(allscanComm_t comm, const allscanMatrixScanArgs_t* args,
+                                              void* workspace, size_t workspace_bytes, cudaStream_t stream);
+
 #ifdef __cplusplus
 } /* extern "C" */
 #endif
