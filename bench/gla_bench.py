@@ -101,8 +101,7 @@ def run(args):
     import torch.distributed as dist
     from fla.ops.gla import chunk_gla
 
-    from allscan.layers._gla_local import limit_fla_autotune, set_fused_output
-    from allscan.layers.gla import zeco_gla
+    from allscan.ops.gla import limit_fla_autotune, set_fused_output, zeco_gla
 
     local = int(os.environ.get("LOCAL_RANK", "0"))
     torch.cuda.set_device(local)
@@ -222,70 +221,28 @@ def run(args):
 
 
 def _stage_host_times(fwd_bwd, calls: int = 8):
-    """Host time per stage of a zeco fwd+bwd (microseconds per call, no synchronisation inside):
-    each backend stage and the scans are wrapped in a timer for ``calls`` calls. ``glue`` is what
-    the forward/backward bodies spend outside the stages, ``outside`` what the call spends outside
-    them (argument checks, autograd)."""
+    """Host time per stage of a zeco fwd+bwd (microseconds per call, no synchronisation inside), from
+    the op's hook ``allscan.ops.gla.host_stage_times`` over ``calls`` calls. ``glue`` is what the
+    forward/backward bodies spend outside the stages, ``outside`` what the call spends outside them
+    (argument checks, autograd)."""
     import torch
 
-    import allscan._scan as S
-    import allscan.layers.gla as G
-    from allscan.layers._gla_local import FlaGLA
+    from allscan.ops.gla import host_stage_times
+    from allscan.ops.gla.zeco import STAGES
 
-    acc: dict = {}
-    restore = []
-
-    def wrap(owner, name, label, static):
-        raw = owner.__dict__[name]
-        fn = getattr(owner, name)
-
-        def timed(*a, **kw):
-            t0 = time.perf_counter()
-            try:
-                return fn(*a, **kw)
-            finally:
-                acc[label] = acc.get(label, 0.0) + time.perf_counter() - t0
-
-        setattr(owner, name, staticmethod(timed) if static else timed)
-        restore.append((owner, name, raw))
-
-    for st in ("fwd_states", "shard_gamma", "fwd_intra", "fwd_output_with_state", "fwd_output", "correct",
-               "bwd_begin", "xgrad", "bwd_prepare", "bwd_finish"):
-        wrap(FlaGLA, st, st, True)
-    wrap(G._ZecoGLA, "_forward", "forward body", True)
-    wrap(G._ZecoGLA, "_backward", "backward body", True)
-    orig_scan = G._scan
-
-    def timed_scan(*a, **kw):
-        t0 = time.perf_counter()
-        try:
-            return orig_scan(*a, **kw)
-        finally:
-            acc["scan issue"] = acc.get("scan issue", 0.0) + time.perf_counter() - t0
-
-    G._scan = timed_scan
-    wrap(S.ScanHandle, "wait", "scan wait", False)
-    try:
-        fwd_bwd("zeco")
-        torch.cuda.synchronize()
-        acc.clear()
+    fwd_bwd("zeco")
+    torch.cuda.synchronize()
+    with host_stage_times() as acc:
         t0 = time.perf_counter()
         for _ in range(calls):
             fwd_bwd("zeco")
         total = time.perf_counter() - t0
-        torch.cuda.synchronize()
-    finally:
-        G._scan = orig_scan
-        for owner, name, raw in restore:
-            setattr(owner, name, raw)
+    torch.cuda.synchronize()
     us = {k: v / calls * 1e6 for k, v in acc.items()}
-    fstages = ("fwd_states", "shard_gamma", "fwd_intra", "fwd_output_with_state", "fwd_output", "correct")
-    bstages = ("bwd_begin", "xgrad", "bwd_prepare", "bwd_finish")
     scans = us.get("scan issue", 0.0) + us.get("scan wait", 0.0)
     body = us.get("forward body", 0.0) + us.get("backward body", 0.0)
-    rows = [(k, us.get(k, 0.0)) for k in fstages + bstages + ("scan issue", "scan wait")]
-    rows.append(("glue (bodies minus stages and scans)",
-                 body - sum(us.get(k, 0.0) for k in fstages + bstages) - scans))
+    rows = [(k, us.get(k, 0.0)) for k in STAGES + ("scan issue", "scan wait")]
+    rows.append(("glue (bodies minus stages and scans)", body - sum(us.get(k, 0.0) for k in STAGES) - scans))
     rows.append(("outside the bodies (checks, autograd)", total / calls * 1e6 - body))
     out = [f"--- zeco: host time per stage, us per fwd+bwd call ({calls} calls, total "
            f"{total / calls * 1e6:.0f} us)"]
@@ -342,8 +299,8 @@ def _profile(fwd_bwd, T, rank, world, outdir):
 
 
 def _fused():
-    from allscan.layers._gla_local import _fused_ok
-    return _fused_ok()
+    from allscan.ops.gla import fused_kernels_enabled
+    return fused_kernels_enabled()
 
 
 def _version(pkg):

@@ -9,7 +9,7 @@ and ``state_grad`` (backward: X = scale * sum_t (q_t * 2^G_t)^T do_t) at each ti
 --repeats timings of --inner back-to-back launches), after checking each configuration against the
 torch-op reference (relative Frobenius error). Writes gla_kernels.json and prints a table with the
 fastest configuration per kernel; the library's defaults (FWD_O_TILES, FWD_TILES, BWD_TILES in
-allscan/layers/_gla_triton.py) come from this table.
+allscan/ops/gla/incoming_state.py) come from this table.
 """
 from __future__ import annotations
 
@@ -56,8 +56,9 @@ def main():
     args = ap.parse_args()
     import torch
 
-    from allscan.layers import _gla_triton as GT
-    from allscan.layers._gla_local import limit_fla_autotune, torch_correct_, torch_state_grad
+    from allscan.ops.gla import incoming_state as GT
+    from allscan.ops.gla import limit_fla_autotune
+    from allscan.ops.gla.chunk import torch_correct_, torch_state_grad
 
     limit_fla_autotune("one")  # fla's output kernel with one fixed config, as in gla_bench
 

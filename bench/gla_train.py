@@ -123,6 +123,8 @@ def run(args):
     import torch.distributed as dist
     import torch.nn.functional as F
 
+    from allscan.ops.gla import LOCAL, fla_available, limit_fla_autotune
+
     if args.precision == "fp32":
         # IEEE fp32 dots in Triton (fla's kernels and ours), set before anything compiles; no tf32
         # matmuls either (below): the two runs then differ only by fp32 rounding.
@@ -143,7 +145,6 @@ def run(args):
     group = dist.group.WORLD
     rank, world = dist.get_rank(), dist.get_world_size()
     if cuda:
-        from allscan.layers._gla_local import fla_available, limit_fla_autotune
         if fla_available():
             nk = limit_fla_autotune(args.fla_autotune)
             _say(f"fla autotune {args.fla_autotune!r} ({nk} kernels)", rank)
@@ -174,7 +175,7 @@ def run(args):
     sp_opt = make_opt(sp_model)
     ref_model = ref_opt = None
     if rank == 0:
-        ref_model = build_model(args, None).to(dev)
+        ref_model = build_model(args, LOCAL).to(dev)  # one GPU, the whole sequence
         ref_model.load_state_dict(sp_model.state_dict())
         ref_opt = make_opt(ref_model)
     sp_losses, ref_losses = [], []
@@ -231,7 +232,7 @@ def run(args):
             model.set_group(group)
             loss = lm_loss(model, sp_in, sp_lab, L)
         else:
-            model.set_group(None)
+            model.set_group(LOCAL)
             loss = lm_loss(model, my_seq, my_lab, T)
         loss.backward()
         grads = [p.grad for p in model.parameters()]

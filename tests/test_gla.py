@@ -4,7 +4,9 @@ Checks the whole algorithm (local chunked GLA from a zero state, All-Scan of the
 shard decays, the incoming-state correction, the reverse All-Scan of the state gradient and the local
 backward) at P = 1..4, for GLA, simple GLA and plain linear attention, with packed sequences whose
 boundaries fall inside ranks, on rank boundaries and across several ranks; the three methods (zeco,
-lasp1, lasp2) give the same answer; the layer has fla's parameter names and shapes.
+lasp1, lasp2) give the same answer; the layer has fla's parameter names and shapes; ``group=None`` is
+the default group (``LOCAL`` is one process); the settings, switches and the benchmark hook of
+``allscan.ops.gla``.
 """
 from __future__ import annotations
 
@@ -19,8 +21,11 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(__file__))
 from distributed import run_distributed  # noqa: E402
 
-from allscan.layers.gla import GatedLinearAttention, recurrent_gla_reference, zeco_gla  # noqa: E402
-from allscan.layers._gla_local import torch_chunk_gla  # noqa: E402
+import allscan.ops.gla as G  # noqa: E402
+from allscan._contract import settings  # noqa: E402
+from allscan.layers import GatedLinearAttention  # noqa: E402
+from allscan.ops.gla import LOCAL, recurrent_gla_reference, torch_chunk_gla, zeco_gla  # noqa: E402
+from allscan.ops.gla import fla as fla_glue  # noqa: E402
 
 H, K, V = 2, 8, 4
 TOL = 2e-4  # fp32 chunked math against float64 token-by-token, relative to the largest magnitude
@@ -188,7 +193,7 @@ def _run_layer(rank, world):
     torch.manual_seed(0)
     hidden, heads, T_local = 64, 4, 40
     layer = GatedLinearAttention(hidden_size=hidden, num_heads=heads, group=dist.group.WORLD)
-    ref = GatedLinearAttention(hidden_size=hidden, num_heads=heads)
+    ref = GatedLinearAttention(hidden_size=hidden, num_heads=heads, group=LOCAL)  # the whole sequence here
     ref.load_state_dict(layer.state_dict())
     x = torch.randn(2, T_local * world, hidden, generator=torch.Generator().manual_seed(5))
     dy = torch.randn(2, T_local * world, hidden, generator=torch.Generator().manual_seed(6))
@@ -266,15 +271,21 @@ def test_errors():
     with pytest.raises(ValueError, match="batch size must be 1"):
         zeco_gla(torch.randn(2, 8, H, K), torch.randn(2, 8, H, K), torch.randn(2, 8, H, V), None,
                  cu_seqlens=torch.tensor([0, 16]))
+    with pytest.raises(ValueError, match="g must be a floating-point tensor"):
+        zeco_gla(q, q, v, torch.zeros(1, 8, H, K, dtype=torch.int32))
+    with pytest.raises(ValueError, match="every rank needs at least one token"):
+        zeco_gla(q[:, :0], q[:, :0], v[:, :0], None)
     with pytest.raises(NotImplementedError, match="use_short_conv"):
         GatedLinearAttention(hidden_size=64, num_heads=4, use_short_conv=True)
+    with pytest.raises(ValueError, match="GatedLinearAttention: method must be one of"):
+        GatedLinearAttention(hidden_size=64, num_heads=4, method="ring")
 
 
 def _run_mismatch(rank, world):
     # ranks disagreeing on the state shape must raise (in the All-Scan's cross-rank check), not hang
     q = torch.randn(1, 8, H, K + rank)
     v = torch.randn(1, 8, H, V)
-    with pytest.raises(Exception):
+    with pytest.raises(ValueError, match=r"ranks passed different arguments.*tensor shape\[2\] \(rank 0: 8, rank 1: 9\)"):
         zeco_gla(q, q, v, None, dist.group.WORLD)
 
 
@@ -282,16 +293,141 @@ def test_mismatched_shapes_across_ranks_raise():
     run_distributed(_run_mismatch, 2, timeout=120)
 
 
+def _run_default_group(rank, world):
+    """``group=None`` in an initialised group is the default group (torch.distributed's convention):
+    the same as passing it, and the single-process answer on the whole sequence; ``LOCAL`` is one
+    process holding the whole sequence, even here. The module follows the same convention."""
+    T_local = 40
+    q, k, v, g, _, do = _data(321, 1, T_local * world, "gla", 1)
+    sl = slice(rank * T_local, (rank + 1) * T_local)
+    ref, ref_fin = recurrent_gla_reference(q, k, v, g)
+    whole, _ = zeco_gla(q, k, v, g, LOCAL)
+    assert _rel(whole, ref) < TOL
+    outs = {}
+    for name, group in (("None", None), ("WORLD", dist.group.WORLD), ("omitted", "omitted")):
+        ins = [x[:, sl].clone().requires_grad_(True) for x in (q, k, v, g)]
+        if group == "omitted":
+            o, _ = zeco_gla(*ins)
+            fin = None
+        else:
+            o, fin = zeco_gla(*ins, group, output_final_state=True)
+        grads = torch.autograd.grad((o * do[:, sl]).sum(), ins)
+        outs[name] = (o.detach(), fin, grads)
+    assert _rel(outs["None"][0], ref[:, sl]) < TOL
+    if rank == world - 1:
+        assert _rel(outs["None"][1], ref_fin) < TOL
+    for name in ("WORLD", "omitted"):
+        assert torch.equal(outs[name][0], outs["None"][0]), name
+        for a, b in zip(outs[name][2], outs["None"][2]):
+            assert torch.equal(a, b), name
+    assert torch.equal(outs["WORLD"][1], outs["None"][1])
+
+    torch.manual_seed(0)
+    layer = GatedLinearAttention(hidden_size=64, num_heads=4)  # group=None
+    whole_layer = GatedLinearAttention(hidden_size=64, num_heads=4, group=LOCAL)
+    whole_layer.load_state_dict(layer.state_dict())
+    x = torch.randn(1, T_local * world, 64, generator=torch.Generator().manual_seed(8))
+    with torch.no_grad():
+        assert _rel(layer(x[:, sl])[0], whole_layer(x)[0][:, sl]) < TOL
+
+
+def test_group_none_is_the_default_group():
+    run_distributed(_run_default_group, 2, timeout=300)
+
+
+def test_group_without_distributed():
+    """Without torch.distributed, None (and LOCAL) is one process; an explicit group is an error."""
+    q, k, v, g, _, _ = _data(5, 1, 70, "simple", 1)
+    ref, _ = recurrent_gla_reference(q, k, v, g)
+    for group in (None, LOCAL):
+        o, _ = zeco_gla(q, k, v, g, group)
+        assert _rel(o, ref) < TOL, group
+    with pytest.raises(RuntimeError, match="torch.distributed is not initialised"):
+        zeco_gla(q, k, v, g, "a_group_name")
+
+
+@pytest.fixture
+def env(monkeypatch):
+    """Environment variables for one test, the settings re-read before and after it."""
+    yield monkeypatch
+    monkeypatch.undo()
+    settings.reload()
+
+
+def test_backend_setting(env):
+    q, k, v, g, _, _ = _data(6, 1, 20, "gla", 1)
+    env.setenv("ALLSCAN_GLA_BACKEND", "triton")
+    with pytest.raises(ValueError, match="ALLSCAN_GLA_BACKEND"):
+        settings.reload()
+    env.setenv("ALLSCAN_GLA_BACKEND", "fla")
+    settings.reload()
+    with pytest.raises(RuntimeError, match="ALLSCAN_GLA_BACKEND=fla needs CUDA tensors"):
+        zeco_gla(q, k, v, g)
+    env.setenv("ALLSCAN_GLA_BACKEND", "torch")
+    settings.reload()
+    o, _ = zeco_gla(q, k, v, g)
+    assert _rel(o, recurrent_gla_reference(q, k, v, g)[0]) < TOL
+
+
+def test_fused_kernel_switches(env):
+    """``ALLSCAN_GLA_FUSED(_OUTPUT)`` through the settings; ``set_fused_output`` and a failing kernel
+    override them (the kernels themselves run in tests/test_gla_gpu.py)."""
+    saved = dict(fla_glue._FUSED_OVERRIDE)
+    try:
+        fla_glue._FUSED_OVERRIDE.clear()
+        settings.reload()
+        assert G.fused_kernels_enabled() and fla_glue._fused_output_enabled()
+        env.setenv("ALLSCAN_GLA_FUSED", "0")
+        env.setenv("ALLSCAN_GLA_FUSED_OUTPUT", "0")
+        settings.reload()
+        assert not G.fused_kernels_enabled() and not fla_glue._fused_output_enabled()
+        G.set_fused_output(True)
+        assert fla_glue._fused_output_enabled()
+        env.setenv("ALLSCAN_GLA_FUSED", "yes")
+        with pytest.raises(ValueError, match="ALLSCAN_GLA_FUSED"):
+            settings.reload()
+        env.delenv("ALLSCAN_GLA_FUSED")
+        settings.reload()
+        assert G.fused_kernels_enabled()
+        with pytest.warns(UserWarning, match="the fused Triton correction failed .*using torch ops"):
+            fla_glue._fused_failed(RuntimeError("no GPU"))
+        assert not G.fused_kernels_enabled()
+    finally:
+        fla_glue._FUSED_OVERRIDE.clear()
+        fla_glue._FUSED_OVERRIDE.update(saved)
+
+
+def _run_stage_times(rank, world):
+    q, k, v, g, _, do = _data(11, 1, 48 * world, "gla", 1)
+    sl = slice(rank * 48, (rank + 1) * 48)
+    ins = [x[:, sl].clone().requires_grad_(True) for x in (q, k, v, g)]
+    with G.host_stage_times() as t:
+        o, _ = zeco_gla(*ins)
+        (o * do[:, sl]).sum().backward()
+    expected = ["fwd_states", "shard_gamma", "fwd_output", "bwd_begin", "bwd_prepare", "bwd_finish",
+                "scan issue", "scan wait", "forward body", "backward body"]
+    if rank > 0:  # the ranks that receive a state apply it
+        expected += ["correct", "xgrad"]
+    assert set(t) == set(expected), sorted(t)
+    assert all(t[key] > 0 for key in expected), t
+    assert t["forward body"] >= t["fwd_states"] + t["fwd_output"]
+    before = dict(t)
+    zeco_gla(*ins)[0].sum().backward()  # outside the block: not recorded
+    assert t == before
+
+
+def test_host_stage_times_hook():
+    run_distributed(_run_stage_times, 2, timeout=120)
+
+
 def test_fla_autotune_one_config_choice():
     """``limit_fla_autotune("one")``'s chooser: fla's own pruning first, then the config closest to
     BK = BV = 64, 4 warps, 2 stages (checked with stand-in configs: no Triton on CPU)."""
     from types import SimpleNamespace as C
 
-    from allscan.layers import _gla_local as L
-
     configs = [C(kwargs={"BK": bk, "BV": bv}, num_warps=w, num_stages=s)
                for bk in (32, 64) for bv in (64, 128) for w in (2, 4, 8) for s in (2, 3, 4)]
-    (best,) = L._prune_to_one(None, configs, {})
+    (best,) = fla_glue._prune_to_one(None, configs, {})
     assert (best.kwargs, best.num_warps, best.num_stages) == ({"BK": 64, "BV": 64}, 4, 2)
 
     # fla's pruning is applied first (e.g. its rule "a tile must be smaller than the dimension", and the
@@ -299,10 +435,10 @@ def test_fla_autotune_one_config_choice():
     def fla_prune(cfgs, nargs, **kw):
         return [c for c in cfgs if c.kwargs["BK"] < nargs["K"] and not (c.kwargs["BK"] == 32 and c.num_warps == 4)]
 
-    (best,) = L._prune_to_one(fla_prune, configs, {"K": 64})
+    (best,) = fla_glue._prune_to_one(fla_prune, configs, {"K": 64})
     assert best.kwargs["BK"] == 32 and best.num_warps != 4 and best.kwargs["BV"] == 64 and best.num_stages == 2
     # warps-only configs (no block kwargs): 4 warps
-    (best,) = L._prune_to_one(None, [C(kwargs={}, num_warps=w, num_stages=3) for w in (1, 2, 4, 8)], {})
+    (best,) = fla_glue._prune_to_one(None, [C(kwargs={}, num_warps=w, num_stages=3) for w in (1, 2, 4, 8)], {})
     assert best.num_warps == 4
     with pytest.raises(ValueError, match="mode must be one of"):
-        L.limit_fla_autotune("fast")
+        G.limit_fla_autotune("fast")

@@ -95,8 +95,7 @@ def _run(rank, world, dtype_name, methods, progress_dir):
     import torch.nn.functional as F
     from fla.ops.gla import chunk_gla
 
-    from allscan.layers._gla_local import _fused_ok, limit_fla_autotune, recurrent_gla_reference
-    from allscan.layers.gla import zeco_gla
+    from allscan.ops.gla import fused_kernels_enabled, limit_fla_autotune, recurrent_gla_reference, zeco_gla
 
     n = limit_fla_autotune("one")
     say(f"fla imported; autotuning limited to one config for {n} kernels")
@@ -198,7 +197,7 @@ def _run(rank, world, dtype_name, methods, progress_dir):
                 errors[f"{case['name']}/{method}/{name}"] = err
                 worst = max(worst, err)
             say(f"{case['name']}/{method}: done, worst RMS error ratio on this rank {worst:.2e}")
-    assert _fused_ok(), "the fused Triton correction kernels failed and fell back to torch ops (see the warning)"
+    assert fused_kernels_enabled(), "the fused Triton correction kernels failed and fell back to torch ops (see the warning)"
     say("all cases done")
     return errors
 
@@ -271,7 +270,7 @@ def test_chunk_offsets_kernel_matches_torch():
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     try:
-        from allscan.layers._gla_triton import chunk_offsets, chunk_offsets_torch
+        from allscan.ops.gla.incoming_state import chunk_offsets, chunk_offsets_torch
     except Exception as e:  # noqa: BLE001
         pytest.skip(f"needs Triton: {e}")
     dev = torch.device("cuda", 0)
@@ -295,8 +294,8 @@ def test_incoming_state_kernels_match_torch(tiles):
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     try:
-        from allscan.layers import _gla_triton as GT
-        from allscan.layers._gla_local import torch_correct_, torch_state_grad
+        from allscan.ops.gla import incoming_state as GT
+        from allscan.ops.gla.chunk import torch_correct_, torch_state_grad
     except Exception as e:  # noqa: BLE001
         pytest.skip(f"needs Triton: {e}")
     dev = torch.device("cuda", 0)
@@ -342,8 +341,9 @@ def test_output_with_state_matches_fla_output_plus_correction(varlen, dtype_name
         from fla.ops.utils.constant import RCP_LN2
         from fla.ops.utils.cumsum import chunk_local_cumsum
 
-        from allscan.layers import _gla_triton as GT
-        from allscan.layers._gla_local import limit_fla_autotune, torch_correct_
+        from allscan.ops.gla import incoming_state as GT
+        from allscan.ops.gla import limit_fla_autotune
+        from allscan.ops.gla.chunk import torch_correct_
     except Exception as e:  # noqa: BLE001
         pytest.skip(f"needs fla-core and Triton: {e}")
     limit_fla_autotune("one")
@@ -388,8 +388,7 @@ def _fused_vs_separate(rank, world):
     correction kernel (the fallback), output and gradients, with and without packing."""
     import torch.distributed as dist
 
-    from allscan.layers._gla_local import limit_fla_autotune, set_fused_output
-    from allscan.layers.gla import zeco_gla
+    from allscan.ops.gla import limit_fla_autotune, set_fused_output, zeco_gla
 
     limit_fla_autotune("one")
     dev = torch.device("cuda", torch.cuda.current_device())

@@ -1,254 +1,57 @@
-"""Local (one-rank) gated linear attention kernels used by :mod:`allscan.layers.gla`.
+"""The fla glue: flash-linear-attention's (fla-core) ``chunk_gla`` Triton kernels, called stage by stage.
 
-Two backends with the same staged interface, so that the sequence-parallel layer can overlap its
-All-Scan with the local work:
+:class:`FlaGLA` is the CUDA local backend of :mod:`allscan.ops.gla.zeco` (the other is
+:class:`allscan.ops.gla.chunk.TorchGLA`, same staged interface): local cumulative gates and chunk
+states first (so the final state can be sent as early as possible), then the intra-chunk attention
+and output; in backward, the recomputed states and the intra-chunk gradients first, the
+state-gradient recurrence (which needs the gradient arriving from the next rank) last. The
+incoming-state terms use allscan's own Triton kernels (:mod:`allscan.ops.gla.incoming_state`), with
+the torch ops of :mod:`allscan.ops.gla.chunk` as the fallback should one fail.
 
-- :class:`TorchGLA`: chunked GLA written in torch (chunk size 64, fp32 math), backward by autograd
-  through a recomputation. Runs anywhere (CPU CI with gloo ranks); it is the oracle for the algorithm.
-- :class:`FlaGLA`: flash-linear-attention's (fla-core) Triton kernels for ``chunk_gla``, called stage
-  by stage: local cumulative gates and chunk states first (so the final state can be sent as early as
-  possible), then the intra-chunk attention and output; in backward, the recomputed states and the
-  intra-chunk gradients first, the state-gradient recurrence (which needs the gradient arriving from
-  the next rank) last.
-
-Both take the local shard cut into segments (``bounds``: local sequence boundaries ``[0, ..., T]``);
-every segment is an independent sequence with its own initial state (``None`` = zeros).
-
-Also here: :func:`recurrent_gla_reference`, the token-by-token float64 reference used by the tests.
+Also here, because it changes fla's kernels: :func:`limit_fla_autotune` (``ALLSCAN_FLA_AUTOTUNE``).
 """
 from __future__ import annotations
 
 import functools
 import math
-import os
+import sys
 import warnings
-from typing import List, Optional, Sequence
+from types import SimpleNamespace
 
 import torch
 
-CHUNK = 64
+from allscan._contract import settings
 
-
-# ---------------------------------------------------------------------------------------------------
-# torch chunked GLA (one segment)
-# ---------------------------------------------------------------------------------------------------
-def torch_chunk_gla(q, k, v, g, scale: float, h0: Optional[torch.Tensor] = None, chunk: int = CHUNK):
-    """Chunked GLA of one sequence in fp32 torch ops (differentiable by autograd).
-
-    q, k, g: ``[B, T, H, K]``; v: ``[B, T, H, V]``; g: log decays (<= 0); h0: ``[B, H, K, V]`` or None.
-    Returns ``(o [B, T, H, V] fp32, h_T [B, H, K, V] fp32)``.
-    """
-    B, T, H, K = q.shape
-    V = v.shape[-1]
-    q, k, v, g = (x.float() for x in (q, k, v, g))
-    pad = (-T) % chunk
-    if pad:
-        # padding after the sequence (g = 0, k = v = q = 0) changes neither outputs nor final state
-        q, k, v, g = (torch.nn.functional.pad(x, (0, 0, 0, 0, 0, pad)) for x in (q, k, v, g))
-    N = (T + pad) // chunk
-    C = chunk
-    q = q.view(B, N, C, H, K)
-    k = k.view(B, N, C, H, K)
-    v = v.view(B, N, C, H, V)
-    b = g.view(B, N, C, H, K).cumsum(2)  # within-chunk cumulative log decay (<= 0, decreasing)
-
-    # intra-chunk: A[i, j] = sum_k q_i k_j exp(b_i - b_j), j <= i (exponent <= 0: no overflow)
-    diff = b.unsqueeze(3) - b.unsqueeze(2)  # [B, N, C(i), C(j), H, K]
-    causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril().view(1, 1, C, C, 1, 1)
-    decay = torch.where(causal, diff, torch.full_like(diff, -math.inf)).exp()
-    A = torch.einsum("bnihk,bnjhk,bnijhk->bnhij", q, k, decay)
-    o = torch.einsum("bnhij,bnjhv->bnihv", A, v)
-
-    # inter-chunk: the state entering each chunk
-    h = q.new_zeros(B, H, K, V) if h0 is None else h0.float()
-    outs = []
-    for n in range(N):
-        bn = b[:, n]  # [B, C, H, K]
-        outs.append(torch.einsum("bihk,bhkv->bihv", q[:, n] * bn.exp(), h))
-        last = bn[:, -1]  # [B, H, K]
-        kd = k[:, n] * (last.unsqueeze(1) - bn).exp()
-        h = last.exp().unsqueeze(-1) * h + torch.einsum("bjhk,bjhv->bhkv", kd, v[:, n])
-    o = (o + torch.stack(outs, 1)) * scale
-    return o.reshape(B, N * C, H, V)[:, :T], h
-
-
-def recurrent_gla_reference(q, k, v, g, scale=None, initial_state=None, cu_seqlens=None):
-    """Token-by-token GLA in float64: the reference of the tests.
-
-    g: ``[B, T, H, K]`` (GLA), ``[B, T, H]`` (simple GLA) or None (linear attention).
-    With ``cu_seqlens`` (B = 1): every sequence starts from ``initial_state[i]`` (or zeros), and the
-    final states are ``[N, H, K, V]``. Returns ``(o float64, final_states float64)``.
-    """
-    B, T, H, K = q.shape
-    V = v.shape[-1]
-    scale = K ** -0.5 if scale is None else scale
-    q, k, v = (x.double() for x in (q, k, v))
-    if g is None:
-        g = torch.zeros(B, T, H, K, dtype=torch.float64, device=q.device)
-    elif g.dim() == 3:
-        g = g.double().unsqueeze(-1).expand(B, T, H, K)
-    g = g.double()
-    starts = {0} if cu_seqlens is None else set(int(c) for c in cu_seqlens[:-1])
-    bounds = [0, T] if cu_seqlens is None else [int(c) for c in cu_seqlens]
-    o = torch.zeros(B, T, H, V, dtype=torch.float64, device=q.device)
-    finals = []
-    for i in range(len(bounds) - 1):
-        n = B if cu_seqlens is None else 1
-        if initial_state is None:
-            h = torch.zeros(n, H, K, V, dtype=torch.float64, device=q.device)
-        elif cu_seqlens is None:
-            h = initial_state.double().clone()
-        else:
-            h = initial_state[i:i + 1].double().clone()
-        for t in range(bounds[i], bounds[i + 1]):
-            h = h * g[:, t].exp().unsqueeze(-1) + k[:, t].unsqueeze(-1) * v[:, t].unsqueeze(-2)
-            o[:, t] = torch.einsum("bhk,bhkv->bhv", q[:, t] * scale, h)
-        finals.append(h)
-    del starts
-    return o, torch.cat(finals, 0)
-
+from .chunk import torch_correct_, torch_state_grad
 
 # ---------------------------------------------------------------------------------------------------
-# the incoming-state terms in torch ops
+# allscan's fused Triton kernels: on unless ALLSCAN_GLA_FUSED(_OUTPUT)=0, a caller, or a failure says off
 # ---------------------------------------------------------------------------------------------------
-def _decay_factor(q, g, L1):
-    """``exp(G_t)`` over the first L1 tokens, broadcastable to ``[B, L1, H, K]`` (None: no decay)."""
-    if g is None:
-        return None
-    e = torch.cumsum(g[:, :L1].float(), dim=1).exp()
-    return e.unsqueeze(-1) if e.dim() == 3 else e
+_FUSED_OVERRIDE: dict = {}  # "correction" / "output" -> bool, set by set_fused_output or a failure
 
 
-def _total(e, like):
-    """The total decay over the segment as a multiplier of a ``[B, H, K, V]`` state (None: 1)."""
-    if e is None:
-        return None
-    return e[:, -1].unsqueeze(-1)  # [B, H, K, 1] or [B, H, 1, 1]
+def fused_kernels_enabled() -> bool:
+    """Whether the incoming-state terms use allscan's fused Triton kernels (``ALLSCAN_GLA_FUSED``, on by
+    default); False once one of them failed and the op fell back to torch ops (with a warning)."""
+    return _FUSED_OVERRIDE.get("correction", settings.gla_fused)
 
 
-def torch_correct_(q, g, o, S_in, scale, L1):
-    """In place ``o[:, :L1] += scale * (q * exp(G)) @ S_in``; returns the state multiplier exp(G_L1)."""
-    e = _decay_factor(q, g, L1)
-    qe = q[:, :L1].float() * scale
-    if e is not None:
-        qe = qe * e
-    o[:, :L1] = (o[:, :L1].float() + torch.einsum("bthk,bhkv->bthv", qe, S_in.float())).to(o.dtype)
-    return _total(e, S_in)
-
-
-def torch_state_grad(q, g, do, scale, L1):
-    """``X = scale * sum_t (q_t * exp(G_t)) do_t^T`` over the first L1 tokens, and exp(G_L1)."""
-    e = _decay_factor(q, g, L1)
-    qe = q[:, :L1].float() * scale
-    if e is not None:
-        qe = qe * e
-    return torch.einsum("bthk,bthv->bhkv", qe, do[:, :L1].float()), _total(e, None)
-
-
-# ---------------------------------------------------------------------------------------------------
-# staged backends
-# ---------------------------------------------------------------------------------------------------
-class _State:
-    """What a backend's forward leaves for the rest of the forward and for the backward."""
-
-    def __init__(self, **kw):
-        self.__dict__.update(kw)
-
-
-class TorchGLA:
-    """Chunked GLA in torch ops; backward by autograd through a recomputation."""
-
-    name = "torch"
-
-    @staticmethod
-    def fwd_states(q, k, v, g, scale, bounds: Sequence[int], h0s: List[Optional[torch.Tensor]]):
-        outs, finals = [], []
-        with torch.no_grad():
-            for j in range(len(bounds) - 1):
-                s, e = bounds[j], bounds[j + 1]
-                o_j, h_j = torch_chunk_gla(q[:, s:e], k[:, s:e], v[:, s:e], g[:, s:e], scale, h0s[j])
-                outs.append(o_j)
-                finals.append(h_j)
-        return _State(o=torch.cat(outs, 1), finals=finals)
-
-    @staticmethod
-    def fwd_output(st, q, k, v, g, scale, bounds):
-        return st.o.to(v.dtype)
-
-    @staticmethod
-    def saved(st):
-        return None
-
-    # the incoming-state terms over the first L1 tokens (g: the caller's decay, natural log, or None)
-    @staticmethod
-    def correct(st, q, g, o, S_in, scale, L1):
-        return torch_correct_(q, g, o, S_in, scale, L1)
-
-    @staticmethod
-    def shard_gamma(st, g):
-        return torch.exp(g.float().sum(1))
-
-    @staticmethod
-    def bwd_begin(q, k, v, gf, bounds):
-        return None
-
-    @staticmethod
-    def xgrad(prep, q, g, do, scale, L1):
-        return torch_state_grad(q, g, do, scale, L1)
-
-    @staticmethod
-    def bwd_prepare(prep, saved, q, k, v, g, scale, bounds, h0s, do):
-        return None
-
-    @staticmethod
-    def bwd_finish(prep, q, k, v, g, scale, bounds, h0s, do, dhts):
-        with torch.enable_grad():
-            qq, kk, vv, gg = (x.detach().requires_grad_(True) for x in (q, k, v, g))
-            hh = [None if h is None else h.detach().float().requires_grad_(True) for h in h0s]
-            outs, roots, grads = [], [], []
-            for j in range(len(bounds) - 1):
-                s, e = bounds[j], bounds[j + 1]
-                o_j, h_j = torch_chunk_gla(qq[:, s:e], kk[:, s:e], vv[:, s:e], gg[:, s:e], scale, hh[j])
-                outs.append(o_j)
-                if dhts[j] is not None:
-                    roots.append(h_j)
-                    grads.append(dhts[j].float())
-            roots.insert(0, torch.cat(outs, 1))
-            grads.insert(0, do.float())
-            wrt = [qq, kk, vv, gg] + [h for h in hh if h is not None]
-            res = torch.autograd.grad(roots, wrt, grads, allow_unused=True)
-        dq, dk, dv, dg = (torch.zeros_like(x) if r is None else r.to(x.dtype) for r, x in zip(res[:4], (q, k, v, g)))
-        it = iter(res[4:])
-        dh0s = []
-        for h in hh:
-            if h is None:
-                dh0s.append(None)
-            else:
-                r = next(it)
-                dh0s.append(torch.zeros_like(h) if r is None else r)
-        return dq, dk, dv, dg, dh0s
-
-
-_FUSED = {"ok": os.environ.get("ALLSCAN_GLA_FUSED", "1") != "0",
-          "output": os.environ.get("ALLSCAN_GLA_FUSED_OUTPUT", "1") != "0"}
-
-
-def _fused_ok():
-    return _FUSED["ok"]
-
-
-def _fused_failed(e, which="ok"):
-    _FUSED[which] = False
-    what = "output kernel (with the incoming state folded in)" if which == "output" else "correction"
-    instead = "fla's output kernel and the separate correction" if which == "output" else "torch ops"
-    warnings.warn(f"allscan.layers.gla: the fused Triton {what} failed ({type(e).__name__}: {e}); "
-                  f"using {instead} from now on")
+def _fused_output_enabled() -> bool:
+    return _FUSED_OVERRIDE.get("output", settings.gla_fused_output)
 
 
 def set_fused_output(enabled: bool) -> None:
     """Fold the incoming state into the output kernel (default) or apply it afterwards with the
     separate correction kernel (benchmarks compare both; ``ALLSCAN_GLA_FUSED_OUTPUT=0`` sets it off)."""
-    _FUSED["output"] = bool(enabled)
+    _FUSED_OVERRIDE["output"] = bool(enabled)
+
+
+def _fused_failed(e, which="correction"):
+    _FUSED_OVERRIDE[which] = False
+    what = "output kernel (with the incoming state folded in)" if which == "output" else "correction"
+    instead = "fla's output kernel and the separate correction" if which == "output" else "torch ops"
+    warnings.warn(f"allscan.ops.gla: the fused Triton {what} failed ({type(e).__name__}: {e}); "
+                  f"using {instead} from now on")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -262,7 +65,7 @@ def set_fused_output(enabled: bool) -> None:
 # then takes the single surviving config closest to BK = BV = 64, 4 warps, 2 stages: one compile per
 # kernel specialisation, no benchmarking. Same kernels, same math; only the tiling is fixed.
 _PREF_BLOCK, _PREF_WARPS, _PREF_STAGES = 64, 4, 2
-_FLA_AUTOTUNE_MODES = ("full", "one")
+FLA_AUTOTUNE_MODES = ("full", "one")
 
 
 def _config_cost(cfg) -> float:
@@ -300,10 +103,8 @@ def limit_fla_autotune(mode: str = "one") -> int:
     (it imports the ones the GLA layer uses first). Returns the number of kernels set. Needs fla-core
     and Triton (CUDA); changes fla for the whole process, so the library never calls it by itself
     unless ``ALLSCAN_FLA_AUTOTUNE`` is set (the tests and benchmarks call it)."""
-    if mode not in _FLA_AUTOTUNE_MODES:
-        raise ValueError(f"limit_fla_autotune: mode must be one of {_FLA_AUTOTUNE_MODES}, got {mode!r}")
-    import sys
-
+    if mode not in FLA_AUTOTUNE_MODES:
+        raise ValueError(f"limit_fla_autotune: mode must be one of {FLA_AUTOTUNE_MODES}, got {mode!r}")
     import fla.ops.common.chunk_h  # noqa: F401 - the modules whose kernels the GLA layer runs
     import fla.ops.gla.chunk  # noqa: F401
     import fla.ops.utils.cumsum  # noqa: F401
@@ -326,21 +127,16 @@ def limit_fla_autotune(mode: str = "one") -> int:
     return len(seen)
 
 
-_AUTOTUNE_ENV_DONE: list = []
-
-
-def _apply_autotune_env():
+@functools.lru_cache(maxsize=None)
+def _apply_autotune_setting() -> None:
     """``ALLSCAN_FLA_AUTOTUNE=one|full`` applies :func:`limit_fla_autotune` on the first fla call."""
-    if _AUTOTUNE_ENV_DONE:
-        return
-    _AUTOTUNE_ENV_DONE.append(True)
-    mode = os.environ.get("ALLSCAN_FLA_AUTOTUNE")
-    if mode:
-        limit_fla_autotune(mode)
+    if settings.fla_autotune is not None:
+        limit_fla_autotune(settings.fla_autotune)
 
 
 @functools.lru_cache(maxsize=None)
 def fla_available() -> bool:
+    """Whether fla-core's GLA kernels can be imported (and Triton initialises)."""
     try:
         import fla.ops.gla.chunk  # noqa: F401
         return True
@@ -355,15 +151,15 @@ class FlaGLA:
 
     @staticmethod
     def _mods():
-        _apply_autotune_env()
+        _apply_autotune_setting()
         from fla.ops.common.chunk_h import chunk_bwd_dh, chunk_fwd_h
         from fla.ops.gla import chunk as gc
         from fla.ops.utils import prepare_chunk_indices
         from fla.ops.utils.constant import RCP_LN2
         from fla.ops.utils.cumsum import chunk_local_cumsum
-        return _State(chunk_fwd_h=chunk_fwd_h, chunk_bwd_dh=chunk_bwd_dh, gla=gc,
-                      prepare_chunk_indices=prepare_chunk_indices, RCP_LN2=RCP_LN2,
-                      chunk_local_cumsum=chunk_local_cumsum)
+        return SimpleNamespace(chunk_fwd_h=chunk_fwd_h, chunk_bwd_dh=chunk_bwd_dh, gla=gc,
+                               prepare_chunk_indices=prepare_chunk_indices, RCP_LN2=RCP_LN2,
+                               chunk_local_cumsum=chunk_local_cumsum)
 
     @staticmethod
     def _layout(q, bounds):
@@ -398,7 +194,7 @@ class FlaGLA:
         gcum = m.chunk_local_cumsum(g, BT, scale=m.RCP_LN2, cu_seqlens=cu)
         h, ht = m.chunk_fwd_h(k=k, v=v, g=None, gk=gcum, gv=None, h0=h0, output_final_state=True,
                               cu_seqlens=cu, chunk_size=BT, states_in_fp32=False)
-        return _State(gcum=gcum, h=h, BT=BT, cu=cu, ci=ci, finals=FlaGLA._split(ht, len(bounds) - 1))
+        return SimpleNamespace(gcum=gcum, h=h, BT=BT, cu=cu, ci=ci, finals=FlaGLA._split(ht, len(bounds) - 1))
 
     @staticmethod
     def fwd_output(st, q, k, v, g, scale, bounds):
@@ -413,7 +209,7 @@ class FlaGLA:
 
     @staticmethod
     def fused_output_ok():
-        return _fused_ok() and _FUSED["output"]
+        return fused_kernels_enabled() and _fused_output_enabled()
 
     @staticmethod
     def fwd_intra(st, q, k, scale):
@@ -429,7 +225,7 @@ class FlaGLA:
         returns (o, the segment's total decay as a state multiplier). None if the kernel failed (the
         caller then takes fla's output kernel and the separate correction)."""
         try:
-            from ._gla_triton import output_with_state
+            from .incoming_state import output_with_state
             offs = FlaGLA._offsets(st, L1)
             o = output_with_state(q, v, st.gcum, st.A, st.h, S_in, scale, st.BT, offs, cu_seqlens=st.cu,
                                   chunk_indices=st.ci)
@@ -447,16 +243,16 @@ class FlaGLA:
     def _offsets(st, L1):
         """chunk_offsets of the forward's gates over the first L1 tokens, computed once per forward
         (the All-Scan's decay and the output correction use the same ones)."""
-        from ._gla_triton import chunk_offsets
+        from .incoming_state import chunk_offsets
         if getattr(st, "offs_L1", None) != L1:
             st.offs, st.offs_L1 = chunk_offsets(st.gcum, L1, st.BT), L1
         return st.offs
 
     @staticmethod
     def correct(st, q, g, o, S_in, scale, L1):
-        if _fused_ok():
+        if fused_kernels_enabled():
             try:
-                from ._gla_triton import correct_output_
+                from .incoming_state import correct_output_
                 return correct_output_(o, q, st.gcum, S_in, scale, L1, st.BT,
                                        offsets=FlaGLA._offsets(st, L1)).unsqueeze(-1)
             except Exception as e:  # noqa: BLE001 - a Triton failure must not stop training
@@ -474,13 +270,13 @@ class FlaGLA:
         m = FlaGLA._mods()
         BT, cu, ci = FlaGLA._layout(q, bounds)
         gcum = m.chunk_local_cumsum(gf, BT, scale=m.RCP_LN2, cu_seqlens=cu)
-        return _State(BT=BT, cu=cu, ci=ci, gcum=gcum)
+        return SimpleNamespace(BT=BT, cu=cu, ci=ci, gcum=gcum)
 
     @staticmethod
     def xgrad(prep, q, g, do, scale, L1):
-        if _fused_ok():
+        if fused_kernels_enabled():
             try:
-                from ._gla_triton import state_grad
+                from .incoming_state import state_grad
                 X, e = state_grad(q, prep.gcum, do, scale, L1, prep.BT)
                 return X, e.unsqueeze(-1)
             except Exception as e:  # noqa: BLE001
@@ -500,7 +296,7 @@ class FlaGLA:
         dA = m.gla.chunk_gla_bwd_dA(v=v, do=do, scale=scale, cu_seqlens=cu, chunk_size=BT, chunk_indices=ci)
         dq, dk = m.gla.chunk_gla_bwd_dqk_intra(q=q, k=k, g=gcum, dA=dA, cu_seqlens=cu, chunk_size=BT,
                                                chunk_indices=ci)
-        return _State(BT=BT, cu=cu, ci=ci, h0=h0, gcum=gcum, h=h, dq=dq, dk=dk, A=saved_A)
+        return SimpleNamespace(BT=BT, cu=cu, ci=ci, h0=h0, gcum=gcum, h=h, dq=dq, dk=dk, A=saved_A)
 
     @staticmethod
     def bwd_finish(p, q, k, v, g, scale, bounds, h0s, do, dhts):

@@ -13,10 +13,10 @@ computes the chunk output (what fla's ``chunk_gla_fwd_o_gk`` computes, from the 
 incoming state folded in, while the intra-chunk part runs as the state is in flight;
 :func:`correct_output_` is the fallback and the benchmark's comparison.
 The dots take fp32 operands whatever the input dtype (Triton's default fp32 precision: tf32, or IEEE
-fp32 with TRITON_F32_DEFAULT=ieee): the incoming state is the sum of everything before the shard and
-``q * 2^G * scale`` is not representable in bf16, so rounding both to bf16 (as a bf16 dot would)
-added two bf16 roundings to the output. Measured on 2 H200s (plain linear attention, bf16, T = 2048,
-RMS error ratio against fla's chunk_gla on the whole sequence): 3.6e-3 with bf16 operands.
+fp32 with TRITON_F32_DEFAULT=ieee), or fp32 split into bf16 hi/lo halves: the incoming state is the
+sum of everything before the shard and ``q * 2^G * scale`` is not representable in bf16, so rounding
+both to bf16 (as a bf16 dot would) adds two bf16 roundings to the output (bench/README.md, "ZeCO GLA").
+Tile sizes and their timings: bench/gla_kernels.py and bench/README.md.
 """
 from __future__ import annotations
 
@@ -149,10 +149,9 @@ def _corr_bwd_kernel(q, gc, off, do, Xp, T, L1, NT, scale,
     tl.store(p_X, b_X, mask=m_k[:, None] & m_v[None, :])
 
 
-# Tiles, from bench/gla_kernels.py on an H200 (T = 8K/16K/32K, H = 16, K = V = 128, bf16 inputs;
-# bench/README): the separate forward correction (the fallback) is fastest with the whole K = 128 in
-# one tile (153 / 292 / 604 us); the state gradient with its bf16 hi/lo products and the whole
-# K x V tile (74 / 101 / 191 us, against 82 / 141 / 283 us with 32-wide K slices).
+# Tiles: the fastest of bench/gla_kernels.py's sweep on an H200 (bench/README.md): the separate
+# forward correction (the fallback) with the whole K = 128 in one tile; the state gradient with its
+# bf16 hi/lo products and the whole K x V tile.
 FWD_TILES = dict(BK=128, BV=128, num_warps=8)
 BWD_TILES = dict(BK=128, BV=128, num_warps=8, cps=16)
 
@@ -212,8 +211,8 @@ def _fwd_o_state_kernel(q, v, gc, h, A, off, S, o, cu_seqlens, chunk_indices, sc
     # the first local sequence only (the whole shard without packing). The inter-chunk product is
     # formed in fp32 and, for 16-bit inputs (SPLIT), multiplied as three bf16 products of hi/lo halves
     # (hi*hi + hi*lo + lo*hi: about 16 mantissa bits) on the bf16 tensor cores: fp32 operands (tf32)
-    # ran this kernel at 2.6x the time of fla's output kernel (270 against 103 us at T = 8K, H = 16),
-    # and plain bf16 operands round the incoming state (see the module docstring).
+    # made this kernel far slower than fla's output kernel, and plain bf16 operands round the incoming
+    # state (see the module docstring).
     NV = tl.cdiv(V, BV)
     i_t = (tl.program_id(0) // NV).to(tl.int64)  # token offsets in int64, as fla
     i_v = tl.program_id(0) % NV
@@ -273,8 +272,8 @@ def _fwd_o_state_kernel(q, v, gc, h, A, off, S, o, cu_seqlens, chunk_indices, sc
     tl.store(o + p_vo, b_o.to(o.dtype.element_ty), mask=m_tv)
 
 
-# The output kernel with the state folded in: 117 / 221 / 431 us at T = 8K / 16K / 32K, fla's own
-# output kernel (without the state) 133 / 222 / 440 us on the same inputs (bench/gla_kernels.py).
+# The output kernel with the state folded in: as fast as fla's own output kernel without the state
+# with these tiles (bench/gla_kernels.py, bench/README.md).
 FWD_O_TILES = dict(BK=32, BV=64, num_warps=4, num_stages=3)
 
 

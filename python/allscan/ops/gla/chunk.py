@@ -1,0 +1,160 @@
+"""Chunked gated linear attention in torch ops: the local kernels on CPU (and on CUDA without fla-core).
+
+:class:`TorchGLA` is one of the two staged local backends :mod:`allscan.ops.gla.zeco` drives (the
+other is :class:`allscan.ops.gla.fla.FlaGLA`); both take the local shard cut into segments
+(``bounds``: local sequence boundaries ``[0, ..., T]``), every segment an independent sequence with
+its own initial state (``None`` = zeros). Here the forward is chunked GLA in fp32 (chunk size 64) and
+the backward autograd through a recomputation; the float64 token-by-token reference beside it
+(:mod:`allscan.ops.gla.naive`) is what it is tested against.
+"""
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+from typing import List, Optional, Sequence
+
+import torch
+
+CHUNK = 64
+
+
+def torch_chunk_gla(q, k, v, g, scale: float, h0: Optional[torch.Tensor] = None, chunk: int = CHUNK):
+    """Chunked GLA of one sequence in fp32 torch ops (differentiable by autograd).
+
+    q, k, g: ``[B, T, H, K]``; v: ``[B, T, H, V]``; g: log decays (<= 0); h0: ``[B, H, K, V]`` or None.
+    Returns ``(o [B, T, H, V] fp32, h_T [B, H, K, V] fp32)``.
+    """
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    q, k, v, g = (x.float() for x in (q, k, v, g))
+    pad = (-T) % chunk
+    if pad:
+        # padding after the sequence (g = 0, k = v = q = 0) changes neither outputs nor final state
+        q, k, v, g = (torch.nn.functional.pad(x, (0, 0, 0, 0, 0, pad)) for x in (q, k, v, g))
+    N = (T + pad) // chunk
+    C = chunk
+    q = q.view(B, N, C, H, K)
+    k = k.view(B, N, C, H, K)
+    v = v.view(B, N, C, H, V)
+    b = g.view(B, N, C, H, K).cumsum(2)  # within-chunk cumulative log decay (<= 0, decreasing)
+
+    # intra-chunk: A[i, j] = sum_k q_i k_j exp(b_i - b_j), j <= i (exponent <= 0: no overflow)
+    diff = b.unsqueeze(3) - b.unsqueeze(2)  # [B, N, C(i), C(j), H, K]
+    causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril().view(1, 1, C, C, 1, 1)
+    decay = torch.where(causal, diff, torch.full_like(diff, -math.inf)).exp()
+    A = torch.einsum("bnihk,bnjhk,bnijhk->bnhij", q, k, decay)
+    o = torch.einsum("bnhij,bnjhv->bnihv", A, v)
+
+    # inter-chunk: the state entering each chunk
+    h = q.new_zeros(B, H, K, V) if h0 is None else h0.float()
+    outs = []
+    for n in range(N):
+        bn = b[:, n]  # [B, C, H, K]
+        outs.append(torch.einsum("bihk,bhkv->bihv", q[:, n] * bn.exp(), h))
+        last = bn[:, -1]  # [B, H, K]
+        kd = k[:, n] * (last.unsqueeze(1) - bn).exp()
+        h = last.exp().unsqueeze(-1) * h + torch.einsum("bjhk,bjhv->bhkv", kd, v[:, n])
+    o = (o + torch.stack(outs, 1)) * scale
+    return o.reshape(B, N * C, H, V)[:, :T], h
+
+
+# ---------------------------------------------------------------------------------------------------
+# the incoming-state terms over the first L1 tokens (also the fallback of the fused Triton kernels)
+# ---------------------------------------------------------------------------------------------------
+def _decayed_queries(q, g, scale, L1):
+    """``(scale * q_t * exp(G_t)`` over the first L1 tokens, ``exp(G_L1)`` as a multiplier of a
+    ``[B, H, K, V]`` state, None when there is no decay)."""
+    qe = q[:, :L1].float() * scale
+    if g is None:
+        return qe, None
+    e = torch.cumsum(g[:, :L1].float(), dim=1).exp()
+    e = e.unsqueeze(-1) if e.dim() == 3 else e  # simple GLA: one decay per head
+    return qe * e, e[:, -1].unsqueeze(-1)  # [B, H, K, 1] or [B, H, 1, 1]
+
+
+def torch_correct_(q, g, o, S_in, scale, L1):
+    """In place ``o[:, :L1] += scale * (q * exp(G)) @ S_in``; returns the state multiplier exp(G_L1)."""
+    qe, total = _decayed_queries(q, g, scale, L1)
+    o[:, :L1] = (o[:, :L1].float() + torch.einsum("bthk,bhkv->bthv", qe, S_in.float())).to(o.dtype)
+    return total
+
+
+def torch_state_grad(q, g, do, scale, L1):
+    """``X = scale * sum_t (q_t * exp(G_t)) do_t^T`` over the first L1 tokens, and exp(G_L1)."""
+    qe, total = _decayed_queries(q, g, scale, L1)
+    return torch.einsum("bthk,bthv->bhkv", qe, do[:, :L1].float()), total
+
+
+class TorchGLA:
+    """Chunked GLA in torch ops, staged for :mod:`allscan.ops.gla.zeco`; backward by autograd through
+    a recomputation."""
+
+    name = "torch"
+
+    @staticmethod
+    def fwd_states(q, k, v, g, scale, bounds: Sequence[int], h0s: List[Optional[torch.Tensor]]):
+        outs, finals = [], []
+        with torch.no_grad():
+            for j in range(len(bounds) - 1):
+                s, e = bounds[j], bounds[j + 1]
+                o_j, h_j = torch_chunk_gla(q[:, s:e], k[:, s:e], v[:, s:e], g[:, s:e], scale, h0s[j])
+                outs.append(o_j)
+                finals.append(h_j)
+        return SimpleNamespace(o=torch.cat(outs, 1), finals=finals)
+
+    @staticmethod
+    def fwd_output(st, q, k, v, g, scale, bounds):
+        return st.o.to(v.dtype)
+
+    @staticmethod
+    def saved(st):
+        return None
+
+    # the incoming-state terms over the first L1 tokens (g: the caller's decay, natural log, or None)
+    @staticmethod
+    def correct(st, q, g, o, S_in, scale, L1):
+        return torch_correct_(q, g, o, S_in, scale, L1)
+
+    @staticmethod
+    def shard_gamma(st, g):
+        return torch.exp(g.float().sum(1))
+
+    @staticmethod
+    def bwd_begin(q, k, v, gf, bounds):
+        return None
+
+    @staticmethod
+    def xgrad(prep, q, g, do, scale, L1):
+        return torch_state_grad(q, g, do, scale, L1)
+
+    @staticmethod
+    def bwd_prepare(prep, saved, q, k, v, g, scale, bounds, h0s, do):
+        return None
+
+    @staticmethod
+    def bwd_finish(prep, q, k, v, g, scale, bounds, h0s, do, dhts):
+        with torch.enable_grad():
+            qq, kk, vv, gg = (x.detach().requires_grad_(True) for x in (q, k, v, g))
+            hh = [None if h is None else h.detach().float().requires_grad_(True) for h in h0s]
+            outs, roots, grads = [], [], []
+            for j in range(len(bounds) - 1):
+                s, e = bounds[j], bounds[j + 1]
+                o_j, h_j = torch_chunk_gla(qq[:, s:e], kk[:, s:e], vv[:, s:e], gg[:, s:e], scale, hh[j])
+                outs.append(o_j)
+                if dhts[j] is not None:
+                    roots.append(h_j)
+                    grads.append(dhts[j].float())
+            roots.insert(0, torch.cat(outs, 1))
+            grads.insert(0, do.float())
+            wrt = [qq, kk, vv, gg] + [h for h in hh if h is not None]
+            res = torch.autograd.grad(roots, wrt, grads, allow_unused=True)
+        dq, dk, dv, dg = (torch.zeros_like(x) if r is None else r.to(x.dtype) for r, x in zip(res[:4], (q, k, v, g)))
+        it = iter(res[4:])
+        dh0s = []
+        for h in hh:
+            if h is None:
+                dh0s.append(None)
+            else:
+                r = next(it)
+                dh0s.append(torch.zeros_like(h) if r is None else r)
+        return dq, dk, dv, dg, dh0s
