@@ -34,7 +34,9 @@ def _preload_nccl() -> None:
 
 _preload_nccl()
 
-from ._scan import ScanHandle, destroy_communicators, scan, set_check_every_call  # noqa: E402
+from . import a2a  # noqa: E402
+from ._contract import settings  # noqa: E402
+from .ops.scan import ScanHandle, destroy_communicators, scan, set_check_every_call  # noqa: E402
 from .reference import scan_reference  # noqa: E402
 
 __version__ = "0.1.0"
@@ -45,4 +47,6 @@ __all__ = [
     "set_check_every_call",
     "destroy_communicators",
     "scan_reference",
+    "a2a",
+    "settings",
 ]

@@ -1,4 +1,4 @@
-"""Process group -> NCCL communicator, and the cross-rank argument check.
+"""Process group -> NCCL communicator.
 
 The NCCL communicator for a torch group is borrowed from torch's own ProcessGroupNCCL when it can
 be (``group._get_backend(device)._comm_ptr()``, forcing its creation with one tiny collective when it
@@ -9,8 +9,6 @@ from an ``ncclUniqueId`` broadcast over the group, and destroys it at exit or in
 from __future__ import annotations
 
 import atexit
-import math
-import os
 import threading
 import weakref
 from dataclasses import dataclass
@@ -19,8 +17,14 @@ from typing import Dict, Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from . import _C
+from ._contract import settings
+
 __all__ = [
     "Communicator",
+    "normalize_group",
+    "backend_name",
+    "check_env",
     "group_name",
     "resolve_group",
     "uses_nccl",
@@ -74,12 +78,6 @@ def uses_nccl(group, tensor: torch.Tensor) -> bool:
     return tensor.is_cuda and "nccl" in backend_name(group)
 
 
-def _C():
-    from . import _C as C  # noqa: N811  (imports torch first, see __init__)
-
-    return C
-
-
 @dataclass
 class Communicator:
     """An NCCL communicator for one group on one device, wrapped for the C++ core."""
@@ -95,12 +93,11 @@ class Communicator:
     group_ref: Optional[weakref.ReferenceType] = None  # the group object it was made for
 
     def destroy(self) -> None:
-        C = _C()
         if self.handle:
-            C.comm_destroy(self.handle)
+            _C.comm_destroy(self.handle)
             self.handle = 0
         if self.owned and self.nccl:
-            C.nccl_comm_destroy(self.nccl)
+            _C.nccl_comm_destroy(self.nccl)
         self.nccl = 0
 
 
@@ -130,45 +127,20 @@ def _borrow_torch_comm(group, device: torch.device) -> int:
 
 
 def _create_owned_comm(group, device: torch.device) -> int:
-    C = _C()
     rank = dist.get_rank(group)
     size = dist.get_world_size(group)
-    obj = [C.nccl_get_unique_id() if rank == 0 else None]
+    obj = [_C.nccl_get_unique_id() if rank == 0 else None]
     dist.broadcast_object_list(obj, group_src=0, group=group)
     with torch.cuda.device(device):
-        return int(C.nccl_comm_init_rank(size, obj[0], rank))
-
-
-def _link_model_from_env() -> Optional[Tuple[float, float]]:
-    v = os.environ.get("ALLSCAN_LINK_MODEL")
-    if not v:
-        return None
-    try:
-        a, b = (float(s) for s in v.split(","))
-    except ValueError as e:
-        raise ValueError(
-            f"ALLSCAN_LINK_MODEL must be 'latency_us,us_per_byte' (two floats), got {v!r}"
-        ) from e
-    if not (math.isfinite(a) and math.isfinite(b) and a > 0 and b > 0):
-        raise ValueError(f"ALLSCAN_LINK_MODEL must be two positive finite floats 'latency_us,us_per_byte', got {v!r}")
-    return a, b
-
-
-_ENV_VARS = ("ALLSCAN_HEAD_FILL", "ALLSCAN_SELF_FILL_MAX_BYTES", "ALLSCAN_FILL_CTAS", "ALLSCAN_LINK_MODEL")
-_env_checked: set = set()
+        return int(_C.nccl_comm_init_rank(size, obj[0], rank))
 
 
 def check_env() -> None:
-    """Raise ``ValueError`` naming the variable if an ``ALLSCAN_*`` setting the core reads when it
-    makes a communicator does not parse (a local check, no collective: made before the first one,
-    so a misconfigured rank fails there rather than after the other ranks entered NCCL)."""
-    values = tuple(os.environ.get(v) for v in _ENV_VARS)
-    if values in _env_checked:
-        return
-    _link_model_from_env()
-    C = _C()
-    C.comm_destroy(C.comm_create_detached(0, 1))  # the core parses its own settings
-    _env_checked.add(values)
+    """Raise ``ValueError`` naming the variable if an ``ALLSCAN_*`` setting does not parse (a local
+    check, no collective: made before the first one, so a misconfigured rank fails there rather than
+    after the other ranks entered NCCL). The settings apply the core's rules to the variables the core
+    reads itself when it makes a communicator."""
+    settings.check  # noqa: B018 - the first access reads and validates every variable
 
 
 def check_device(group, device: torch.device) -> None:
@@ -218,12 +190,12 @@ def get_communicator(group, device: torch.device) -> Communicator:
             "allscan: the first call on a group creates its communicator, which cannot happen while a "
             "CUDA graph is being captured; call allscan once before capturing"
         )
-    C = _C()
+
     nccl = _borrow_torch_comm(group, device)
     owned = nccl == 0
     if owned:
         nccl = _create_owned_comm(group, device)
-    handle = int(C.comm_create(nccl))
+    handle = int(_C.comm_create(nccl))
     comm = Communicator(
         group_name=name,
         device=device,
@@ -234,20 +206,20 @@ def get_communicator(group, device: torch.device) -> Communicator:
         owned=owned,
         group_ref=weakref.ref(group),
     )
-    if C.comm_rank(handle) != comm.rank or C.comm_size(handle) != comm.size:
+    if _C.comm_rank(handle) != comm.rank or _C.comm_size(handle) != comm.size:
         comm.destroy()
         raise RuntimeError(
             f"allscan: the NCCL communicator of group {name!r} has rank/size "
-            f"{C.comm_rank(handle)}/{C.comm_size(handle)}, the group {comm.rank}/{comm.size}"
+            f"{_C.comm_rank(handle)}/{_C.comm_size(handle)}, the group {comm.rank}/{comm.size}"
         )
-    model = _link_model_from_env()
+    model = settings.link_model
     if model is not None:
-        C.set_link_model(handle, *model)
+        _C.set_link_model(handle, *model)
     elif comm.size > 2:
         # The block count only matters past two ranks (at P = 2 the best K is 1 whatever the link).
         with torch.cuda.device(device):
-            C.calibrate(handle, torch.cuda.current_stream(device).cuda_stream)
-    a, b, is_set = C.get_link_model(handle)
+            _C.calibrate(handle, torch.cuda.current_stream(device).cuda_stream)
+    a, b, is_set = _C.get_link_model(handle)
     comm.link_model = (a, b) if is_set else None
     with _lock:
         _comms[key] = comm

@@ -13,7 +13,7 @@ so that the all-to-alls of chunks c-1 and c+1 run while chunk c is attended. The
 pipelined the same way: scatter of the output gradient, per-chunk SDPA backward (through the graph the
 forward kept, so nothing is recomputed), gather of dq, dk, dv.
 
-Chunks are rank-major (:func:`allscan.a2a.chunk_head_ranges`): every rank's own heads are cut into C
+Chunks are rank-major (:func:`allscan.ops.chunk_head_ranges`): every rank's own heads are cut into C
 pieces, so C never changes which heads a rank attends. Heads need not divide the group size (the first
 ``H % P`` ranks get one more), and k/v may have fewer heads than q (grouped-query attention): each
 rank receives the k/v heads its query heads use (replicated when there are fewer k/v heads than
@@ -23,17 +23,19 @@ On CPU (or any non-NCCL group) the same code runs sequentially through the torch
 """
 from __future__ import annotations
 
-import os
 from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from .. import _comm
-from .. import a2a as _a2a
+from .._contract import DTYPE_CODES, announce_invalid, check_across_ranks, dtype_code, settings
+from ..ops import (GATHER, SCATTER, a2a_multi, chunk_head_ranges, kv_head_ranges, normalize_group,
+                   split_heads)
 
 __all__ = ["UlyssesAttention", "ulysses_attention", "choose_num_chunks", "pick_measured", "clear_auto_cache"]
+
+_OP = "UlyssesAttention"
 
 
 # ------------------------------------------------------------------------------------------------
@@ -54,7 +56,7 @@ class _Chunk:
             self.kv_index = [(h // q_per_kv) - self.kv_lo for h in range(self.q_lo, self.q_hi)]
         # k/v heads this chunk brings to each rank (first use) and whose gradients it sends back
         # (last use); with grouped-query attention consecutive chunks of a rank may share a k/v head,
-        # which then moves once each way. Filled in by _Plan.
+        # which then moves once each way. Filled in by _ChunkPlan.
         self.new_map = kv_map
         self.done_map = kv_map
         self._idx = {}
@@ -97,21 +99,21 @@ def _first_last_maps(chunks, world):
                 setattr(ch, attr, m)
 
 
-class _Plan:
+class _ChunkPlan:
     def __init__(self, group, world, me, B, Sl, Hq, Hkv, D, num_chunks, weights, causal, scale):
         self.group, self.world, self.me = group, world, me
         self.B, self.Sl, self.Hq, self.Hkv, self.D = B, Sl, Hq, Hkv, D
         self.q_per_kv = Hq // Hkv
         self.causal, self.scale = causal, scale
-        q_maps = _a2a.chunk_head_ranges(Hq, world, num_chunks, weights)
+        q_maps = chunk_head_ranges(Hq, world, num_chunks, weights)
         chunks = []
         for qm in q_maps:
             if all(hi <= lo for lo, hi in qm):
                 continue  # no rank has a head in this chunk
-            chunks.append(_Chunk(qm, _a2a.kv_head_ranges(qm, self.q_per_kv), me, self.q_per_kv))
+            chunks.append(_Chunk(qm, kv_head_ranges(qm, self.q_per_kv), me, self.q_per_kv))
         self.chunks = chunks
         # this rank's k/v heads over all chunks
-        self.kv_lo, self.kv_hi = _a2a.kv_head_ranges(_a2a.split_heads(0, Hq, world), self.q_per_kv)[me]
+        self.kv_lo, self.kv_hi = kv_head_ranges(split_heads(0, Hq, world), self.q_per_kv)[me]
         # Grouped-query attention: a k/v head is moved once to each rank that needs it, and its
         # gradient is accumulated on that rank in fp32 over the chunks that use it, then summed over
         # the ranks that hold it (gather-heads with accumulation: ranks may finish it in different chunks).
@@ -141,14 +143,14 @@ def _expand_kv(ch: _Chunk, k: torch.Tensor, v: torch.Tensor):
     return k.index_select(2, idx), v.index_select(2, idx)
 
 
-def _sdpa(plan: _Plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+def _sdpa(plan: _ChunkPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """SDPA on [B, S, n, D] tensors (k, v already expanded) -> [B, S, n, D] contiguous."""
     o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                        is_causal=plan.causal, scale=plan.scale)
     return o.transpose(1, 2).contiguous()
 
 
-def _attend(plan: _Plan, ch: _Chunk, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+def _attend(plan: _ChunkPlan, ch: _Chunk, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     k, v = _expand_kv(ch, k, v)
     return _sdpa(plan, q, k, v)
 
@@ -165,8 +167,8 @@ def _streams_for(device: torch.device):
 _COMM_STREAMS: Dict[int, "torch.cuda.Stream"] = {}
 
 
-def _use_streams(plan: _Plan, x: torch.Tensor) -> bool:
-    return x.is_cuda and os.environ.get("ALLSCAN_ULYSSES_STREAMS", "1") != "0"
+def _use_streams(x: torch.Tensor) -> bool:
+    return x.is_cuda and settings.ulysses_streams
 
 
 # ------------------------------------------------------------------------------------------------
@@ -241,7 +243,7 @@ def _run_pipeline(n: int, scatter, attend, gather, cuda_device: Optional[torch.d
 
 class _UlyssesFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, plan: _Plan):
+    def forward(ctx, q, k, v, plan: _ChunkPlan):
         out, graphs = _forward(plan, q, k, v, keep_graph=True)
         ctx.plan = plan
         ctx.graphs = graphs
@@ -255,19 +257,15 @@ class _UlyssesFn(torch.autograd.Function):
         return dq, dk, dv, None
 
 
-def _debug_check() -> bool:
-    return os.environ.get("ALLSCAN_ULYSSES_CHECK", "0") not in ("", "0")
-
-
-def _forward(plan: _Plan, q, k, v, keep_graph: bool, streams: Optional[bool] = None):
+def _forward(plan: _ChunkPlan, q, k, v, keep_graph: bool, streams: Optional[bool] = None):
     """streams: None = two streams on CUDA unless ALLSCAN_ULYSSES_STREAMS=0; False = one stream.
-    With ALLSCAN_ULYSSES_CHECK=1 a two-stream forward is repeated on one stream (same chunks, same
+    With ALLSCAN_CHECK=always a two-stream forward is repeated on one stream (same chunks, same
     kernels) and must match it bitwise, else RuntimeError (a pipeline synchronisation bug)."""
     B, Sl, D, P = plan.B, plan.Sl, plan.D, plan.world
     S = Sl * P
     group = plan.group
     chunks = plan.chunks
-    use = _use_streams(plan, q) if streams is None else (bool(streams) and q.is_cuda)
+    use = _use_streams(q) if streams is None else (bool(streams) and q.is_cuda)
     cuda = q.device if use else None
     out = q.new_empty(B, Sl, plan.Hq, D)
     # Buffers for the head-sharded chunks, allocated up front on the current stream.
@@ -284,7 +282,7 @@ def _forward(plan: _Plan, q, k, v, keep_graph: bool, streams: Optional[bool] = N
 
     def scatter(c, stream):
         ch = chunks[c]
-        _a2a.a2a_multi(_a2a.SCATTER, [q, k, v], [ch.q_map, ch.new_map, ch.new_map], [plan.Hq, plan.Hkv, plan.Hkv],
+        a2a_multi(SCATTER, [q, k, v], [ch.q_map, ch.new_map, ch.new_map], [plan.Hq, plan.Hkv, plan.Hkv],
                        group, outs=list(ins[c]), stream=stream, check=False, names=["q", "k", "v"])
 
     def attend(c):
@@ -306,31 +304,31 @@ def _forward(plan: _Plan, q, k, v, keep_graph: bool, streams: Optional[bool] = N
 
     def gather(c, oc, stream):
         ch = chunks[c]
-        _a2a.a2a_multi(_a2a.GATHER, [oc], [ch.q_map], [plan.Hq], group, outs=[out], stream=stream, check=False,
+        a2a_multi(GATHER, [oc], [ch.q_map], [plan.Hq], group, outs=[out], stream=stream, check=False,
                        names=["attention output"])
 
     _run_pipeline(len(chunks), scatter, attend, gather, cuda)
     del ins
-    if cuda is not None and _debug_check():
+    if cuda is not None and settings.check == "always":
         with torch.no_grad():
             ref, _ = _forward(plan, q, k, v, keep_graph=False, streams=False)
         if not torch.equal(out, ref):
             diff = (out.float() - ref.float()).abs()
             bad = (diff > 0).reshape(B, Sl, plan.Hq, D).any(3).any(1).any(0).nonzero().flatten().tolist()
             raise RuntimeError(
-                f"UlyssesAttention (ALLSCAN_ULYSSES_CHECK): the two-stream forward differs from the one-stream "
+                f"UlyssesAttention (ALLSCAN_CHECK=always): the two-stream forward differs from the one-stream "
                 f"forward with the same {len(chunks)} chunks (max abs diff {diff.max().item():.3g}, heads {bad}): "
                 f"a synchronisation bug in the pipeline")
     return out, graphs
 
 
-def _backward(plan: _Plan, graphs, dout, needs):
+def _backward(plan: _ChunkPlan, graphs, dout, needs):
     B, Sl, D, P = plan.B, plan.Sl, plan.D, plan.world
     S = Sl * P
     group = plan.group
     chunks = plan.chunks
     dout = dout.contiguous()
-    cuda = dout.device if _use_streams(plan, dout) else None
+    cuda = dout.device if _use_streams(dout) else None
     dq = dout.new_empty(B, Sl, plan.Hq, D)
     if plan.kv_accumulate:
         # k/v gradients travel and are summed in fp32 (fp64) and rounded once at the end
@@ -349,7 +347,7 @@ def _backward(plan: _Plan, graphs, dout, needs):
 
     def scatter(c, stream):
         ch = chunks[c]
-        _a2a.a2a_multi(_a2a.SCATTER, [dout], [ch.q_map], [plan.Hq], group, outs=[douts[c]], stream=stream,
+        a2a_multi(SCATTER, [dout], [ch.q_map], [plan.Hq], group, outs=[douts[c]], stream=stream,
                        check=False, names=["output gradient"])
 
     def attend(c):
@@ -373,12 +371,12 @@ def _backward(plan: _Plan, graphs, dout, needs):
         ch = chunks[c]
         acc = plan.kv_accumulate
         if not acc:
-            _a2a.a2a_multi(_a2a.GATHER, list(res), [ch.q_map, ch.kv_map, ch.kv_map], [plan.Hq, plan.Hkv, plan.Hkv],
+            a2a_multi(GATHER, list(res), [ch.q_map, ch.kv_map, ch.kv_map], [plan.Hq, plan.Hkv, plan.Hkv],
                            group, outs=[dq, dk, dv], stream=stream, check=False, names=["dq", "dk", "dv"])
         else:
-            _a2a.a2a_multi(_a2a.GATHER, [res[0]], [ch.q_map], [plan.Hq], group, outs=[dq], stream=stream, check=False,
+            a2a_multi(GATHER, [res[0]], [ch.q_map], [plan.Hq], group, outs=[dq], stream=stream, check=False,
                            names=["dq"])
-            _a2a.a2a_multi(_a2a.GATHER, list(res[1:]), [ch.done_map, ch.done_map], [plan.Hkv, plan.Hkv], group,
+            a2a_multi(GATHER, list(res[1:]), [ch.done_map, ch.done_map], [plan.Hkv, plan.Hkv], group,
                            outs=[dk, dv], accumulate=[True, True], stream=stream, check=False, names=["dk", "dv"])
 
     _run_pipeline(len(chunks), scatter, attend, gather, cuda)
@@ -392,7 +390,7 @@ def _backward(plan: _Plan, graphs, dout, needs):
 # ------------------------------------------------------------------------------------------------
 
 _AUTO_CACHE: Dict[tuple, Tuple[int, dict]] = {}
-_PLANS: Dict[tuple, "_Plan"] = {}
+_PLANS: Dict[tuple, "_ChunkPlan"] = {}
 
 
 def clear_auto_cache() -> None:
@@ -446,9 +444,9 @@ def _measure(plan_args, q, k, v, train: bool = False, min_gain_measured: float =
     on the maxima across ranks, choose C from the model, then time the layer at that C against C = 1
     (forward+backward when ``train``) and keep the faster."""
     group, world, me, B, Sl, Hq, Hkv, D, causal, scale, max_chunks = plan_args
-    n_min = min(hi - lo for lo, hi in _a2a.split_heads(0, Hq, world))
-    full = _Plan(group, world, me, B, Sl, Hq, Hkv, D, 1, None, causal, scale)
-    one = _Plan(group, world, me, B, Sl, Hq, Hkv, D, max(1, n_min), None, causal, scale) if n_min > 1 else full
+    n_min = min(hi - lo for lo, hi in split_heads(0, Hq, world))
+    full = _ChunkPlan(group, world, me, B, Sl, Hq, Hkv, D, 1, None, causal, scale)
+    one = _ChunkPlan(group, world, me, B, Sl, Hq, Hkv, D, max(1, n_min), None, causal, scale) if n_min > 1 else full
     S = Sl * world
 
     def att_time(pl):
@@ -464,9 +462,9 @@ def _measure(plan_args, q, k, v, train: bool = False, min_gain_measured: float =
         o = q.new_empty(B, Sl, Hq, D)
 
         def run():
-            _a2a.a2a_multi(_a2a.SCATTER, [q, k, v], [ch.q_map, ch.kv_map, ch.kv_map], [Hq, Hkv, Hkv], group,
+            a2a_multi(SCATTER, [q, k, v], [ch.q_map, ch.kv_map, ch.kv_map], [Hq, Hkv, Hkv], group,
                            outs=outs, check=False)
-            _a2a.a2a_multi(_a2a.GATHER, [outs[0]], [ch.q_map], [Hq], group, outs=[o], check=False)
+            a2a_multi(GATHER, [outs[0]], [ch.q_map], [Hq], group, outs=[o], check=False)
 
         return _time_cuda(run, 3)
 
@@ -527,7 +525,7 @@ def _time_candidates(plan_args, q, k, v, candidates, train: bool, reps: int = 5)
     candidates interleaved so that drift (clocks, other work) hits them alike; the maxima over ranks
     (collective: every rank runs the same candidates in the same order)."""
     group, world, me, B, Sl, Hq, Hkv, D, causal, scale, _ = plan_args
-    plans = {c: _Plan(group, world, me, B, Sl, Hq, Hkv, D, c, None, causal, scale) for c in candidates}
+    plans = {c: _ChunkPlan(group, world, me, B, Sl, Hq, Hkv, D, c, None, causal, scale) for c in candidates}
     if train:
         qg, kg, vg = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
         dout = torch.randn_like(q)
@@ -567,8 +565,7 @@ def _check_inputs(q, k, v, world):
             raise TypeError(f"UlyssesAttention: {name} must be a torch.Tensor, got {type(t).__name__}")
         if t.dim() != 4:
             raise ValueError(f"UlyssesAttention: {name} must be 4-D [B, S_local, H, D], got shape {tuple(t.shape)}")
-        if not t.is_floating_point() or t.dtype not in (torch.float32, torch.float16, torch.bfloat16, torch.float64):
-            raise TypeError(f"UlyssesAttention: {name} must be float32/float16/bfloat16/float64, got {t.dtype}")
+        dtype_code(t.dtype, f"UlyssesAttention: {name}")
     if k.dtype != q.dtype or v.dtype != q.dtype:
         raise TypeError(f"UlyssesAttention: q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     if k.device != q.device or v.device != q.device:
@@ -596,10 +593,9 @@ def ulysses_attention(q, k, v, group=None, *, causal: bool = False, scale: Optio
                       num_chunks: Union[int, str] = "auto", chunk_weights: Optional[Sequence[float]] = None,
                       max_chunks: Optional[int] = None, return_info: bool = False):
     """Functional form of :class:`UlyssesAttention` (see there)."""
-    group = _comm.normalize_group(group)
+    group = normalize_group(group)
     world = dist.get_world_size(group)
     me = dist.get_rank(group)
-    error = None
     try:
         B, Sl, Hq, Hkv, D = _check_inputs(q, k, v, world)
         if isinstance(num_chunks, str):
@@ -610,33 +606,21 @@ def ulysses_attention(q, k, v, group=None, *, causal: bool = False, scale: Optio
         if chunk_weights is not None and (num_chunks == "auto" or len(chunk_weights) != num_chunks
                                           or any(w <= 0 for w in chunk_weights)):
             raise ValueError("UlyssesAttention: chunk_weights needs an int num_chunks and one positive weight per chunk")
-    except (ValueError, TypeError) as e:
-        error = e
-    # One cross-rank check per call (CPU/gloo) or per signature (NCCL), also when this rank failed,
-    # so a mismatch raises everywhere instead of hanging in an all-to-all.
-    if error is None:
-        fields = [("arguments accepted", 1), ("batch B", B), ("local sequence length S_local", Sl),
-                  ("query heads", Hq), ("k/v heads", Hkv), ("head_dim D", D),
-                  ("dtype", _a2a._DTYPE_CODES[q.dtype]), ("causal", int(bool(causal))),
-                  ("scale (x1e9)", int(round((scale or 0.0) * 1e9))),
-                  ("num_chunks", 0 if num_chunks == "auto" else int(num_chunks)),
-                  ("needs grad", int(torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))))]
-        device = q.device
-    else:
-        fields = [("arguments accepted", 0)]
-        device = q.device if isinstance(q, torch.Tensor) else torch.device("cpu")
-    try:
-        _a2a.check_same_across_ranks(group, fields, device, what="UlyssesAttention")
-    except ValueError:
-        if error is not None:
-            raise error from None
+    except (ValueError, TypeError):
+        # The other ranks may be in the signature exchange: join it, so they raise too.
+        announce_invalid(group, q.device if isinstance(q, torch.Tensor) else torch.device("cpu"), _OP)
         raise
-    if error is not None:
-        raise error
+    # A mismatch raises on every rank instead of hanging in an all-to-all.
+    fields = [("batch B", B), ("local sequence length S_local", Sl), ("query heads", Hq), ("k/v heads", Hkv),
+              ("head_dim D", D), ("dtype", DTYPE_CODES[q.dtype]), ("causal", int(bool(causal))),
+              ("scale (x1e9)", int(round((scale or 0.0) * 1e9))),
+              ("num_chunks (0 auto)", 0 if num_chunks == "auto" else int(num_chunks)),
+              ("needs grad", int(torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))))]
+    check_across_ranks(group, q.device, _OP, fields)
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     info = None
     if num_chunks == "auto":
-        if q.is_cuda and world > 1 and _use_streams(None, q):
+        if q.is_cuda and world > 1 and _use_streams(q):
             train = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
             key = (group.group_name, B, Sl, Hq, Hkv, D, q.dtype, bool(causal), scale, max_chunks, train)
             hit = _AUTO_CACHE.get(key)
@@ -652,7 +636,7 @@ def ulysses_attention(q, k, v, group=None, *, causal: bool = False, scale: Optio
             tuple(chunk_weights) if chunk_weights is not None else None, bool(causal), scale)
     plan = _PLANS.get(pkey)
     if plan is None:
-        plan = _Plan(group, world, me, B, Sl, Hq, Hkv, D, int(num_chunks), chunk_weights, causal, scale)
+        plan = _ChunkPlan(group, world, me, B, Sl, Hq, Hkv, D, int(num_chunks), chunk_weights, causal, scale)
         if len(_PLANS) > 256:
             _PLANS.clear()
         _PLANS[pkey] = plan

@@ -15,10 +15,11 @@ from typing import Dict, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from .reference import combine
+from .. import _C
+from ..reference import combine
 
-MAX_BLOCKS = 64          # allscanMaxBlocks
-MIN_BLOCK_BYTES = 4096   # allscanMinBlockBytes
+MAX_BLOCKS = _C.MAX_BLOCKS            # the core's limits, so both paths partition alike
+MIN_BLOCK_BYTES = _C.MIN_BLOCK_BYTES
 
 _models: Dict[tuple, Tuple[float, float]] = {}  # (group name, id(group)) -> model
 _models_lock = threading.Lock()

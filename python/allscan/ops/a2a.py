@@ -13,24 +13,27 @@ heads, overlap.
 
 CUDA tensors on an NCCL group go through the C++ core (``allscan._C``: fused pack/unpack kernels
 around one NCCL group of send/recv pairs, q/k/v of a chunk in one call). Anything else (CPU tensors
-on gloo, or a missing ``_C``) goes through :mod:`torch.distributed` (``all_to_all_single``), which is
-also the correctness oracle of the C++ path: for disjoint head maps both give bitwise the same
-result, and with summation both add in fp32 (fp64 for fp64) in rank order.
+on gloo, or ``ALLSCAN_A2A_IMPL=torch``) goes through :mod:`allscan.ops._a2a_dist`
+(``all_to_all_single``), which is also the correctness oracle of the C++ path.
 
 Both ops are ``torch.library`` custom ops (``allscan::scatter_heads``, ``allscan::gather_heads``) with
 fake implementations and autograd; the group travels as its name.
 """
 from __future__ import annotations
 
-import os
 from typing import List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 
-from . import _comm
+from .. import _C, _comm
+from .._contract import DTYPE_CODES, announce_invalid, check_across_ranks, dtype_code, settings
+from . import _a2a_dist
+from ._a2a_dist import GATHER, SCATTER, HeadMap, Range, overlaps
 
 __all__ = [
+    "SCATTER",
+    "GATHER",
     "split_heads",
     "kv_head_ranges",
     "chunk_head_ranges",
@@ -38,15 +41,8 @@ __all__ = [
     "gather_heads",
     "scatter_heads_multi",
     "gather_heads_multi",
+    "a2a_multi",
 ]
-
-Range = Tuple[int, int]
-HeadMap = List[Range]
-
-SCATTER = 0
-GATHER = 1
-
-_DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.float64: 3}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -128,8 +124,7 @@ def _check_tensor(x: torch.Tensor, name: str) -> None:
         raise TypeError(f"allscan.a2a: {name} must be a torch.Tensor, got {type(x).__name__}")
     if x.dim() != 4:
         raise ValueError(f"allscan.a2a: {name} must be 4-D [B, S, H, D], got shape {tuple(x.shape)}")
-    if x.dtype not in _DTYPE_CODES:
-        raise TypeError(f"allscan.a2a: {name} must be float32/float16/bfloat16/float64, got {x.dtype}")
+    dtype_code(x.dtype, f"allscan.a2a: {name}")
 
 
 def _check_map(head_map: Sequence[Range], num_heads: int, world_size: int, name: str) -> HeadMap:
@@ -144,65 +139,8 @@ def _check_map(head_map: Sequence[Range], num_heads: int, world_size: int, name:
     return hm
 
 
-def _overlaps(hm: Sequence[Range]) -> bool:
-    v = sorted((lo, hi) for lo, hi in hm if hi > lo)
-    return any(v[i][0] < v[i - 1][1] for i in range(1, len(v)))
-
-
-def _check_mode() -> str:
-    return os.environ.get("ALLSCAN_A2A_CHECK", "auto").lower()
-
-
-_checked: set = set()
-
-
-def check_same_across_ranks(group, fields: Sequence[Tuple[str, int]], device: torch.device, *, what: str) -> None:
-    """All-gather ``fields`` (name, int) and raise on every rank if any rank differs (instead of
-    letting a collective with mismatched sizes hang). CPU/gloo: checked on every call; NCCL: once per
-    signature and group (``ALLSCAN_A2A_CHECK=always`` checks every call, ``never`` skips)."""
-    mode = _check_mode()
-    if mode == "never":
-        return
-    world = dist.get_world_size(group)
-    if world == 1:
-        return
-    values = [int(v) for _, v in fields]
-    key = (group.group_name, what, tuple(values))
-    on_gpu = device.type == "cuda" and "nccl" in _comm.backend_name(group)
-    if on_gpu and mode != "always" and key in _checked:
-        return
-    # A fixed-length vector so that all_gather itself cannot mismatch: [len, values..., pad].
-    width = 32
-    vec = [len(values)] + values[: width - 1]
-    vec += [0] * (width - len(vec))
-    t = torch.tensor(vec, dtype=torch.int64, device=device if on_gpu else "cpu")
-    outs = [torch.empty_like(t) for _ in range(world)]
-    dist.all_gather(outs, t, group=group)
-    rows = [o.tolist() for o in outs]
-    mine = dist.get_rank(group)
-    for r, row in enumerate(rows):
-        if row != rows[0]:
-            if fields and fields[0][0] == "arguments accepted":
-                bad = [q for q in range(world) if rows[q][1] == 0]
-                if bad:
-                    raise ValueError(
-                        f"allscan.a2a: {what}: rank(s) {bad} rejected their arguments (see the error there); "
-                        f"this is rank {mine}"
-                    )
-            for i, (name, _) in enumerate(fields):
-                if i + 1 < width and row[i + 1] != rows[0][i + 1]:
-                    per_rank = ", ".join(f"rank {q}: {rows[q][i + 1]}" for q in range(world))
-                    raise ValueError(
-                        f"allscan.a2a: {what}: ranks disagree on {name} ({per_rank}); every rank must call "
-                        f"with the same shapes, dtype and head maps (this is rank {mine})"
-                    )
-            raise ValueError(f"allscan.a2a: {what}: ranks {0} and {r} called with different arguments (this is rank {mine})")
-    if on_gpu:
-        _checked.add(key)
-
-
 def _signature(direction: int, xs: Sequence[torch.Tensor], maps: Sequence[HeadMap], num_heads: Sequence[int],
-               accumulate: Sequence[bool]) -> List[Tuple[str, int]]:
+               accumulate: Sequence[bool]) -> List[tuple]:
     x0 = xs[0]
     B, S, _, D = x0.shape
     if direction == GATHER:
@@ -210,7 +148,7 @@ def _signature(direction: int, xs: Sequence[torch.Tensor], maps: Sequence[HeadMa
     else:
         S_name = "local sequence length S_local"
     fields = [("direction", direction), ("number of tensors", len(xs)), ("batch B", B), (S_name, S), ("head_dim D", D),
-              ("dtype", _DTYPE_CODES[x0.dtype])]
+              ("dtype", DTYPE_CODES[x0.dtype])]
     for t, (hm, H, acc) in enumerate(zip(maps, num_heads, accumulate)):
         h = 0
         for lo, hi in hm:
@@ -259,105 +197,16 @@ def _validate(direction: int, xs: Sequence[torch.Tensor], maps, num_heads, world
 
 
 # ------------------------------------------------------------------------------------------------
-# The two implementations
+# Launch: the C++ core on NCCL, else torch.distributed (ops/_a2a_dist.py)
 # ------------------------------------------------------------------------------------------------
 
-def _torch_a2a(direction: int, xs: Sequence[torch.Tensor], maps: Sequence[HeadMap], num_heads: Sequence[int],
-               group, outs: Optional[Sequence[torch.Tensor]], accumulate: Sequence[bool]) -> List[torch.Tensor]:
-    """torch.distributed path (any backend): one all_to_all_single for all tensors of the call."""
-    P = dist.get_world_size(group)
-    me = dist.get_rank(group)
-    x0 = xs[0]
-    B, _, _, D = x0.shape
-    if direction == SCATTER:
-        Sl = x0.shape[1]
-        send = [[x[:, :, hm[p][0]:hm[p][1]].reshape(-1) for x, hm in zip(xs, maps)] for p in range(P)]
-        recv_sizes = [sum(B * Sl * (hm[me][1] - hm[me][0]) * D for hm in maps) for _ in range(P)]
-    else:
-        Sl = x0.shape[1] // P
-        send = [[y[:, p * Sl:(p + 1) * Sl].reshape(-1) for y in xs] for p in range(P)]
-        recv_sizes = [sum(B * Sl * (hm[p][1] - hm[p][0]) * D for hm in maps) for p in range(P)]
-    send_flat = [torch.cat(parts) if parts else x0.new_empty(0) for parts in send]
-    send_sizes = [s.numel() for s in send_flat]
-    inp = torch.cat(send_flat) if send_flat else x0.new_empty(0)
-    out_flat = x0.new_empty(sum(recv_sizes))
-    if P > 1:
-        dist.all_to_all_single(out_flat, inp, recv_sizes, send_sizes, group=group)
-    else:
-        out_flat.copy_(inp)
-    pieces = list(out_flat.split(recv_sizes))
-    results = []
-    if direction == SCATTER:
-        for t, (x, hm) in enumerate(zip(xs, maps)):
-            n = hm[me][1] - hm[me][0]
-            out = outs[t] if outs is not None else x.new_empty(B, P * Sl, n, D)
-            results.append(out)
-        offs = [0] * P
-        for t, hm in enumerate(maps):
-            n = hm[me][1] - hm[me][0]
-            size = B * Sl * n * D
-            for p in range(P):
-                piece = pieces[p][offs[p]:offs[p] + size].view(B, Sl, n, D)
-                offs[p] += size
-                results[t][:, p * Sl:(p + 1) * Sl].copy_(piece)
-        return results
-    offs = [0] * P
-    for t, (hm, H) in enumerate(zip(maps, num_heads)):
-        out = outs[t] if outs is not None else x0.new_zeros(B, Sl, H, D)
-        got = []
-        for p in range(P):
-            n = hm[p][1] - hm[p][0]
-            size = B * Sl * n * D
-            got.append(pieces[p][offs[p]:offs[p] + size].view(B, Sl, n, D))
-            offs[p] += size
-        if accumulate[t] or _overlaps(hm):
-            acc_dtype = torch.float64 if out.dtype == torch.float64 else torch.float32
-            lo_all = min((lo for lo, hi in hm if hi > lo), default=0)
-            hi_all = max((hi for lo, hi in hm if hi > lo), default=0)
-            if hi_all > lo_all:
-                acc = torch.zeros(B, Sl, hi_all - lo_all, D, dtype=acc_dtype, device=out.device)
-                covered = torch.zeros(hi_all - lo_all, dtype=torch.bool)
-                if accumulate[t]:
-                    acc += out[:, :, lo_all:hi_all].to(acc_dtype)
-                    covered[:] = True
-                for p in range(P):
-                    lo, hi = hm[p]
-                    if hi > lo:
-                        acc[:, :, lo - lo_all:hi - lo_all] += got[p].to(acc_dtype)
-                        covered[lo - lo_all:hi - lo_all] = True
-                idx = covered.nonzero().flatten()
-                if idx.numel() == hi_all - lo_all:
-                    out[:, :, lo_all:hi_all] = acc.to(out.dtype)
-                else:
-                    idx_dev = idx.to(out.device)
-                    out.index_copy_(2, idx_dev + lo_all, acc.index_select(2, idx_dev).to(out.dtype))
-        else:
-            for p in range(P):
-                lo, hi = hm[p]
-                if hi > lo:
-                    out[:, :, lo:hi].copy_(got[p])
-        results.append(out)
-    return results
-
-
-def _c_module():
-    try:
-        from . import _C  # noqa: N811
-    except ImportError:
-        return None
-    return _C if hasattr(_C, "a2a") else None
-
-
 def _use_cpp(group, x: torch.Tensor) -> bool:
-    if os.environ.get("ALLSCAN_A2A_IMPL", "").lower() == "torch":
-        return False
-    return _comm.uses_nccl(group, x) and _c_module() is not None
+    return settings.a2a_impl != "torch" and _comm.uses_nccl(group, x)
 
 
 def _cpp_a2a(direction: int, xs: Sequence[torch.Tensor], maps: Sequence[HeadMap], num_heads: Sequence[int],
              group, outs: Optional[Sequence[torch.Tensor]], accumulate: Sequence[bool],
              stream: Optional["torch.cuda.Stream"] = None, event=None) -> List[torch.Tensor]:
-    C = _c_module()
     x0 = xs[0]
     device = x0.device
     comm = _comm.get_communicator(group, device)
@@ -370,15 +219,15 @@ def _cpp_a2a(direction: int, xs: Sequence[torch.Tensor], maps: Sequence[HeadMap]
             if direction == SCATTER:
                 outs.append(x.new_empty(B, P * Sl, hm[me][1] - hm[me][0], D))
             else:
-                covered = sum(hi - lo for lo, hi in hm) >= H and not _overlaps(hm)
+                covered = sum(hi - lo for lo, hi in hm) >= H and not overlaps(hm)
                 outs.append(x.new_empty(B, Sl, H, D) if covered else x.new_zeros(B, Sl, H, D))
-    code = _DTYPE_CODES[x0.dtype]
+    code = DTYPE_CODES[x0.dtype]
     specs = [
         (x.data_ptr(), o.data_ptr(), int(H), [lo for lo, _ in hm], [hi for _, hi in hm], int(bool(acc)))
         for x, o, hm, H, acc in zip(xs, outs, maps, num_heads, accumulate)
     ]
     stream = stream if stream is not None else torch.cuda.current_stream(device)
-    ws_bytes = C.a2a_workspace_size(P, me, direction, B, Sl, D, code, specs)
+    ws_bytes = _C.a2a_workspace_size(P, me, direction, B, Sl, D, code, specs)
     ws_ptr = 0
     ws = None
     if ws_bytes:
@@ -391,7 +240,7 @@ def _cpp_a2a(direction: int, xs: Sequence[torch.Tensor], maps: Sequence[HeadMap]
     # handle: torch.cuda.Event creates its cudaEvent lazily on first record(), so a fresh event's
     # `cuda_event` is 0, the C++ side then recorded nothing, and a stream.wait_event() on it was a
     # silent no-op (the Ulysses pipeline read its scatter buffers before the all-to-all wrote them).
-    C.a2a(comm.nccl, P, direction, B, Sl, D, code, specs, ws_ptr, ws_bytes, stream.cuda_stream, 0)
+    _C.a2a(comm.nccl, P, direction, B, Sl, D, code, specs, ws_ptr, ws_bytes, stream.cuda_stream, 0)
     if event is not None:
         event.record(stream)
     return list(outs)
@@ -411,7 +260,7 @@ def a2a_multi(direction: int, xs: Sequence[torch.Tensor], maps: Sequence[Sequenc
     accumulate = list(accumulate) if accumulate is not None else [False] * len(xs)
     P = dist.get_world_size(group)
     me = dist.get_rank(group)
-    error: Optional[Exception] = None
+    op = "a2a.scatter_heads" if direction == SCATTER else "a2a.gather_heads"
     try:
         xs = [x.contiguous() if isinstance(x, torch.Tensor) else x for x in xs]
         _, _, _, maps = _validate(direction, xs, list(maps), list(num_heads), P, me, names)
@@ -427,34 +276,23 @@ def a2a_multi(direction: int, xs: Sequence[torch.Tensor], maps: Sequence[Sequenc
                         f"allscan.a2a: output for {n} must be a contiguous {x.dtype} tensor of shape {want} on {x.device}, "
                         f"got {o.dtype} {tuple(o.shape)} on {o.device}"
                     )
-    except (ValueError, TypeError) as e:
-        error = e
+    except (ValueError, TypeError):
+        if check:
+            # The other ranks may be in the signature exchange: join it, so they raise too.
+            device = xs[0].device if xs and isinstance(xs[0], torch.Tensor) else torch.device("cpu")
+            announce_invalid(group, device, op)
+        raise
     if check:
-        # Every rank takes part in the check, also one whose own arguments were rejected, so that the
-        # others raise too instead of waiting in the all-to-all.
-        if error is None:
-            fields = [("arguments accepted", 1)] + _signature(direction, xs, maps, num_heads, accumulate)
-        else:
-            fields = [("arguments accepted", 0)]
-        device = xs[0].device if isinstance(xs[0], torch.Tensor) else torch.device("cpu")
-        try:
-            check_same_across_ranks(group, fields, device,
-                                    what="scatter-heads" if direction == SCATTER else "gather-heads")
-        except ValueError as e:
-            if error is not None:
-                raise error from None
-            raise e from None
-    if error is not None:
-        raise error
+        check_across_ranks(group, xs[0].device, op, _signature(direction, xs, maps, num_heads, accumulate))
     if _use_cpp(group, xs[0]):
         return _cpp_a2a(direction, xs, maps, num_heads, group, outs, accumulate, stream, event)
     if stream is not None and xs[0].is_cuda:
         with torch.cuda.stream(stream):
-            res = _torch_a2a(direction, xs, maps, num_heads, group, outs, accumulate)
+            res = _a2a_dist.all_to_all(direction, xs, maps, num_heads, group, outs, accumulate)
             if event is not None:
                 event.record(stream)
         return res
-    return _torch_a2a(direction, xs, maps, num_heads, group, outs, accumulate)
+    return _a2a_dist.all_to_all(direction, xs, maps, num_heads, group, outs, accumulate)
 
 
 def scatter_heads_multi(xs, maps, group=None, **kw) -> List[torch.Tensor]:

@@ -1,0 +1,441 @@
+"""``allscan.scan``: validate -> plan -> launch, the custom op ``allscan::scan`` with autograd and a
+fake implementation, and the async handle.
+
+CUDA tensors on an NCCL group launch through the C++ core; everything else runs the
+torch.distributed implementation (:mod:`allscan.ops._scan_dist`). Benchmarks time the layers of one
+call through three documented hooks: :func:`plan_for` (the cached plan of a signature),
+:func:`launch` (the core alone, through a plan) and :func:`run` (plan lookup and launch).
+"""
+from __future__ import annotations
+
+import weakref
+from typing import Dict, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from .. import _C, _comm
+from .._contract import (DTYPE_CODES, announce_invalid, check_across_ranks, clear_checked_signatures, dtype_code,
+                         settings)
+from ..reference import acc_dtype, expand_decay
+from . import _scan_dist
+
+__all__ = ["scan", "ScanHandle", "set_check_every_call", "destroy_communicators", "ScanLaunchPlan", "plan_for",
+           "launch", "run", "METHODS"]
+
+METHODS = ("pipelined", "serial", "allgather")
+_OP = "scan"
+_MAX_DIMS = 8  # dimensions of the state compared one by one; further ones by a hash
+
+
+def set_check_every_call(enabled: bool) -> None:
+    """Exchange the argument signature across ranks on every call (``ALLSCAN_CHECK=always``), or
+    only the first time a signature is seen (``first``). Costs one small all-gather and a host
+    synchronisation per call; catches a rank that changes its arguments after the first check."""
+    settings.check = "always" if enabled else "first"
+
+
+# ------------------------------------------------------------------------------------------------
+# Validate: local argument checks, and the signature compared across ranks
+# ------------------------------------------------------------------------------------------------
+def _validate(tensor, gamma, init, method, num_blocks) -> None:
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"allscan.scan: tensor must be a torch.Tensor, got {type(tensor).__name__}")
+    dtype_code(tensor.dtype, "allscan.scan: tensor")
+    if gamma is not None:
+        if not isinstance(gamma, torch.Tensor):
+            raise TypeError(f"allscan.scan: gamma must be a torch.Tensor or None, got {type(gamma).__name__}")
+        if gamma.dtype not in (torch.float32, tensor.dtype):
+            raise TypeError(
+                f"allscan.scan: gamma must be float32 or the tensor's dtype ({tensor.dtype}), got {gamma.dtype}"
+            )
+        if gamma.dim() > tensor.dim() or tuple(gamma.shape) != tuple(tensor.shape[: gamma.dim()]):
+            raise ValueError(
+                f"allscan.scan: gamma's shape {list(gamma.shape)} must be a prefix of the tensor's shape "
+                f"{list(tensor.shape)} (it is broadcast over the trailing dimensions it lacks)"
+            )
+        if gamma.device != tensor.device:
+            raise ValueError(f"allscan.scan: gamma is on {gamma.device}, the tensor on {tensor.device}")
+    if init is not None:
+        if not isinstance(init, torch.Tensor):
+            raise TypeError(f"allscan.scan: init must be a torch.Tensor or None, got {type(init).__name__}")
+        if tuple(init.shape) != tuple(tensor.shape) or init.dtype != tensor.dtype:
+            raise ValueError(
+                f"allscan.scan: init must have the tensor's shape and dtype ({tensor.dtype}{list(tensor.shape)}), "
+                f"got {init.dtype}{list(init.shape)}"
+            )
+        if init.device != tensor.device:
+            raise ValueError(f"allscan.scan: init is on {init.device}, the tensor on {tensor.device}")
+    if method not in METHODS:
+        raise ValueError(f"allscan.scan: method must be one of {METHODS}, got {method!r}")
+    if num_blocks is not None and (
+        isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 1
+    ):
+        raise ValueError(f"allscan.scan: num_blocks must be None (auto) or a positive int, got {num_blocks!r}")
+
+
+def _signature(x, g, init, reverse, inclusive, num_blocks, method) -> List[Tuple[str, int]]:
+    shape = tuple(x.shape)
+    fields = [("tensor dtype", DTYPE_CODES[x.dtype]), ("tensor ndim", x.dim()), ("tensor numel", x.numel())]
+    fields += [(f"tensor shape[{i}]", shape[i] if i < len(shape) else -1) for i in range(_MAX_DIMS)]
+    fields += [
+        (f"tensor shape[{_MAX_DIMS}:] (hash)", hash(shape[_MAX_DIMS:]) & ((1 << 61) - 1) if len(shape) > _MAX_DIMS else 0),
+        ("gamma dtype", -1 if g is None else DTYPE_CODES[g.dtype]),
+        ("gamma ndim", -1 if g is None else g.dim()),
+        ("gamma numel", -1 if g is None else g.numel()),
+        ("init given", int(init is not None)),
+        ("reverse", int(reverse)),
+        ("inclusive", int(inclusive)),
+        ("method (0 pipelined, 1 serial, 2 allgather)", METHODS.index(method)),
+        ("num_blocks (0 auto)", num_blocks),
+    ]
+    return fields
+
+
+def _announce_device(group) -> torch.device:
+    """The device a rank that failed locally exchanges on: the one its peers use."""
+    if "nccl" in _comm.backend_name(group) and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+# ------------------------------------------------------------------------------------------------
+# Plan: what one argument signature needs, prepared once so that later calls only launch
+# ------------------------------------------------------------------------------------------------
+class ScanLaunchPlan:
+    """The NCCL launch of one signature: communicator, dtype codes, method index, workspace size
+    (``comm`` is None on the torch.distributed path). Belongs to one group object."""
+
+    __slots__ = ("group_ref", "comm", "dt", "gdt", "midx", "ws_bytes")
+
+    def __init__(self, group, comm, dt, gdt, midx, ws_bytes):
+        self.group_ref = weakref.ref(group)
+        self.comm = comm
+        self.dt = dt
+        self.gdt = gdt
+        self.midx = midx
+        self.ws_bytes = ws_bytes
+
+
+_plans: Dict[tuple, ScanLaunchPlan] = {}
+
+
+def _prepare(x, g, init, group, reverse, inclusive, num_blocks, method) -> ScanLaunchPlan:
+    nccl = _comm.uses_nccl(group, x)
+    if nccl:
+        try:
+            _comm.check_device(group, x.device)  # before any collective
+            _comm.check_env()
+        except ValueError:
+            announce_invalid(group, torch.device("cuda", torch.cuda.current_device()), _OP)
+            raise
+    check_across_ranks(group, x.device, _OP, _signature(x, g, init, reverse, inclusive, num_blocks, method))
+    if not nccl:
+        return ScanLaunchPlan(group, None, 0, 0, 0, 0)
+    comm = _comm.get_communicator(group, x.device)
+    dt = DTYPE_CODES[x.dtype]
+    gdt = dt if g is None else DTYPE_CODES[g.dtype]
+    midx = METHODS.index(method)
+    ws = _C.workspace_size(comm.handle, x.numel(), dt, 0 if g is None else 1, 0 if g is None else g.numel(), gdt,
+                           0 if init is None else 1, reverse, inclusive, num_blocks, midx)
+    return ScanLaunchPlan(group, comm, dt, gdt, midx, ws)
+
+
+def plan_for(x, g, init, group, reverse, inclusive, num_blocks, method) -> ScanLaunchPlan:
+    """The plan of this signature: cached, prepared on first use (which checks the signature across
+    ranks, so collective then), re-prepared when the check runs every call, off NCCL (where
+    ``first`` checks every call) or when the group was re-created."""
+    key = (group.group_name, id(group), x.device, x.shape, x.dtype, None if g is None else (g.shape, g.dtype),
+           init is None, reverse, inclusive, num_blocks, method)
+    plan = _plans.get(key)
+    if plan is None or plan.comm is None or settings.check == "always" or plan.group_ref() is not group:
+        plan = _prepare(x, g, init, group, reverse, inclusive, num_blocks, method)
+        _plans[key] = plan
+    return plan
+
+
+def run(x, g, init, group_name, reverse, inclusive, num_blocks, method, group=None, stream=None) -> torch.Tensor:
+    """The scan of contiguous tensors on the caller's current stream, or on ``stream`` (a
+    torch.cuda.Stream of x's device, NCCL path only: the async fast path)."""
+    if group is None:
+        group = _comm.resolve_group(group_name)
+    plan = plan_for(x, g, init, group, reverse, inclusive, num_blocks, method)
+    if x.numel() == 0:
+        return torch.empty_like(x)
+    if plan.comm is None:
+        return _scan_dist.scan(x, g, init, group, reverse, inclusive, num_blocks, method)
+    if x.device.index != torch.cuda.current_device():
+        with torch.cuda.device(x.device):  # the core launches on the current device
+            return launch(plan, x, g, init, reverse, inclusive, num_blocks, stream)
+    return launch(plan, x, g, init, reverse, inclusive, num_blocks, stream)
+
+
+# The current stream's handle without building a torch.cuda.Stream object (a few microseconds per
+# call); the public route where this private helper is missing.
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
+def _stream_ptr(device: torch.device) -> int:
+    if _raw_stream is not None:
+        return _raw_stream(device.index)
+    return torch.cuda.current_stream(device).cuda_stream
+
+
+def launch(plan: ScanLaunchPlan, x, g, init, reverse, inclusive, num_blocks, stream=None) -> torch.Tensor:
+    """The core's scan through an NCCL plan (no check, no lookup): the output and workspace are
+    allocated here, the kernels enqueued on the current stream or ``stream``."""
+    y = torch.empty_like(x)
+    # The workspace depends on the rank's place in the chain; often none (an exclusive scan's tail,
+    # the head without init).
+    ws = torch.empty(plan.ws_bytes, dtype=torch.uint8, device=x.device) if plan.ws_bytes else None
+    _C.scan(
+        plan.comm.handle, x.data_ptr(), y.data_ptr(), x.numel(), plan.dt, 0 if g is None else g.data_ptr(),
+        0 if g is None else g.numel(), plan.gdt, 0 if init is None else init.data_ptr(), reverse, inclusive,
+        num_blocks, plan.midx, 0 if ws is None else ws.data_ptr(), plan.ws_bytes,
+        _stream_ptr(x.device) if stream is None else stream.cuda_stream,
+    )
+    if ws is not None and stream is not None:
+        ws.record_stream(stream)  # allocated on the current stream, used on `stream`: freed after it
+    return y
+
+
+def destroy_communicators() -> None:
+    """Destroy the NCCL communicators allscan owns, forget the borrowed ones (never destroyed) and
+    every prepared plan and checked signature; the next call prepares them again."""
+    _plans.clear()
+    clear_checked_signatures()
+    _comm.destroy_communicators()
+
+
+# ------------------------------------------------------------------------------------------------
+# The custom op and its autograd
+# ------------------------------------------------------------------------------------------------
+@torch.library.custom_op("allscan::scan", mutates_args=())
+def scan_op(
+    x: torch.Tensor,
+    g: Optional[torch.Tensor],
+    init: Optional[torch.Tensor],
+    group_name: str,
+    reverse: bool,
+    inclusive: bool,
+    num_blocks: int,
+    method: str,
+) -> torch.Tensor:
+    """The All-Scan of contiguous tensors (``num_blocks`` 0 = auto). Use :func:`allscan.scan`."""
+    return run(x, g, init, group_name, reverse, inclusive, num_blocks, method)
+
+
+@scan_op.register_fake
+def _scan_fake(x, g, init, group_name, reverse, inclusive, num_blocks, method):
+    return x.new_empty(x.shape)
+
+
+def _setup_context(ctx, inputs, output):
+    x, g, init, group_name, reverse, inclusive, num_blocks, method = inputs
+    ctx.group_name = group_name
+    ctx.reverse = reverse
+    ctx.inclusive = inclusive
+    ctx.num_blocks = num_blocks
+    ctx.method = method
+    ctx.has_init = init is not None
+    ctx.g_shape = None if g is None else tuple(g.shape)
+    ctx.g_dtype = None if g is None else g.dtype
+    need_y = g is not None and ctx.needs_input_grad[1]
+    ctx.save_for_backward(g, output if need_y else None)
+
+
+def _backward(ctx, dy):
+    if ctx.inclusive:
+        raise RuntimeError(
+            "allscan::scan with inclusive=True has no registered gradient; allscan.scan() computes the "
+            "inclusive result as the exclusive scan plus one combine, which is differentiable"
+        )
+    g, y = ctx.saved_tensors
+    dy = dy.contiguous()
+    # The gradient of the forward scan with respect to x is the reverse exclusive scan of the
+    # incoming gradient with the same decays: r_{p-1} = g_p * r_p + dy_p, r at the chain's end = 0.
+    dx = scan_op(dy, g, None, ctx.group_name, not ctx.reverse, False, ctx.num_blocks, ctx.method)
+    dg = dinit = None
+    if ctx.needs_input_grad[1] and g is not None:
+        acc = acc_dtype(dy.dtype)
+        prod = y.to(acc) * dx.to(acc)
+        dg = prod.reshape(tuple(ctx.g_shape) + (-1,)).sum(-1).to(ctx.g_dtype)
+    if ctx.has_init and ctx.needs_input_grad[2]:
+        group = _comm.resolve_group(ctx.group_name)
+        P = dist.get_world_size(group)
+        head = P - 1 if ctx.reverse else 0
+        if dist.get_rank(group) == head:
+            # d/d init of y_head = init (its own output) and of y_next = g_head*init + x_head.
+            acc = acc_dtype(dy.dtype)
+            gb = 1.0 if g is None else expand_decay(g, dy.dim()).to(acc)
+            dinit = (gb * dx.to(acc) + dy.to(acc)).to(dy.dtype)
+        else:
+            dinit = torch.zeros_like(dy)
+    return dx, dg, dinit, None, None, None, None, None
+
+
+scan_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+# ------------------------------------------------------------------------------------------------
+# The public function and the async handle
+# ------------------------------------------------------------------------------------------------
+class ScanHandle:
+    """What ``scan(..., async_op=True)`` returns. ``wait()`` returns the result; on CUDA it makes the
+    current stream wait for the side stream the scan ran on (the host does not block)."""
+
+    def __init__(self, result: torch.Tensor, event: Optional["torch.cuda.Event"] = None, raw=None,
+                 caller_stream: int = 0):
+        self._result = result
+        self._event = event
+        # Fast path: (device, pooled cudaEvent_t), held until the handle goes, and the stream the
+        # result was allocated on.
+        self._raw = raw
+        self._caller = caller_stream
+
+    def is_completed(self) -> bool:
+        if self._raw is not None:
+            return _C.event_query(self._raw[1])
+        return self._event is None or self._event.query()
+
+    def wait(self) -> torch.Tensor:
+        if self._raw is not None:
+            dev = self._result.device
+            cur = _stream_ptr(dev)
+            _C.event_wait(cur, self._raw[1])
+            if cur != self._caller:
+                # The result was allocated on the calling stream; it is now used on this one too.
+                self._result.record_stream(torch.cuda.current_stream(dev))
+            return self._result
+        if self._event is not None:
+            cur = torch.cuda.current_stream(self._result.device)
+            cur.wait_event(self._event)
+            # The result was allocated on the side stream; it is now used on this one too.
+            self._result.record_stream(cur)
+        return self._result
+
+    def __del__(self):
+        raw = getattr(self, "_raw", None)
+        if raw is not None:  # the event goes back to the pool (a wait already enqueued keeps its record)
+            try:
+                _C.event_release(*raw)
+            except Exception:  # noqa: BLE001 - interpreter shutdown
+                pass
+
+
+_side_streams: Dict[int, "torch.cuda.Stream"] = {}
+
+
+def _side_stream(device: torch.device) -> "torch.cuda.Stream":
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    s = _side_streams.get(idx)
+    if s is None:
+        # The highest priority (torch maps a large negative number to it): when the caller's own
+        # kernels fill the GPU, the block scheduler still starts the scan's kernels first, so the
+        # communication runs beside the computation instead of after it.
+        s = torch.cuda.Stream(device=idx, priority=-100)
+        _side_streams[idx] = s
+    return s
+
+
+def _needs_grad(*ts) -> bool:
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in ts)
+
+
+def _scan_impl(x, g, init, name, reverse, inclusive, num_blocks, method, group=None):
+    needs_grad = _needs_grad(x, g, init)
+    if inclusive and needs_grad:
+        # Differentiable composite: the exclusive scan, then the rank's own combine.
+        y = scan_op(x, g, init, name, reverse, False, num_blocks, method)
+        acc = acc_dtype(x.dtype)
+        if g is None:
+            return (y.to(acc) + x.to(acc)).to(x.dtype)
+        return (expand_decay(g, x.dim()).to(acc) * y.to(acc) + x.to(acc)).to(x.dtype)
+    if not needs_grad and not torch.compiler.is_compiling():
+        # Eager and nothing to differentiate: the op's own implementation, without the dispatcher
+        # round trip (tens of microseconds). Autograd and torch.compile go through the op.
+        return run(x, g, init, name, reverse, inclusive, num_blocks, method, group)
+    return scan_op(x, g, init, name, reverse, inclusive, num_blocks, method)
+
+
+def scan(
+    tensor: torch.Tensor,
+    gamma: Optional[torch.Tensor] = None,
+    group=None,
+    *,
+    transition: Optional[torch.Tensor] = None,
+    reverse: bool = False,
+    inclusive: bool = False,
+    init: Optional[torch.Tensor] = None,
+    num_blocks: Optional[int] = None,
+    method: str = "pipelined",
+    async_op: bool = False,
+):
+    """All-Scan over the ranks of ``group`` (default: the default group), in group-rank order.
+
+    Rank p holds ``tensor`` = x_p and ``gamma`` = g_p (a prefix shape of x_p, broadcast over the
+    trailing dimensions it lacks; ``None`` = 1)::
+
+        forward:  y_0 = init (zeros if None)       y_{p+1} = g_p * y_p + x_p
+        reverse:  y_{P-1} = init (zeros if None)   y_{p-1} = g_p * y_p + x_p
+
+    Returns y_p (the state entering rank p), or g_p * y_p + x_p with ``inclusive=True``. Arithmetic
+    is fp32 (fp64 for fp64 tensors), rounded to the tensor's dtype at each rank boundary; every method
+    gives bitwise the same answer. ``method``: "pipelined" (ZeCO All-Scan, ``num_blocks`` blocks,
+    chosen from the link model when None), "serial" (LASP-1 pattern) or "allgather" (LASP-2
+    pattern). Differentiable in ``tensor``, ``gamma`` and ``init`` (through the reverse All-Scan).
+    Every rank must pass the same shapes, dtypes and options; a mismatch raises ``ValueError`` on
+    every rank (see ``ALLSCAN_CHECK`` and :func:`set_check_every_call`).
+
+    With ``async_op=True`` returns a :class:`ScanHandle`; ``handle.wait()`` gives the result.
+
+    With ``transition`` (``[..., K, K]``, instead of ``gamma``) the combine is ``M_p @ y_p + x_p`` on
+    states ``[..., K, V]``: :func:`allscan.ops.matrix_scan.matrix_scan`.
+    """
+    if transition is not None:
+        if gamma is not None:
+            raise ValueError("allscan.scan: gamma and transition are mutually exclusive (pass one of them)")
+        from .matrix_scan import matrix_scan
+        return matrix_scan(tensor, transition, group, reverse=reverse, inclusive=inclusive, init=init,
+                           num_blocks=num_blocks, method=method, async_op=async_op)
+    group = _comm.normalize_group(group)
+    try:
+        _validate(tensor, gamma, init, method, num_blocks)
+    except (TypeError, ValueError):
+        if isinstance(tensor, torch.Tensor):
+            announce_invalid(group, _announce_device(group), _OP)
+        raise
+    name = group.group_name
+    x = tensor.contiguous()
+    g = None if gamma is None else gamma.contiguous()
+    i0 = None if init is None else init.contiguous()
+    k = 0 if num_blocks is None else int(num_blocks)
+    if not async_op:
+        return _scan_impl(x, g, i0, name, reverse, inclusive, k, method, group)
+    if not (x.is_cuda and _comm.uses_nccl(group, x)):
+        # The torch.distributed path computes on the host thread; the handle is complete at once.
+        return ScanHandle(_scan_impl(x, g, i0, name, reverse, inclusive, k, method, group))
+    if (_raw_stream is not None and not torch.compiler.is_compiling() and x.device.index == torch.cuda.current_device()
+            and not _needs_grad(x, g, i0)):
+        # Nothing to differentiate, eager: the scan goes to the side stream by handle, without
+        # switching torch's current stream (tens of microseconds of Python per call otherwise).
+        side = _side_stream(x.device)
+        caller = _raw_stream(x.device.index)
+        _C.stream_wait(side.cuda_stream, caller)
+        out = run(x, g, i0, name, reverse, inclusive, k, method, group, stream=side)
+        raw = _C.event_record(side.cuda_stream)
+        for t in (x, g, i0, out):
+            if t is not None:
+                t.record_stream(side)  # freed only after the side stream is done with them
+        return ScanHandle(out, raw=raw, caller_stream=caller)
+    cur = torch.cuda.current_stream(x.device)
+    side = _side_stream(x.device)
+    side.wait_stream(cur)
+    with torch.cuda.stream(side):
+        out = _scan_impl(x, g, i0, name, reverse, inclusive, k, method, group)
+        ev = torch.cuda.Event()
+        ev.record(side)
+    for t in (x, g, i0):
+        if t is not None:
+            t.record_stream(side)  # inputs stay valid until the side stream is done with them
+    return ScanHandle(out, ev)
