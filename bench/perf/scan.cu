@@ -1,0 +1,503 @@
+// allscan_perf -o scan (the default): the All-Scan rows.
+//   p2p-chain       the floor: allscanNeighborExchange(chain=1), exactly the transfers one scan makes
+//   p2p-ring        the same with the ring closed (every rank sends and receives)
+//   nccl-allgather  ncclAllGather of the states (the LASP-2 communication)
+//   nccl-allreduce  ncclAllReduce of one state
+//   scan-pipelined  allscanScan, automatic block count and every fixed -K
+//   scan-serial     allscanScan, LASP-1 pattern
+//   scan-allgather  allscanScan, LASP-2 pattern
+#include <getopt.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <numeric>
+
+#include "harness.h"
+
+namespace perf {
+namespace {
+
+enum Ref { REF_CHAIN = 0, REF_RING = 1, REF_ALLGATHER = 2, REF_ALLREDUCE = 3, REF_COUNT = 4 };
+const char* kRefNames[REF_COUNT] = {"chain", "ring", "allgather", "allreduce"};
+
+enum Decay { DECAY_NONE = 0, DECAY_HEAD = 1, DECAY_KEY = 2, DECAY_FULL = 3 };
+const char* kDecayNames[4] = {"none", "head", "key", "full"};
+
+enum LinkMode { LINK_CALIBRATE = 0, LINK_NONE = 1, LINK_SET = 2 };
+
+struct ScanOptions {
+  std::vector<int> fixedK;  // fixed block counts (the automatic one is always timed)
+  std::vector<allscanMethod_t> methods = {allscanPipelined, allscanSerial, allscanAllGather};
+  bool refs[REF_COUNT] = {true, true, true, true};
+  int reverse = 0;
+  Decay decay = DECAY_KEY;
+  int dv = 128;  // trailing dims of the [H, Dk, Dv] view are gcd(count, dv), gcd(count/Dv, dv)
+  LinkMode link = LINK_CALIBRATE;
+  double linkLatencyUs = 0, linkUsPerByte = 0;
+} opts;
+
+const char* methodName(allscanMethod_t m) {
+  switch (m) {
+    case allscanPipelined: return "pipelined";
+    case allscanSerial: return "serial";
+    case allscanAllGather: return "allgather";
+  }
+  return "?";
+}
+
+void parse(int letter, const char* arg) {
+  switch (letter) {
+    case 'V': opts.dv = static_cast<int>(parseInt("-V (vdim)", arg, 1, 1 << 20, "a dimension >= 1")); break;
+    case 'r':
+      opts.reverse = arg ? static_cast<int>(parseInt("-r (reverse)", arg, 0, 1, "0 or 1 (write -r, -r0 or -r1)")) : 1;
+      break;
+    case 'D': {
+      std::string s(arg);
+      bool ok = false;
+      for (int k = 0; k < 4; ++k)
+        if (s == kDecayNames[k]) opts.decay = static_cast<Decay>(k), ok = true;
+      if (!ok) argError("-D (decay): expected none, head, key or full, got '" + s + "'");
+      break;
+    }
+    case 'K': {
+      opts.fixedK.clear();
+      for (const auto& t : splitList(arg)) {
+        if (t == "auto") continue;
+        opts.fixedK.push_back(static_cast<int>(parseInt(
+            "-K (blocks)", t.c_str(), 1, allscanMaxBlocks,
+            ("'auto' or a block count 1.." + std::to_string(allscanMaxBlocks) + " (comma-separated list allowed)").c_str())));
+      }
+      break;
+    }
+    case 'm': {
+      opts.methods.clear();
+      for (const auto& t : splitList(arg)) {
+        if (t == "pipelined") opts.methods.push_back(allscanPipelined);
+        else if (t == "serial") opts.methods.push_back(allscanSerial);
+        else if (t == "allgather") opts.methods.push_back(allscanAllGather);
+        else if (t == "all") opts.methods = {allscanPipelined, allscanSerial, allscanAllGather};
+        else argError("-m (methods): expected a comma-separated list of pipelined, serial, allgather (or all), got '" + t + "'");
+      }
+      std::vector<allscanMethod_t> uniq;
+      for (auto m : opts.methods)
+        if (std::find(uniq.begin(), uniq.end(), m) == uniq.end()) uniq.push_back(m);
+      opts.methods = uniq;
+      break;
+    }
+    case 'x': {
+      for (bool& b : opts.refs) b = false;
+      for (const auto& t : splitList(arg)) {
+        bool ok = false;
+        if (t == "all") {
+          for (bool& b : opts.refs) b = true;
+          ok = true;
+        } else if (t == "none") {
+          ok = true;
+        }
+        for (int k = 0; k < REF_COUNT; ++k)
+          if (t == kRefNames[k]) opts.refs[k] = true, ok = true;
+        if (!ok) argError("-x (refs): expected a comma-separated list of chain, ring, allgather, allreduce (or all, none), got '" + t + "'");
+      }
+      break;
+    }
+    case 'L': {
+      std::string s(arg);
+      if (s == "calibrate") {
+        opts.link = LINK_CALIBRATE;
+      } else if (s == "none") {
+        opts.link = LINK_NONE;
+      } else {
+        auto parts = splitList(s);
+        char* e1 = nullptr;
+        char* e2 = nullptr;
+        double a = parts.size() == 2 ? strtod(parts[0].c_str(), &e1) : -1;
+        double b = parts.size() == 2 ? strtod(parts[1].c_str(), &e2) : -1;
+        if (parts.size() != 2 || parts[0].empty() || parts[1].empty() || *e1 || *e2 || !(a > 0) || !(b > 0) ||
+            !std::isfinite(a) || !std::isfinite(b))
+          argError("-L (link_model): expected calibrate, none or <latency_us>,<us_per_byte> (two positive numbers), got '" + s + "'");
+        opts.link = LINK_SET;
+        opts.linkLatencyUs = a;
+        opts.linkUsPerByte = b;
+      }
+      break;
+    }
+  }
+}
+
+void validate(const Options&) {
+  if (opts.methods.empty()) argError("-m (methods): no method selected");
+}
+
+// The [H, Dk, Dv] view of a state of `count` elements and the decay's element count for a form.
+struct Layout {
+  size_t H, Dk, Dv, gCount;
+};
+
+Layout layoutFor(size_t count, Decay d, int dv) {
+  Layout L;
+  L.Dv = std::gcd(count, static_cast<size_t>(dv));
+  L.Dk = std::gcd(count / L.Dv, static_cast<size_t>(dv));
+  L.H = count / (L.Dv * L.Dk);
+  switch (d) {
+    case DECAY_NONE: L.gCount = 0; break;
+    case DECAY_HEAD: L.gCount = L.H; break;
+    case DECAY_KEY: L.gCount = L.H * L.Dk; break;
+    case DECAY_FULL: L.gCount = count; break;
+  }
+  return L;
+}
+
+// ------------------------------------------------------------------------------------------------
+// Exactly representable inputs and the GPU-side check
+//
+//   x_p[e] = ((5e + 3p) mod 7) - 3                  in {-3..3} (xval); consecutive ranks cycle
+//                                                   through all residues, so a plain prefix sum
+//                                                   stays in [-9, 9]
+//   g_p[j] = {2, 1/2, 1, 0}[(p + j) mod 4]          powers of two and a zero that cuts the chain
+//                                                   every 4 ranks, so |y| <= 3*(1+2+2) = 15
+// Every intermediate is a multiple of 1/2 below 32 in magnitude: exact in fp64, fp32, fp16 and bf16,
+// at any P, whatever order a method combines in. The expected y is recomputed per element on the GPU.
+// ------------------------------------------------------------------------------------------------
+__host__ __device__ inline float gval(int rank, size_t j) {
+  switch ((static_cast<size_t>(rank) + j) % 4u) {
+    case 0: return 2.0f;
+    case 1: return 0.5f;
+    case 2: return 1.0f;
+    default: return 0.0f;
+  }
+}
+
+__global__ void fillGKernel(float* g, size_t count, int rank) {
+  for (size_t j = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; j < count;
+       j += static_cast<size_t>(gridDim.x) * blockDim.x)
+    g[j] = gval(rank, j);
+}
+
+enum CheckMode { CHK_SCAN = 0, CHK_RECV_CHAIN = 1, CHK_RECV_RING = 2, CHK_ALLGATHER = 3, CHK_ALLREDUCE = 4 };
+
+struct CheckParams {
+  int mode;
+  int rank, nranks, reverse;
+  size_t count;  // elements of one state
+  size_t inner;  // state elements per decay element (0: no decay)
+};
+
+// Counts the elements of `out` that differ from the expected value (exact comparison; NaN, the
+// pre-fill, counts as wrong).
+template <typename T>
+__global__ void checkKernel(const T* out, CheckParams p, unsigned long long* wrong) {
+  const size_t total = p.mode == CHK_ALLGATHER ? p.count * static_cast<size_t>(p.nranks) : p.count;
+  unsigned long long bad = 0;
+  for (size_t i = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; i < total;
+       i += static_cast<size_t>(gridDim.x) * blockDim.x) {
+    double expect = 0.0;
+    switch (p.mode) {
+      case CHK_SCAN: {
+        // Sequential recurrence from the head of the chain, rounded to T at every rank boundary.
+        const size_t j = p.inner ? i / p.inner : 0;
+        double y = 0.0;
+        if (!p.reverse) {
+          for (int q = 0; q < p.rank; ++q) {
+            const double g = p.inner ? gval(q, j) : 1.0;
+            y = toDouble<T>(fromFloat<T>(static_cast<float>(__dadd_rn(__dmul_rn(g, y), xval(q, i)))));
+          }
+        } else {
+          for (int q = p.nranks - 1; q > p.rank; --q) {
+            const double g = p.inner ? gval(q, j) : 1.0;
+            y = toDouble<T>(fromFloat<T>(static_cast<float>(__dadd_rn(__dmul_rn(g, y), xval(q, i)))));
+          }
+        }
+        expect = y;
+        break;
+      }
+      case CHK_RECV_CHAIN:
+      case CHK_RECV_RING: {
+        int src = p.reverse ? p.rank + 1 : p.rank - 1;
+        if (src < 0 || src >= p.nranks) {
+          if (p.mode == CHK_RECV_CHAIN) continue;  // the chain's head receives nothing
+          src = (src + p.nranks) % p.nranks;
+        }
+        expect = xval(src, i);
+        break;
+      }
+      case CHK_ALLGATHER: {
+        const int q = static_cast<int>(i / p.count);
+        expect = xval(q, i - static_cast<size_t>(q) * p.count);
+        break;
+      }
+      case CHK_ALLREDUCE: {
+        for (int q = 0; q < p.nranks; ++q) expect += xval(q, i);
+        break;
+      }
+    }
+    if (!(toDouble<T>(out[i]) == expect)) ++bad;
+  }
+  if (bad) atomicAdd(wrong, bad);
+}
+
+void launchCheck(allscanDataType_t t, const void* out, const CheckParams& p, unsigned long long* wrong, cudaStream_t s) {
+  const size_t total = p.mode == CHK_ALLGATHER ? p.count * static_cast<size_t>(p.nranks) : p.count;
+  dispatchDtype(t, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    checkKernel<T><<<gridFor(total), 256, 0, s>>>(static_cast<const T*>(out), p, wrong);
+  });
+  CUDACHECK(cudaGetLastError());
+}
+
+// ------------------------------------------------------------------------------------------------
+// One rank's rows
+// ------------------------------------------------------------------------------------------------
+enum OpKind { OP_CHAIN, OP_RING, OP_ALLGATHER, OP_ALLREDUCE, OP_SCAN };
+
+class ScanBench : public Bench {
+ public:
+  using Bench::Bench;
+
+  void setup() override {
+    const ScanOptions& so = opts;
+    ASCHECK(allscanCommCreate(c.nccl, &comm_));
+    if (so.link == LINK_SET) ASCHECK(allscanSetLinkModel(comm_, so.linkLatencyUs, so.linkUsPerByte));
+    if (so.link == LINK_CALIBRATE && c.nranks > 1) ASCHECK(allscanCalibrate(comm_, c.stream));
+    ASCHECK(allscanGetLinkModel(comm_, &lat_, &upb_, &isSet_));
+    // Buffers at the largest size, allocated once (outside any timed loop).
+    const size_t maxCount = c.o->maxBytes / c.es;
+    const size_t maxBytes = maxCount * c.es;
+    CUDACHECK(cudaMalloc(&x_, maxBytes));
+    CUDACHECK(cudaMalloc(&y_, maxBytes));
+    if (so.refs[REF_CHAIN] || so.refs[REF_RING]) CUDACHECK(cudaMalloc(&recv_, maxBytes));
+    if (so.refs[REF_ALLGATHER]) CUDACHECK(cudaMalloc(&ag_, maxBytes * c.nranks));
+    if (so.refs[REF_ALLREDUCE]) CUDACHECK(cudaMalloc(&ar_, maxBytes));
+    if (so.decay != DECAY_NONE) {
+      CUDACHECK(cudaMalloc(&g_, maxCount * sizeof(float)));
+      fillGKernel<<<gridFor(maxCount), 256, 0, c.stream>>>(g_, maxCount, c.rank);
+      CUDACHECK(cudaGetLastError());
+    }
+    launchFillX(c.o->dtype, x_, maxCount, c.rank, c.stream);
+  }
+
+  std::vector<std::string> header() override {
+    const ScanOptions& so = opts;
+    std::vector<std::string> lines;
+    char buf[512];
+    snprintf(buf, sizeof(buf),
+             "#  dtype %s  reverse %d  decay %s (fp32; state viewed as [H, Dk, Dv], Dv = gcd(count,%d), Dk = gcd(count/Dv,%d))",
+             dtypeName(c.o->dtype), so.reverse, kDecayNames[so.decay], so.dv, so.dv);
+    lines.push_back(buf);
+    std::string ks = "auto";
+    for (int k : so.fixedK) ks += "," + std::to_string(k);
+    std::string ms;
+    for (auto m : so.methods) ms += (ms.empty() ? "" : ",") + std::string(methodName(m));
+    lines.push_back("#  methods " + ms + "  K " + ks);
+    if (isSet_)
+      snprintf(buf, sizeof(buf), "#  link model (%s): latency %.3f us, %.6g us/byte (%.1f GB/s)",
+               so.link == LINK_SET ? "-L" : "calibrated", lat_, upb_, 1e-3 / upb_);
+    else
+      snprintf(buf, sizeof(buf), "#  link model: none (the automatic K is 1)");
+    lines.push_back(buf);
+    return lines;
+  }
+
+  std::vector<Row> rows(size_t count) override {
+    const ScanOptions& so = opts;
+    const int P = c.nranks;
+    layout_ = layoutFor(count, so.decay, so.dv);
+    std::vector<Row> rows;
+    auto ref = [&](OpKind k, const char* name, double factor, int floorRank) {
+      Row r;
+      r.kind = k;
+      r.name = name;
+      r.busFactor = factor;
+      r.floorRank = floorRank;
+      r.jsonFields = ",\"method\":null,\"K\":null,\"K_auto\":false";
+      rows.push_back(r);
+    };
+    if (so.refs[REF_CHAIN]) ref(OP_CHAIN, "p2p-chain", 1.0, 1);
+    if (so.refs[REF_RING]) ref(OP_RING, "p2p-ring", 1.0, 2);
+    if (so.refs[REF_ALLGATHER]) ref(OP_ALLGATHER, "nccl-allgather", static_cast<double>(P - 1), 0);
+    if (so.refs[REF_ALLREDUCE]) ref(OP_ALLREDUCE, "nccl-allreduce", 2.0 * (P - 1) / P, 0);
+    for (auto m : so.methods) {
+      std::vector<int> Ks = {0};
+      if (m == allscanPipelined) Ks.insert(Ks.end(), so.fixedK.begin(), so.fixedK.end());
+      for (int K : Ks) {
+        Row r;
+        r.kind = OP_SCAN;
+        r.method = m;
+        r.K = K;
+        r.name = std::string("scan-") + methodName(m);
+        r.busFactor = 1.0;
+        r.inSummary = m == allscanPipelined && K == 0;
+        allscanScanArgs_t a = scanArgs(r, count);
+        if (allscanCheckArgs(comm_, &a) != allscanSuccess) r.skip = allscanGetLastError();
+        int Keff = 1;
+        if (m == allscanPipelined) {
+          if (K == 0) ASCHECK(allscanChooseNumBlocks(comm_, count * c.es, &Keff));
+          else Keff = K;
+        }
+        if (m != allscanPipelined) r.kLabel = "1";
+        else if (K == 0) r.kLabel = "auto:" + std::to_string(Keff);
+        else r.kLabel = std::to_string(K);
+        r.jsonFields = ",\"method\":\"" + std::string(methodName(m)) + "\",\"K\":" + std::to_string(Keff) +
+                       ",\"K_auto\":" + (K == 0 ? "true" : "false");
+        rows.push_back(r);
+      }
+    }
+    const Layout& L = layout_;
+    const std::string tail = ",\"layout\":[" + std::to_string(L.H) + "," + std::to_string(L.Dk) + "," +
+                             std::to_string(L.Dv) + "],\"g_count\":" +
+                             std::to_string(so.decay == DECAY_NONE ? 0 : L.gCount);
+    for (Row& r : rows) r.jsonTail = tail;
+    return rows;
+  }
+
+  // Workspace: the largest any scan row needs at this size, allocated before timing.
+  void prepare(const std::vector<Row>& rows, size_t count) override {
+    size_t need = 0;
+    for (const Row& r : rows) {
+      if (r.kind != OP_SCAN || !r.skip.empty()) continue;
+      allscanScanArgs_t a = scanArgs(r, count);
+      size_t b = 0;
+      ASCHECK(allscanWorkspaceSize(comm_, &a, &b));
+      need = std::max(need, b);
+    }
+    if (need > wsBytes_) {
+      if (ws_) CUDACHECK(cudaFree(ws_));
+      CUDACHECK(cudaMalloc(&ws_, need));
+      wsBytes_ = need;
+    }
+  }
+
+  void launch(const Row& r, size_t count) override {
+    const size_t bytes = count * c.es;
+    const int reverse = opts.reverse;
+    const ncclDataType_t nt = allscanNcclDataType(c.o->dtype);
+    switch (r.kind) {
+      case OP_CHAIN: ASCHECK(allscanNeighborExchange(comm_, x_, recv_, bytes, reverse, 1, c.stream)); break;
+      case OP_RING: ASCHECK(allscanNeighborExchange(comm_, x_, recv_, bytes, reverse, 0, c.stream)); break;
+      case OP_ALLGATHER: NCCLCHECK(ncclAllGather(x_, ag_, count, nt, c.nccl, c.stream)); break;
+      case OP_ALLREDUCE: NCCLCHECK(ncclAllReduce(x_, ar_, count, nt, ncclSum, c.nccl, c.stream)); break;
+      case OP_SCAN: {
+        allscanScanArgs_t a = scanArgs(r, count);
+        ASCHECK(allscanScan(comm_, &a, ws_, wsBytes_, c.stream));
+        break;
+      }
+    }
+  }
+
+  void check(const Row& r, size_t count, unsigned long long* wrong) override {
+    const int P = c.nranks;
+    const size_t bytes = count * c.es;
+    CheckParams p;
+    p.rank = c.rank;
+    p.nranks = P;
+    p.reverse = opts.reverse;
+    p.count = count;
+    p.inner = (r.kind == OP_SCAN && opts.decay != DECAY_NONE) ? count / layout_.gCount : 0;
+    void* outp = nullptr;
+    size_t outBytes = bytes;
+    switch (r.kind) {
+      case OP_CHAIN: p.mode = CHK_RECV_CHAIN; outp = recv_; break;
+      case OP_RING: p.mode = CHK_RECV_RING; outp = recv_; break;
+      case OP_ALLGATHER: p.mode = CHK_ALLGATHER; outp = ag_; outBytes = bytes * P; break;
+      case OP_ALLREDUCE: p.mode = CHK_ALLREDUCE; outp = ar_; break;
+      case OP_SCAN: p.mode = CHK_SCAN; outp = y_; break;
+    }
+    CUDACHECK(cudaMemsetAsync(outp, 0xff, outBytes, c.stream));
+    launch(r, count);
+    // One rank: nothing is sent; the ring "receives" its own state trivially. Nothing to check.
+    if (!(P == 1 && (r.kind == OP_CHAIN || r.kind == OP_RING))) launchCheck(c.o->dtype, outp, p, wrong, c.stream);
+  }
+
+  void teardown() override {
+    if (ws_) CUDACHECK(cudaFree(ws_));
+    CUDACHECK(cudaFree(x_));
+    CUDACHECK(cudaFree(y_));
+    if (recv_) CUDACHECK(cudaFree(recv_));
+    if (ag_) CUDACHECK(cudaFree(ag_));
+    if (ar_) CUDACHECK(cudaFree(ar_));
+    if (g_) CUDACHECK(cudaFree(g_));
+    ASCHECK(allscanCommDestroy(comm_));
+  }
+
+  std::string configJson() override {
+    const ScanOptions& so = opts;
+    std::string ks;
+    for (int k : so.fixedK) ks += (ks.empty() ? "" : ",") + std::to_string(k);
+    std::string ms;
+    for (auto m : so.methods) ms += std::string(ms.empty() ? "" : ",") + "\"" + methodName(m) + "\"";
+    return ",\"reverse\":" + std::to_string(so.reverse) + ",\"decay\":\"" + kDecayNames[so.decay] +
+           "\",\"vdim\":" + std::to_string(so.dv) + ",\"methods\":[" + ms + "],\"fixed_K\":[" + ks + "]";
+  }
+
+  std::string topJson() override {
+    const char* source = opts.link == LINK_SET ? "-L" : (opts.link == LINK_CALIBRATE ? "calibrate" : "none");
+    return std::string("\"link_model\":{\"set\":") + (isSet_ ? "true" : "false") + ",\"source\":\"" + source +
+           "\",\"latency_us\":" + jsonNumber(lat_) + ",\"us_per_byte\":" + jsonNumber(upb_) + "},\n";
+  }
+
+ private:
+  allscanScanArgs_t scanArgs(const Row& r, size_t count) const {
+    allscanScanArgs_t a;
+    memset(&a, 0, sizeof(a));
+    a.x = x_;
+    a.y = y_;
+    a.count = count;
+    a.dtype = c.o->dtype;
+    if (opts.decay != DECAY_NONE) {
+      a.g = g_;
+      a.g_count = layout_.gCount;
+      a.g_dtype = allscanFloat32;
+    }
+    a.init = nullptr;
+    a.reverse = opts.reverse;
+    a.inclusive = 0;
+    a.num_blocks = r.method == allscanPipelined ? r.K : 0;
+    a.method = static_cast<allscanMethod_t>(r.method);
+    return a;
+  }
+
+  allscanComm_t comm_ = nullptr;
+  double lat_ = 0, upb_ = 0;
+  int isSet_ = 0;
+  Layout layout_{};
+  void* x_ = nullptr;
+  void* y_ = nullptr;
+  void* recv_ = nullptr;
+  void* ag_ = nullptr;
+  void* ar_ = nullptr;
+  float* g_ = nullptr;
+  void* ws_ = nullptr;
+  size_t wsBytes_ = 0;
+};
+
+}  // namespace
+
+extern const Collective kScanCollective;  // registered in collectives.cpp
+const Collective kScanCollective = {
+    "scan",
+    "All-Scan benchmark",
+    "the All-Scan (allscanScan, every method) against the floor (neighbour send/recv of the same\n"
+    "bytes), the closed ring, ncclAllGather and ncclAllReduce; the size is one state's bytes",
+    "scan-pipelined, auto K",
+    {{'K', "blocks", required_argument, "<list>",
+      "pipelined block counts: 'auto' or comma-separated integers 1..64;\n"
+      "                              the automatic K is always timed (default auto)"},
+     {'m', "methods", required_argument, "<list>", "scan methods: pipelined,serial,allgather or all (default all)"},
+     {'x', "refs", required_argument, "<list>",
+      "reference rows: chain,ring,allgather,allreduce, all or none\n"
+      "                              (default all; 'chain' is the floor of the vs_floor column)"},
+     {'r', "reverse", optional_argument, "0|1", "reverse scan (rank p+1 -> p); -r alone means 1 (default 0)"},
+     {'D', "decay", required_argument, "<form>",
+      "none|head|key|full: the decay's shape in the [H, Dk, Dv]\n"
+      "                              view of the state (default key, i.e. g is [H, Dk], fp32)"},
+     {'V', "vdim", required_argument, "<n>",
+      "Dv and Dk of that view are gcd(count, n), gcd(count/Dv, n)\n"
+      "                              (default 128)"},
+     {'L', "link_model", required_argument, "<m>",
+      "calibrate | none | <latency_us>,<us_per_byte>: the link model\n"
+      "                              that chooses the automatic K (default calibrate)"}},
+    parse,
+    validate,
+    [](RankCtx& c) -> std::unique_ptr<Bench> { return std::make_unique<ScanBench>(c); }};
+
+}  // namespace perf
