@@ -58,9 +58,10 @@ def test_help_lists_every_flag():
     p = _run("-h")
     assert p.returncode == 0, p.stderr
     assert p.stdout.startswith("Usage: allscan_perf")
-    for flag in ("-b", "-e", "-i", "-f", "-g", "-n", "-w", "-N", "-c", "-d", "-z", "-G", "-K", "-m", "-x",
-                 "-r", "-D", "-L", "-j", "-h"):
+    for flag in ("-o", "-b", "-e", "-i", "-f", "-g", "-n", "-w", "-N", "-c", "-d", "-z", "-G", "-K", "-m", "-x",
+                 "-r", "-D", "-L", "-j", "-h", "-H", "-A", "-B", "-C", "-k", "-T"):
         assert f"  {flag}" in p.stdout, f"{flag} missing from -h"
+    assert "-o scan:" in p.stdout and "-o a2a:" in p.stdout  # every row set's options, under its name
     assert p.stderr == ""
     assert _run("--help").returncode == 0
 
@@ -96,6 +97,22 @@ BAD_ARGS = [
     (["--nosuch"], "unknown option '--nosuch'"),
     (["-b"], "option -b needs a value"),
     (["stray"], "unexpected argument 'stray'"),
+    (["-o", "nosuch"], "-o (op): expected scan|a2a"),
+    (["-o"], "option -o needs a value"),
+    # An option of another row set names the row set it belongs to.
+    (["-o", "a2a", "-K", "2"], "-K is an option of -o scan, not of -o a2a"),
+    (["-o", "a2a", "-r"], "-r is an option of -o scan"),
+    (["-H", "4"], "-H is an option of -o a2a, not of -o scan"),
+    (["--chunks=2"], "-k is an option of -o a2a"),
+    (["-o", "a2a", "-H", "0"], "-H (heads)"),
+    (["-o", "a2a", "-A", "x"], "-A (head_dim)"),
+    (["-o", "a2a", "-B", "0"], "-B (batch)"),
+    (["-o", "a2a", "-C", "5"], "-C (tensors)"),
+    (["-o", "a2a", "-k", "0"], "-k (chunks)"),
+    (["-o", "a2a", "-k", "1,two"], "-k (chunks)"),
+    (["-o", "a2a", "-H", "8", "-k", "9"], "-k (chunks): 9 chunks of 8 heads"),
+    (["-o", "a2a", "-T", "both"], "-T (directions)"),
+    (["-o", "a2a", "-b", "0"], "-b (minbytes)"),
 ]
 
 
@@ -116,6 +133,14 @@ def test_good_arguments_reach_the_device_check():
              "-d", "bf16", "-r", "-G", "2", "-L", "5.0,3e-6")
     assert p.returncode == 1, (p.stdout, p.stderr)
     assert "for usage" not in p.stderr, p.stderr  # not an argument error
+    assert "cuda" in p.stderr.lower() or "-g (ngpus)" in p.stderr, p.stderr
+
+
+def test_good_a2a_arguments_reach_the_device_check():
+    p = _run("-o", "a2a", "-b", "1M", "-e", "4M", "-f", "2", "-g", "2", "-H", "6", "-A", "64", "-B", "2", "-C", "2",
+             "-k", "1,2,3", "-T", "gather,scatter", "-d", "half", "-G", "2")
+    assert p.returncode == 1, (p.stdout, p.stderr)
+    assert "for usage" not in p.stderr, p.stderr
     assert "cuda" in p.stderr.lower() or "-g (ngpus)" in p.stderr, p.stderr
 
 
@@ -148,3 +173,27 @@ def test_two_gpu_run_is_exact(tmp_path, extra):
         assert "skipped" not in r, r
         assert r["wrong"] == 0, r
         assert r["time_us"] > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("extra", [[], ["-B", "2", "-H", "6", "-k", "1,4", "-d", "bfloat16"], ["-G", "2", "-C", "1", "-T", "gather"]],
+                         ids=["default", "batch2-uneven-heads-bf16", "graph-gather"])
+def test_two_gpu_a2a_run_is_exact(tmp_path, extra):
+    if _gpu_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    out = tmp_path / "a2a.json"
+    p = _run("-o", "a2a", "-b", "64K", "-e", "4M", "-f", "4", "-g", "2", "-n", "5", "-w", "2", "-N", "2", "-j", str(out),
+             *extra, hide_gpus=False, timeout=300)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "# Out of bounds values : 0 OK" in p.stdout
+    doc = json.loads(out.read_text())
+    assert doc["nranks"] == 2 and doc["wrong_total"] == 0 and doc["op"] == "a2a"
+    ops = {r["op"] for r in doc["rows"] if "skipped" not in r}
+    want = {"nccl-alltoall", "a2a-gather"} if "gather" in extra else {"nccl-alltoall", "a2a-scatter", "a2a-gather"}
+    assert ops == want, ops
+    for r in doc["rows"]:
+        if "skipped" in r:
+            assert "less than one token" in r["skipped"], r
+            continue
+        assert r["wrong"] == 0, r
+        assert r["time_us"] > 0 and r["vs_floor"] is not None
