@@ -43,6 +43,8 @@ import statistics
 import sys
 import time
 
+from gla_common import add_fla_autotune_option, progress, pyplot, redraw
+
 ROWS = ["ideal", "zeco", "zeco_corr", "lasp2", "lasp1", "lasp1_strict"]
 
 
@@ -88,12 +90,7 @@ def _lasp1_strict_fn():
     return Lasp1Strict.apply
 
 
-_T0 = time.monotonic()
-
-
-def _say(msg, rank=0, every_rank=False):
-    if every_rank or rank == 0:
-        print(f"[gla_bench rank {rank} +{time.monotonic() - _T0:6.1f}s] {msg}", file=sys.stderr, flush=True)
+_say = progress("gla_bench")
 
 
 def run(args):
@@ -354,12 +351,8 @@ def report(out):
 
 
 def plot(out, outdir):
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except Exception as e:  # noqa: BLE001
-        print(f"(no plot: matplotlib unavailable: {e}; redraw with --plot on a machine that has it)")
+    plt = pyplot()
+    if plt is None:
         return
     by = _table(out)
     Ts = sorted(by)
@@ -396,18 +389,13 @@ def main():
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--inner", type=int, default=4, help="back-to-back fwd+bwd calls per timing")
     ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--fla-autotune", default="one", choices=["one", "full"],
-                    help="one: one fixed config per fla kernel (minutes less compilation); full: fla's autotuning")
+    add_fla_autotune_option(ap)
     ap.add_argument("--plot", default=None, help="redraw the table and plot from this JSON (no GPU)")
     ap.add_argument("--profile", default="", help="T_local values (comma-separated) at which to print where "
                     "the time goes: host issue time and torch.profiler's kernel table for ideal and zeco")
     args = ap.parse_args()
     if args.plot:
-        with open(args.plot) as f:
-            out = json.load(f)
-        report(out)
-        os.makedirs(args.out, exist_ok=True)
-        plot(out, args.out)
+        redraw(args.plot, args.out, report, plot)
         return
     args.tlocal = [int(x) for x in args.tlocal.split(",")]
     args.profile = [int(x) for x in args.profile.split(",") if x]

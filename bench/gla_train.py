@@ -37,6 +37,8 @@ import statistics
 import sys
 import time
 
+from gla_common import add_fla_autotune_option, progress, pyplot, redraw
+
 
 def build_model(args, group):
     import torch
@@ -110,12 +112,7 @@ def make_data(args, n_seqs, length, device):
     return out
 
 
-_T0 = time.monotonic()
-
-
-def _say(msg, rank=0, every_rank=False):
-    if every_rank or rank == 0:
-        print(f"[gla_train rank {rank} +{time.monotonic() - _T0:6.1f}s] {msg}", file=sys.stderr, flush=True)
+_say = progress("gla_train")
 
 
 def run(args):
@@ -311,12 +308,8 @@ def report(out):
 
 
 def plot(out, outdir):
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except Exception as e:  # noqa: BLE001
-        print(f"(no plot: matplotlib unavailable: {e}; redraw with --plot on a machine that has it)")
+    plt = pyplot()
+    if plt is None:
         return
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     steps = range(len(out["loss_sp"]))
@@ -358,15 +351,10 @@ def main():
                     help="bf16: fp32 weights, bf16 autocast (default); fp32: no autocast, IEEE fp32 matmuls and "
                          "Triton dots (the loss-parity check without bf16 rounding), files gla_train_fp32.*")
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: a gloo smoke test of the script")
-    ap.add_argument("--fla-autotune", default="one", choices=["one", "full"],
-                    help="one: one fixed config per fla kernel (minutes less compilation); full: fla's autotuning")
+    add_fla_autotune_option(ap)
     args = ap.parse_args()
     if args.plot:
-        with open(args.plot) as f:
-            out = json.load(f)
-        report(out)
-        os.makedirs(args.out, exist_ok=True)
-        plot(out, args.out)
+        redraw(args.plot, args.out, report, plot)
         return
     run(args)
 
