@@ -1,0 +1,327 @@
+"""The matrix-transition All-Scan (``allscan.scan(tensor, transition=M)``): validate -> plan ->
+launch, the custom op ``allscan::matrix_scan`` with autograd and a fake implementation.
+
+Rank p holds a state x_p ``[..., K, V]`` and a transition M_p ``[..., K, K]`` (same leading dims)::
+
+    forward:  y_0 = init (zeros if None)       y_{p+1} = M_p @ y_p + x_p
+    reverse:  y_{P-1} = init (zeros if None)   y_{p-1} = M_p @ y_p + x_p
+
+CUDA tensors on an NCCL group launch through the C++ core (``allscanMatrixScan``); everything else
+runs the torch.distributed implementation (:mod:`allscan.ops._matrix_dist`).
+
+Autograd: with r the reverse exclusive scan of dy with the transposed transitions
+(r_{p-1} = M_p^T r_p + dy_p, r at the chain's end 0): dx_p = r_p, dM_p = r_p @ y_p^T, and on the
+chain head dinit = M_head^T r_head + dy_head. (y_{p+1} = M_p y_p + x_p, so the adjoint a_p of y_p
+is dy_p + M_p^T a_{p+1}; r_p = a_{p+1} is the adjoint of what rank p sends, hence dx_p = r_p and
+dM_p = r_p y_p^T; init = y_head, whose adjoint is a_head.)
+"""
+from __future__ import annotations
+
+import weakref
+from typing import Dict, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from .. import _C, _comm
+from .._contract import DTYPE_CODES, announce_invalid, check_across_ranks, dtype_code, settings
+from ..reference import acc_dtype
+from . import _matrix_dist
+from ._matrix_math import combine
+
+__all__ = ["matrix_scan", "METHODS"]
+
+METHODS = ("pipelined", "serial", "allgather")
+_OP = "scan(transition=)"
+_WHAT = "allscan.scan"
+
+
+# ------------------------------------------------------------------------------------------------
+# Validate
+# ------------------------------------------------------------------------------------------------
+def _validate(tensor, transition, init, method, num_blocks) -> None:
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{_WHAT}: tensor must be a torch.Tensor, got {type(tensor).__name__}")
+    dtype_code(tensor.dtype, f"{_WHAT}: tensor")
+    if tensor.dim() < 2:
+        raise ValueError(f"{_WHAT}: tensor must be [..., K, V] with a transition, got shape {list(tensor.shape)}")
+    if not isinstance(transition, torch.Tensor):
+        raise TypeError(f"{_WHAT}: transition must be a torch.Tensor, got {type(transition).__name__}")
+    if transition.dtype not in (torch.float32, tensor.dtype):
+        raise TypeError(f"{_WHAT}: transition must be float32 or the tensor's dtype ({tensor.dtype}), "
+                        f"got {transition.dtype}")
+    K = tensor.shape[-2]
+    want = tuple(tensor.shape[:-1]) + (K,)
+    if transition.dim() < 2 or tuple(transition.shape[-2:]) != (K, K):
+        raise ValueError(f"{_WHAT}: transition must be [..., K, K] with K = tensor.shape[-2] = {K}, got shape "
+                         f"{list(transition.shape)} (K mismatch)")
+    if tuple(transition.shape) != want:
+        raise ValueError(f"{_WHAT}: transition's shape {list(transition.shape)} must have the tensor's leading dims "
+                         f"{list(tensor.shape[:-2])}: expected {list(want)}")
+    if transition.device != tensor.device:
+        raise ValueError(f"{_WHAT}: transition is on {transition.device}, the tensor on {tensor.device}")
+    if init is not None:
+        if not isinstance(init, torch.Tensor):
+            raise TypeError(f"{_WHAT}: init must be a torch.Tensor or None, got {type(init).__name__}")
+        if tuple(init.shape) != tuple(tensor.shape) or init.dtype != tensor.dtype:
+            raise ValueError(f"{_WHAT}: init must have the tensor's shape and dtype ({tensor.dtype}"
+                             f"{list(tensor.shape)}), got {init.dtype}{list(init.shape)}")
+        if init.device != tensor.device:
+            raise ValueError(f"{_WHAT}: init is on {init.device}, the tensor on {tensor.device}")
+    if method not in METHODS:
+        raise ValueError(f"{_WHAT}: method must be one of {METHODS}, got {method!r}")
+    if num_blocks is not None and (isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 1):
+        raise ValueError(f"{_WHAT}: num_blocks must be None (auto) or a positive int, got {num_blocks!r}")
+
+
+def _dims(x: torch.Tensor) -> Tuple[int, int, int]:
+    """(batch, K, V): every leading dim flattened into batch."""
+    K, V = x.shape[-2], x.shape[-1]
+    return x.numel() // (K * V) if K * V else 0, K, V
+
+
+def _signature(x, m, init, reverse, inclusive, transpose, num_blocks, method) -> List[Tuple[str, int]]:
+    batch, K, V = _dims(x)
+    return [
+        ("tensor dtype", DTYPE_CODES[x.dtype]),
+        ("batch (tensor's leading dims)", batch),
+        ("K (tensor.shape[-2])", K),
+        ("V (tensor.shape[-1])", V),
+        ("transition dtype", DTYPE_CODES[m.dtype]),
+        ("transposed transition", int(transpose)),
+        ("init given", int(init is not None)),
+        ("reverse", int(reverse)),
+        ("inclusive", int(inclusive)),
+        ("method (0 pipelined, 1 serial, 2 allgather)", METHODS.index(method)),
+        ("num_blocks (0 auto)", num_blocks),
+    ]
+
+
+def _announce_device(group) -> torch.device:
+    if "nccl" in _comm.backend_name(group) and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+# ------------------------------------------------------------------------------------------------
+# Plan and launch
+# ------------------------------------------------------------------------------------------------
+class _Plan:
+    """The NCCL launch of one signature (``comm`` None on the torch.distributed path)."""
+
+    __slots__ = ("group_ref", "comm", "dt", "mdt", "midx", "ws_bytes")
+
+    def __init__(self, group, comm, dt, mdt, midx, ws_bytes):
+        self.group_ref = weakref.ref(group)
+        self.comm = comm
+        self.dt = dt
+        self.mdt = mdt
+        self.midx = midx
+        self.ws_bytes = ws_bytes
+
+
+_plans: Dict[tuple, _Plan] = {}
+
+
+def _prepare(x, m, init, group, reverse, inclusive, transpose, num_blocks, method) -> _Plan:
+    nccl = _comm.uses_nccl(group, x)
+    if nccl:
+        try:
+            _comm.check_device(group, x.device)  # before any collective
+            _comm.check_env()
+        except ValueError:
+            announce_invalid(group, torch.device("cuda", torch.cuda.current_device()), _OP)
+            raise
+    check_across_ranks(group, x.device, _OP, _signature(x, m, init, reverse, inclusive, transpose, num_blocks, method))
+    if not nccl:
+        return _Plan(group, None, 0, 0, 0, 0)
+    comm = _comm.get_communicator(group, x.device)
+    dt, mdt, midx = DTYPE_CODES[x.dtype], DTYPE_CODES[m.dtype], METHODS.index(method)
+    batch, K, V = _dims(x)
+    ws = _C.matrix_workspace_size(comm.handle, batch, K, V, dt, mdt, transpose, init is not None, reverse, inclusive,
+                                  num_blocks, midx)
+    return _Plan(group, comm, dt, mdt, midx, ws)
+
+
+def _plan_for(x, m, init, group, reverse, inclusive, transpose, num_blocks, method) -> _Plan:
+    key = (group.group_name, id(group), x.device, x.shape, x.dtype, m.dtype, init is None, reverse, inclusive,
+           transpose, num_blocks, method)
+    plan = _plans.get(key)
+    # Off NCCL the check runs every call (as the diagonal scan's); a re-created group, or a
+    # communicator destroyed since (allscan.destroy_communicators: handle 0), gets a new plan.
+    if (plan is None or plan.comm is None or not plan.comm.handle or settings.check == "always"
+            or plan.group_ref() is not group):
+        plan = _prepare(x, m, init, group, reverse, inclusive, transpose, num_blocks, method)
+        _plans[key] = plan
+    return plan
+
+
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
+def _stream_ptr(device: torch.device) -> int:
+    if _raw_stream is not None:
+        return _raw_stream(device.index)
+    return torch.cuda.current_stream(device).cuda_stream
+
+
+def _run(x, m, init, group_name, reverse, inclusive, transpose, num_blocks, method, group=None, stream=None):
+    if group is None:
+        group = _comm.resolve_group(group_name)
+    plan = _plan_for(x, m, init, group, reverse, inclusive, transpose, num_blocks, method)
+    if x.numel() == 0:
+        return torch.empty_like(x)
+    batch, K, V = _dims(x)
+    if plan.comm is None:
+        y = _matrix_dist.scan(x.reshape(batch, K, V), m.reshape(batch, K, K),
+                              None if init is None else init.reshape(batch, K, V), group, reverse, inclusive,
+                              transpose, num_blocks, method)
+        return y.reshape(x.shape)
+    with torch.cuda.device(x.device):  # the core launches on the current device
+        y = torch.empty_like(x)
+        ws = torch.empty(plan.ws_bytes, dtype=torch.uint8, device=x.device) if plan.ws_bytes else None
+        _C.matrix_scan(plan.comm.handle, x.data_ptr(), y.data_ptr(), batch, K, V, plan.dt, m.data_ptr(), plan.mdt,
+                       transpose, 0 if init is None else init.data_ptr(), reverse, inclusive, num_blocks, plan.midx,
+                       0 if ws is None else ws.data_ptr(), plan.ws_bytes,
+                       _stream_ptr(x.device) if stream is None else stream.cuda_stream)
+        if ws is not None and stream is not None:
+            ws.record_stream(stream)  # allocated on the current stream, used on `stream`
+    return y
+
+
+# ------------------------------------------------------------------------------------------------
+# The custom op and its autograd
+# ------------------------------------------------------------------------------------------------
+@torch.library.custom_op("allscan::matrix_scan", mutates_args=())
+def matrix_scan_op(
+    x: torch.Tensor,
+    m: torch.Tensor,
+    init: Optional[torch.Tensor],
+    group_name: str,
+    reverse: bool,
+    inclusive: bool,
+    transpose: bool,
+    num_blocks: int,
+    method: str,
+) -> torch.Tensor:
+    """The matrix All-Scan of contiguous tensors (``num_blocks`` 0 = auto; ``transpose``: M^T is the
+    transition). Use :func:`allscan.scan` with ``transition=``."""
+    return _run(x, m, init, group_name, reverse, inclusive, transpose, num_blocks, method)
+
+
+@matrix_scan_op.register_fake
+def _matrix_scan_fake(x, m, init, group_name, reverse, inclusive, transpose, num_blocks, method):
+    return x.new_empty(x.shape)
+
+
+def _setup_context(ctx, inputs, output):
+    x, m, init, group_name, reverse, inclusive, transpose, num_blocks, method = inputs
+    ctx.group_name = group_name
+    ctx.reverse = reverse
+    ctx.inclusive = inclusive
+    ctx.transpose = transpose
+    ctx.num_blocks = num_blocks
+    ctx.method = method
+    ctx.has_init = init is not None
+    need_y = ctx.needs_input_grad[1]
+    ctx.save_for_backward(m, output if need_y else None)
+
+
+def _backward(ctx, dy):
+    if ctx.inclusive:
+        raise RuntimeError(
+            "allscan::matrix_scan with inclusive=True has no registered gradient; allscan.scan() computes the "
+            "inclusive result as the exclusive scan plus one combine, which is differentiable")
+    m, y = ctx.saved_tensors
+    dy = dy.contiguous()
+    # The adjoint chain runs the other way with the transposed transitions (module docstring).
+    r = matrix_scan_op(dy, m, None, ctx.group_name, not ctx.reverse, False, not ctx.transpose, ctx.num_blocks,
+                       ctx.method)
+    dm = dinit = None
+    if ctx.needs_input_grad[1]:
+        acc = acc_dtype(dy.dtype)
+        outer = torch.matmul(r.to(acc), y.to(acc).transpose(-1, -2))  # d(transition used) = r y^T
+        dm = (outer.transpose(-1, -2) if ctx.transpose else outer).to(m.dtype)
+    if ctx.has_init and ctx.needs_input_grad[2]:
+        group = _comm.resolve_group(ctx.group_name)
+        head = dist.get_world_size(group) - 1 if ctx.reverse else 0
+        if dist.get_rank(group) == head:
+            dinit = combine(m, r, dy, not ctx.transpose)  # M_head^T r_head + dy_head
+        else:
+            dinit = torch.zeros_like(dy)
+    return r, dm, dinit, None, None, None, None, None, None
+
+
+matrix_scan_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+# ------------------------------------------------------------------------------------------------
+# The public function
+# ------------------------------------------------------------------------------------------------
+def _needs_grad(*ts) -> bool:
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in ts)
+
+
+def _scan_impl(x, m, init, name, reverse, inclusive, num_blocks, method, group=None):
+    needs_grad = _needs_grad(x, m, init)
+    if inclusive and needs_grad:
+        # Differentiable composite: the exclusive scan, then the rank's own combine.
+        y = matrix_scan_op(x, m, init, name, reverse, False, False, num_blocks, method)
+        return combine(m, y, x)
+    if not needs_grad and not torch.compiler.is_compiling():
+        # Eager and nothing to differentiate: skip the dispatcher round trip.
+        return _run(x, m, init, name, reverse, inclusive, False, num_blocks, method, group)
+    return matrix_scan_op(x, m, init, name, reverse, inclusive, False, num_blocks, method)
+
+
+def matrix_scan(
+    tensor: torch.Tensor,
+    transition: torch.Tensor,
+    group=None,
+    *,
+    reverse: bool = False,
+    inclusive: bool = False,
+    init: Optional[torch.Tensor] = None,
+    num_blocks: Optional[int] = None,
+    method: str = "pipelined",
+    async_op: bool = False,
+):
+    """The matrix All-Scan over the ranks of ``group`` (default: the default group); what
+    ``allscan.scan(tensor, transition=M, ...)`` runs. See the module docstring for the contract.
+
+    ``tensor`` ``[..., K, V]`` (float32, bfloat16, float16, float64), ``transition`` ``[..., K, K]``
+    (float32 or the tensor's dtype) with the same leading dims. Arithmetic fp32 (fp64 for fp64),
+    rounded to the tensor's dtype at every rank boundary. ``method``: "pipelined" (blocks of whole
+    leading-dim entries, V columns split only when more blocks than entries are asked), "serial" or
+    "allgather" (fla's context-parallel pattern). Differentiable in all three tensors. With
+    ``async_op=True`` returns an :class:`allscan.ScanHandle`."""
+    group = _comm.normalize_group(group)
+    try:
+        _validate(tensor, transition, init, method, num_blocks)
+    except (TypeError, ValueError):
+        if isinstance(tensor, torch.Tensor):
+            announce_invalid(group, _announce_device(group), _OP)
+        raise
+    name = group.group_name
+    x = tensor.contiguous()
+    m = transition.contiguous()
+    i0 = None if init is None else init.contiguous()
+    k = 0 if num_blocks is None else int(num_blocks)
+    if not async_op:
+        return _scan_impl(x, m, i0, name, reverse, inclusive, k, method, group)
+    from .scan import ScanHandle, _side_stream  # the diagonal scan's handle and side stream
+
+    if not (x.is_cuda and _comm.uses_nccl(group, x)):
+        return ScanHandle(_scan_impl(x, m, i0, name, reverse, inclusive, k, method, group))
+    cur = torch.cuda.current_stream(x.device)
+    side = _side_stream(x.device)
+    side.wait_stream(cur)
+    with torch.cuda.stream(side):
+        out = _scan_impl(x, m, i0, name, reverse, inclusive, k, method, group)
+        ev = torch.cuda.Event()
+        ev.record(side)
+    for t in (x, m, i0):
+        if t is not None:
+            t.record_stream(side)  # inputs stay valid until the side stream is done with them
+    return ScanHandle(out, ev)
+
