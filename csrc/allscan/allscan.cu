@@ -235,9 +235,8 @@ size_t workspaceBytes(const allscanComm* comm, const allscanScanArgs_t* a) {
   // g*init + x when it has an init and an exclusive result; every other rank stages what it sends
   // on (exclusive, not the tail) or what it receives (inclusive). The tail of an exclusive scan
   // receives straight into y and needs nothing.
-  const int head = a->reverse ? P - 1 : 0;
-  const bool has_next = a->reverse ? comm->rank > 0 : comm->rank < P - 1;
-  const bool needs = comm->rank == head ? (a->init != nullptr && !a->inclusive) : (has_next || a->inclusive);
+  const ChainPos pos = chainPos(comm, a->reverse);
+  const bool needs = pos.head ? (a->init != nullptr && !a->inclusive) : (pos.hasNext || a->inclusive);
   return needs ? alignUp(a->count * es, kAlign) : 0;
 }
 
@@ -263,17 +262,9 @@ size_t gInner(const allscanScanArgs_t* a) { return a->g != nullptr ? a->count / 
 // A chain of one: exclusive = init (or 0), inclusive = g*init + x (or x).
 allscanResult_t scanOneRank(const allscanScanArgs_t* a, cudaStream_t stream) {
   const size_t bytes = a->count * dtypeSize(a->dtype);
-  if (a->inclusive) {
-    if (a->init != nullptr) {
-      ALLSCAN_CUDA_CHECK(launchCombine(a->dtype, a->g_dtype, a->x, a->init, a->g, a->y, a->count, gInner(a), 0, stream));
-    } else {
-      ALLSCAN_CUDA_CHECK(cudaMemcpyAsync(a->y, a->x, bytes, cudaMemcpyDeviceToDevice, stream));
-    }
-  } else if (a->init != nullptr) {
-    ALLSCAN_CUDA_CHECK(cudaMemcpyAsync(a->y, a->init, bytes, cudaMemcpyDeviceToDevice, stream));
-  } else {
-    ALLSCAN_CUDA_CHECK(cudaMemsetAsync(a->y, 0, bytes, stream));
-  }
+  if (!a->inclusive) return copyOrZero(a->y, a->init, bytes, stream);
+  if (a->init == nullptr) return copyOrZero(a->y, a->x, bytes, stream);
+  ALLSCAN_CUDA_CHECK(launchCombine(a->dtype, a->g_dtype, a->x, a->init, a->g, a->y, a->count, gInner(a), 0, stream));
   return allscanSuccess;
 }
 
@@ -331,7 +322,7 @@ HeadFill chooseHeadFill(allscanComm* comm, const allscanScanArgs_t* a, const voi
 allscanResult_t scanHead(allscanComm* comm, const allscanScanArgs_t* a, const Blocks& b, void* workspace,
                          cudaStream_t stream) {
   const int r = comm->rank;
-  const int next = a->reverse ? r - 1 : r + 1;
+  const int next = chainPos(comm, a->reverse).next;
   ncclComm_t nc = comm->nccl;
   const ncclDataType_t nt = ncclType(a->dtype);
   const size_t bytes = a->count * b.esize;
@@ -370,13 +361,7 @@ allscanResult_t scanHead(allscanComm* comm, const allscanScanArgs_t* a, const Bl
   if (nr != ncclSuccess) st = setError(allscanNcclError, std::string("ncclSend (chain head): ") + ncclGetErrorString(nr));
   if (side_fill) ALLSCAN_CUDA_CHECK(cudaStreamWaitEvent(stream, comm->join, 0));
   if (st != allscanSuccess) return st;
-  if (need_fill && mode == kFillSeries) {
-    if (fill_src != nullptr) {
-      ALLSCAN_CUDA_CHECK(cudaMemcpyAsync(a->y, fill_src, bytes, cudaMemcpyDeviceToDevice, stream));
-    } else {
-      ALLSCAN_CUDA_CHECK(cudaMemsetAsync(a->y, 0, bytes, stream));
-    }
-  }
+  if (need_fill && mode == kFillSeries) return copyOrZero(a->y, fill_src, bytes, stream);
   return st;
 }
 
@@ -385,10 +370,9 @@ allscanResult_t scanHead(allscanComm* comm, const allscanScanArgs_t* a, const Bl
 // S = workspace. Inclusive: R = workspace, S = y.
 allscanResult_t scanLink(const allscanComm* comm, const allscanScanArgs_t* a, const Blocks& b, void* workspace,
                          cudaStream_t stream) {
-  const int P = comm->nranks, r = comm->rank;
-  const bool has_next = a->reverse ? r > 0 : r < P - 1;
-  const int prev = a->reverse ? r + 1 : r - 1;
-  const int next = a->reverse ? r - 1 : r + 1;
+  const ChainPos pos = chainPos(comm, a->reverse);
+  const bool has_next = pos.hasNext;
+  const int prev = pos.prev, next = pos.next;
   ncclComm_t nc = comm->nccl;
   const ncclDataType_t nt = ncclType(a->dtype);
   const size_t inner = gInner(a);
@@ -432,13 +416,9 @@ allscanResult_t allscanCommCreate(ncclComm_t nccl, allscanComm_t* comm) {
   ALLSCAN_NCCL_CHECK(nccl, ncclCommCount(nccl, &nranks));
   int dev = -1, cur = -1;
   ALLSCAN_NCCL_CHECK(nccl, ncclCommCuDevice(nccl, &dev));
-  allscanComm settings;
-  ALLSCAN_CHECK(readEnv(&settings));
-  auto* c = new (std::nothrow) allscanComm(settings);
-  if (c == nullptr) return setError(allscanInternalError, "out of host memory");
+  allscanComm* c = nullptr;
+  ALLSCAN_CHECK(newComm(rank, nranks, &c));
   c->nccl = nccl;
-  c->rank = rank;
-  c->nranks = nranks;
   // The side stream and events live on the communicator's device.
   cudaError_t e = cudaGetDevice(&cur);
   if (e == cudaSuccess && cur != dev) e = cudaSetDevice(dev);
@@ -463,14 +443,7 @@ allscanResult_t allscanCommCreateDetached(int rank, int nranks, allscanComm_t* c
   ALLSCAN_ARG_CHECK(nranks >= 1, "nranks: expected >= 1, got " + std::to_string(nranks));
   ALLSCAN_ARG_CHECK(rank >= 0 && rank < nranks,
                     "rank: expected 0 <= rank < nranks (" + std::to_string(nranks) + "), got " + std::to_string(rank));
-  allscanComm settings;
-  ALLSCAN_CHECK(readEnv(&settings));
-  auto* c = new (std::nothrow) allscanComm(settings);
-  if (c == nullptr) return setError(allscanInternalError, "out of host memory");
-  c->rank = rank;
-  c->nranks = nranks;
-  *comm = c;
-  return allscanSuccess;
+  return newComm(rank, nranks, comm);
 }
 
 allscanResult_t allscanCommDestroy(allscanComm_t comm) {
@@ -576,8 +549,7 @@ allscanResult_t allscanScan(allscanComm_t comm, const allscanScanArgs_t* a, void
   ALLSCAN_ARG_CHECK(comm->nccl != nullptr, "comm: a detached communicator has no NCCL communicator");
   if (a->method == allscanAllGather) return scanAllGather(comm, a, workspace, stream);
   const Blocks blocks(a->count, scanBlocks(comm, a), dtypeSize(a->dtype));
-  const int head = a->reverse ? comm->nranks - 1 : 0;
-  if (comm->rank == head) return scanHead(comm, a, blocks, workspace, stream);
+  if (chainPos(comm, a->reverse).head) return scanHead(comm, a, blocks, workspace, stream);
   return scanLink(comm, a, blocks, workspace, stream);
 }
 

@@ -4,6 +4,7 @@
 
 #include <cerrno>
 #include <cstdlib>
+#include <new>
 #include <string>
 
 #include "common/error.h"
@@ -25,6 +26,26 @@ int effectiveBlocks(const allscanComm* comm, int numBlocks, size_t bytes) {
   int K = numBlocks;
   if (K == 0) allscanChooseNumBlocks(const_cast<allscanComm*>(comm), bytes, &K);
   return std::min(K, static_cast<int>(allscanMaxBlocks));  // more blocks only add message latencies
+}
+
+allscanResult_t copyOrZero(void* y, const void* src, size_t bytes, cudaStream_t stream) {
+  if (src != nullptr) {
+    ALLSCAN_CUDA_CHECK(cudaMemcpyAsync(y, src, bytes, cudaMemcpyDeviceToDevice, stream));
+  } else {
+    ALLSCAN_CUDA_CHECK(cudaMemsetAsync(y, 0, bytes, stream));
+  }
+  return allscanSuccess;
+}
+
+allscanResult_t newComm(int rank, int nranks, allscanComm** out) {
+  allscanComm settings;
+  ALLSCAN_CHECK(readEnv(&settings));
+  auto* c = new (std::nothrow) allscanComm(settings);
+  if (c == nullptr) return setError(allscanInternalError, "out of host memory");
+  c->rank = rank;
+  c->nranks = nranks;
+  *out = c;
+  return allscanSuccess;
 }
 
 namespace {

@@ -74,9 +74,30 @@ inline size_t blockElems(size_t count, int K, size_t esize) {
 // choice (allscanChooseNumBlocks), at most allscanMaxBlocks.
 int effectiveBlocks(const allscanComm* comm, int numBlocks, size_t bytes);
 
+// This rank's place in the chain of a forward (rank p-1 -> p) or reverse (p+1 -> p) scan.
+struct ChainPos {
+  bool head;     // the chain starts here (rank 0 forward, P-1 reverse)
+  bool hasNext;  // it sends on (not the tail)
+  int prev;      // the rank it receives from (out of range at the head)
+  int next;      // the rank it sends to (out of range at the tail)
+};
+inline ChainPos chainPos(const allscanComm* comm, int reverse) {
+  const int P = comm->nranks, r = comm->rank;
+  return ChainPos{r == (reverse ? P - 1 : 0), reverse ? r > 0 : r < P - 1, reverse ? r + 1 : r - 1,
+                  reverse ? r - 1 : r + 1};
+}
+
+// y = src, or zeros when src is null, in series on `stream` (the chain head's own result when no
+// faster path applies, and a chain of one).
+allscanResult_t copyOrZero(void* y, const void* src, size_t bytes, cudaStream_t stream);
+
 // ------------------------------------------------------------------------------------------------
 // Communicator state
 // ------------------------------------------------------------------------------------------------
+
+// A new communicator of `nranks` with this rank, no NCCL yet, and the environment's settings
+// (readEnv); allscanInvalidArgument naming the variable when one does not parse.
+allscanResult_t newComm(int rank, int nranks, allscanComm** out);
 
 // Reads ALLSCAN_FILL_CTAS, ALLSCAN_HEAD_FILL and ALLSCAN_SELF_FILL_MAX_BYTES into `c` (when the
 // communicator is made); a value that does not parse is allscanInvalidArgument naming the

@@ -5,6 +5,8 @@
 
 #include <allscan/a2a_chunked.h>
 
+#include "python/check.h"
+
 #include <string>
 #include <tuple>
 #include <vector>
@@ -13,13 +15,7 @@ namespace py = pybind11;
 
 namespace {
 
-void check(allscanResult_t r) {
-  if (r == allscanSuccess) return;
-  std::string msg = allscanA2AGetLastError();
-  if (msg.empty()) msg = "allscanA2A: error code " + std::to_string(static_cast<int>(r));
-  if (r == allscanInvalidArgument) throw py::value_error(msg);
-  throw std::runtime_error(msg);
-}
+using allscan_py::check;
 
 // One tensor: (input_ptr, output_ptr, num_heads, head_lo, head_hi, accumulate)
 using TensorSpec = std::tuple<uintptr_t, uintptr_t, int, std::vector<int>, std::vector<int>, int>;

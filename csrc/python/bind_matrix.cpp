@@ -7,19 +7,14 @@
 #include <string>
 
 #include "allscan/allscan.h"
+#include "python/check.h"
 
 namespace py = pybind11;
 
 namespace {
 
-template <typename T> T* ptr(std::uintptr_t v) { return reinterpret_cast<T*>(v); }
-
-void check(allscanResult_t r) {
-  if (r == allscanSuccess) return;
-  std::string msg = std::string("allscan: ") + allscanGetLastError();
-  if (r == allscanInvalidArgument) throw py::value_error(msg);
-  throw std::runtime_error(msg + " (" + allscanGetErrorString(r) + ")");
-}
+using allscan_py::check;
+using allscan_py::ptr;
 
 allscanMatrixScanArgs_t makeArgs(std::uintptr_t x, std::uintptr_t y, size_t batch, size_t k, size_t v, int dtype,
                                  std::uintptr_t m, int m_dtype, bool transpose_m, std::uintptr_t init, bool reverse,

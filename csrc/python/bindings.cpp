@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "allscan/allscan.h"
+#include "python/check.h"
 
 namespace py = pybind11;
 
@@ -21,14 +22,8 @@ void bind_matrix(py::module_& m);
 
 namespace {
 
-template <typename T> T* ptr(std::uintptr_t v) { return reinterpret_cast<T*>(v); }
-
-void check(allscanResult_t r) {
-  if (r == allscanSuccess) return;
-  std::string msg = std::string("allscan: ") + allscanGetLastError();
-  if (r == allscanInvalidArgument) throw py::value_error(msg);
-  throw std::runtime_error(msg + " (" + allscanGetErrorString(r) + ")");
-}
+using allscan_py::check;
+using allscan_py::ptr;
 
 void checkNccl(ncclResult_t r, const char* what) {
   if (r != ncclSuccess) throw std::runtime_error(std::string("allscan: ") + what + ": " + ncclGetErrorString(r));
