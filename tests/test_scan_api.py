@@ -1,5 +1,6 @@
 """allscan.scan's errors, the custom op (opcheck, torch.compile), the async handle on CPU, and the C
-core's argument checks and block-count rule through the bindings (no GPU needed)."""
+core's argument checks and block-count rule through the bindings (no GPU needed). A broken
+``allscan._C`` fails every test here (``import allscan`` needs it)."""
 import os
 import subprocess
 import sys
@@ -9,7 +10,8 @@ import torch
 import torch.distributed as dist
 
 import allscan
-from allscan import _dist
+from allscan import _C as C
+from allscan.ops import _scan_dist as _dist
 from allscan.reference import scan_reference
 from distributed import run_distributed
 
@@ -64,7 +66,7 @@ def test_not_initialised_message():
     code = ("import torch, allscan\n"
             "try:\n    allscan.scan(torch.ones(3))\nexcept RuntimeError as e:\n    print('ERR', e)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert "ERR" in out.stdout and "init_process_group" in out.stdout, out.stdout + out.stderr
+    assert "ERR" in out.stdout and "torch.distributed is not initialised" in out.stdout, out.stdout + out.stderr
 
 
 def test_single_rank_results(single_rank):
@@ -138,8 +140,10 @@ def _mismatch(rank, P, kind):
         kwargs["num_blocks"] = 2 + rank
     with pytest_raises(ValueError, "ranks passed different arguments") as r:
         allscan.scan(x, g, **kwargs)
-    if kind == "blocks":  # the message says what differs
-        assert "rank 0: " in r.message and "num_blocks=2" in r.message and "num_blocks=3" in r.message, r.message
+    field = {"shape": "tensor numel (rank 0: 24, rank 1: 30)", "dtype": "tensor dtype (rank 0: float32, rank 1: float64)",
+             "gamma": "gamma dtype (rank 0: float32, rank 1: none)", "method": "method (0 pipelined, 1 serial, 2 allgather) "
+             "(rank 0: 0, rank 1: 2)", "blocks": "num_blocks (0 auto) (rank 0: 2, rank 1: 3)"}[kind]
+    assert field in r.message, r.message  # names the field and each rank's value
     return True
 
 
@@ -195,7 +199,6 @@ def test_async_cpu():
 # ------------------------------------------------------------------------------------------------
 # The C core through the bindings (compiled and linked in CI; no GPU needed for these calls)
 # ------------------------------------------------------------------------------------------------
-C = pytest.importorskip("allscan._C")
 
 
 def test_choose_num_blocks_python_equals_core():
@@ -224,33 +227,19 @@ def test_choose_num_blocks_minimises_the_model():
     ("ALLSCAN_SELF_FILL_MAX_BYTES", "1073741825", "expected a byte count up to 1073741824"),
     ("ALLSCAN_FILL_CTAS", "-1", "to 1024, got '-1'"),
     ("ALLSCAN_FILL_CTAS", "1025", "to 1024, got '1025'"),
-    ("ALLSCAN_LINK_MODEL", "5", "two floats"),
-    ("ALLSCAN_LINK_MODEL", "0,1e-6", "positive finite"),
-    ("ALLSCAN_LINK_MODEL", "nan,1e-6", "positive finite"),
 ])
-def test_bad_environment_is_a_clear_error(monkeypatch, var, value, needle):
-    from allscan import _comm
+def test_core_rejects_what_the_settings_reject(monkeypatch, var, value, needle):
+    # The core reads these itself when it makes a communicator, with the same rules as the settings.
+    from allscan._contract import settings
 
     monkeypatch.setenv(var, value)
     with pytest.raises(ValueError, match=var) as e:
-        _comm.check_env()  # what the NCCL path runs before its first collective
+        C.comm_create_detached(0, 2)
     assert needle in str(e.value)
-    if var != "ALLSCAN_LINK_MODEL":  # read by the core itself when it makes a communicator
-        with pytest.raises(ValueError, match=var):
-            C.comm_create_detached(0, 2)
-
-
-@pytest.mark.parametrize("var,value", [("ALLSCAN_HEAD_FILL", v) for v in ("auto", "self", "side", "series")]
-                         + [("ALLSCAN_SELF_FILL_MAX_BYTES", "0"), ("ALLSCAN_SELF_FILL_MAX_BYTES", "1073741824"),
-                            ("ALLSCAN_FILL_CTAS", "0"), ("ALLSCAN_FILL_CTAS", "32")]
-                         + [(v, "") for v in ("ALLSCAN_HEAD_FILL", "ALLSCAN_SELF_FILL_MAX_BYTES", "ALLSCAN_FILL_CTAS",
-                                              "ALLSCAN_LINK_MODEL")])  # empty = unset
-def test_good_environment_is_accepted(monkeypatch, var, value):
-    from allscan import _comm
-
-    monkeypatch.setenv(var, value)
-    _comm.check_env()
-    C.comm_destroy(C.comm_create_detached(0, 2))
+    with pytest.raises(ValueError, match=var):
+        settings.reload()
+    monkeypatch.delenv(var)
+    settings.reload()
 
 
 def test_core_argument_checks():
@@ -371,6 +360,22 @@ def test_group_recreated_under_the_same_name(single_rank):
     # The new default group may carry the old name; the prepared plan must not be reused.
     assert torch.equal(allscan.scan(x, inclusive=True), x)
     assert torch.equal(allscan.scan(x), torch.zeros_like(x))
+
+
+def _invalid_local_args_default_mode_on_gloo(rank, P):
+    # Off NCCL the default mode exchanges every call, so a rank that fails locally joins it too.
+    x = torch.randn(4)
+    if rank == 1:
+        with pytest_raises(TypeError, "allscan.scan: tensor must be float32, float16, bfloat16 or float64"):
+            allscan.scan(x.int())
+    else:
+        with pytest_raises(ValueError, "rank(s) [1] rejected their own arguments"):
+            allscan.scan(x)
+    return True
+
+
+def test_a_local_error_on_one_rank_raises_everywhere_on_gloo():
+    assert run_distributed(_invalid_local_args_default_mode_on_gloo, 2, timeout=90) == [True] * 2
 
 
 def test_explicit_block_count_is_capped():

@@ -112,7 +112,7 @@ def test_nccl_sizes_4k_to_256m():
 
 def _capture_before_zeros(rank, P):
     from allscan import _C, _comm
-    from allscan._scan import _DTYPE_CODE, _stream_ptr
+    from allscan._contract import DTYPE_CODES
 
     dev = torch.device("cuda", torch.cuda.current_device())
     # A fresh group: its communicator has no zero buffer yet. The inclusive scan needs none at the
@@ -126,8 +126,8 @@ def _capture_before_zeros(rank, P):
     assert _C.workspace_size(comm.handle, n, 0, 0, 0, 0, 0, False, False, 0, 0) == 0
 
     def raw_scan(x, y):  # the exclusive scan, straight into the core (no signature check)
-        _C.scan(comm.handle, x.data_ptr(), y.data_ptr(), n, _DTYPE_CODE[x.dtype], 0, 0, 0, 0, False, False, 0, 0,
-                0, 0, _stream_ptr(dev))
+        _C.scan(comm.handle, x.data_ptr(), y.data_ptr(), n, DTYPE_CODES[x.dtype], 0, 0, 0, 0, False, False, 0, 0,
+                0, 0, torch.cuda.current_stream(dev).cuda_stream)
 
     # Captured before the buffer exists: the head cannot allocate under capture and writes its
     # zeros with the side kernel instead.
