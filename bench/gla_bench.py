@@ -224,8 +224,7 @@ def _stage_host_times(fwd_bwd, calls: int = 8):
     (argument checks, autograd)."""
     import torch
 
-    from allscan.ops.gla import host_stage_times
-    from allscan.ops.gla.zeco import STAGES
+    from allscan.ops.gla import STAGES, host_stage_times
 
     fwd_bwd("zeco")
     torch.cuda.synchronize()

@@ -48,10 +48,8 @@ fla-core, :class:`~allscan.ops.gla.chunk.TorchGLA` otherwise; ``ALLSCAN_GLA_BACK
 from __future__ import annotations
 
 import bisect
-import contextlib
-import time
 import warnings
-from typing import Dict, Iterator, List, Optional
+from typing import List, Optional
 
 import torch
 import torch.distributed as dist
@@ -61,8 +59,9 @@ from allscan._contract import settings
 
 from .chunk import TorchGLA
 from .fla import FlaGLA, fla_available
+from .stage_times import timed_body, timed_scan
 
-__all__ = ["zeco_gla", "LOCAL", "METHODS", "host_stage_times"]
+__all__ = ["zeco_gla", "LOCAL", "METHODS"]
 
 _SCAN_METHOD = {"zeco": "pipelined", "lasp1": "serial", "lasp2": "allgather"}
 METHODS = tuple(_SCAN_METHOD)  # the ``method=`` values of zeco_gla
@@ -76,17 +75,6 @@ class _Local:
 LOCAL = _Local()
 """``group=LOCAL``: no sequence parallelism, even inside an initialised process group: this process
 holds the whole sequence (what ``group=None`` meant before it became the default group)."""
-
-
-def _scan(x, gamma, group, **kwargs):
-    from allscan import scan
-    if not _STAGE_TIMERS:
-        return scan(x, gamma, group, **kwargs)
-    acc = _STAGE_TIMERS[-1]
-    t0 = time.perf_counter()
-    out = scan(x, gamma, group, **kwargs)
-    _add_time(acc, "scan issue", t0)
-    return _TimedHandle(out, acc) if kwargs.get("async_op") else out
 
 
 _WARNED: list = []
@@ -109,74 +97,9 @@ def select_backend(q):
     return TorchGLA
 
 
-# ---------------------------------------------------------------------------------------------------
-# benchmark hook: host time per stage
-# ---------------------------------------------------------------------------------------------------
-STAGES = ("fwd_states", "shard_gamma", "fwd_intra", "fwd_output_with_state", "fwd_output", "correct",
-          "bwd_begin", "xgrad", "bwd_prepare", "bwd_finish")
-_STAGE_TIMERS: List[Dict[str, float]] = []  # the dicts of the open host_stage_times() blocks
-
-
-def _add_time(acc, label, t0):
-    acc[label] = acc.get(label, 0.0) + time.perf_counter() - t0
-
-
-@contextlib.contextmanager
-def host_stage_times() -> Iterator[Dict[str, float]]:
-    """Benchmark hook: host seconds spent in each stage of the ``zeco_gla`` calls (forward and
-    backward) made inside the block, accumulated in the dict it yields. Keys: the backend stages
-    (:data:`STAGES`), ``"scan issue"`` (launching the All-Scans), ``"scan wait"`` (waiting for them),
-    ``"forward body"`` and ``"backward body"`` (the whole of each, stages included). Nothing is
-    synchronised: on CUDA these are the times to issue the work."""
-    acc: Dict[str, float] = {}
-    _STAGE_TIMERS.append(acc)
-    try:
-        yield acc
-    finally:
-        _STAGE_TIMERS.remove(acc)
-
-
-class _TimedStages:
-    """A backend whose stages add their host time to ``acc``."""
-
-    def __init__(self, backend, acc):
-        self._backend, self._acc = backend, acc
-
-    def __getattr__(self, name):
-        fn = getattr(self._backend, name)
-        if name not in STAGES:
-            return fn
-
-        def timed(*args, **kwargs):
-            t0 = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                _add_time(self._acc, name, t0)
-        return timed
-
-
-class _TimedHandle:
-    def __init__(self, handle, acc):
-        self._handle, self._acc = handle, acc
-
-    def wait(self):
-        t0 = time.perf_counter()
-        try:
-            return self._handle.wait()
-        finally:
-            _add_time(self._acc, "scan wait", t0)
-
-
-def _timed_body(label, body, ctx, be, *args):
-    if not _STAGE_TIMERS:
-        return body(ctx, be, *args)
-    acc = _STAGE_TIMERS[-1]
-    t0 = time.perf_counter()
-    try:
-        return body(ctx, _TimedStages(be, acc), *args)
-    finally:
-        _add_time(acc, label, t0)
+def _scan(x, gamma, group, **kwargs):
+    from allscan import scan
+    return timed_scan(scan, x, gamma, group, **kwargs)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -266,7 +189,7 @@ class ZecoGLAFunction(torch.autograd.Function):
     def forward(ctx, q, k, v, g, h0, scale, segs: ShardSegments, method: str, want_final: bool):
         ctx.be = select_backend(q)
         with torch.autocast(device_type=q.device.type, enabled=False):  # our own precision choices
-            return _timed_body("forward body", ZecoGLAFunction._forward, ctx, ctx.be, q, k, v, g, h0, scale,
+            return timed_body("forward body", ZecoGLAFunction._forward, ctx, ctx.be, q, k, v, g, h0, scale,
                                segs, method, want_final)
 
     @staticmethod
@@ -346,7 +269,7 @@ class ZecoGLAFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do, dfinal):
         with torch.autocast(device_type=do.device.type, enabled=False):
-            return _timed_body("backward body", ZecoGLAFunction._backward, ctx, ctx.be, do, dfinal)
+            return timed_body("backward body", ZecoGLAFunction._backward, ctx, ctx.be, do, dfinal)
 
     @staticmethod
     def _backward(ctx, be, do, dfinal):
