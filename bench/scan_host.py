@@ -3,8 +3,9 @@
     torchrun --nproc-per-node 2 bench/scan_host.py [--out DIR]
 
 The time the calling thread spends issuing one scan of a [1, 16, 128, 128] fp32 state (a GLA state)
-with a [1, 16, 128] decay, median over 200 calls, at four depths of the API: the C++ core alone
-(``_C.scan`` through the cached plan), ``_run`` (plan lookup + core), ``scan()`` and
+with a [1, 16, 128] decay, median over 200 calls, at four depths of the API, through the hooks
+documented in ``allscan.ops.scan``: the C++ core alone (``launch`` through the cached plan from
+``plan_for``), ``run`` (plan lookup + core), ``scan()`` and
 ``scan(async_op=True)`` with ``wait()``; each with the GPU idle and with the GPU busy (a long matmul
 queued first, so the host runs ahead of the device, as inside a model). Baselines: ``torch.empty_like``
 and an elementwise op on this host. Then cProfile of 100 async calls. Prints a table; JSON to --out.
@@ -33,7 +34,7 @@ def main():
     import torch.distributed as dist
 
     import allscan
-    import allscan._scan as S
+    from allscan.ops import scan as S
 
     local = int(os.environ.get("LOCAL_RANK", "0"))
     torch.cuda.set_device(local)
@@ -46,15 +47,14 @@ def main():
     name = group.group_name
     allscan.scan(x, g, group)  # prepares the plan, checks the signature
     allscan.scan(x, g, group, async_op=True).wait()
-    key = [k for k in S._plans if k[0] == name and k[3] == x.shape][0]
-    plan = S._plans[key]
+    plan = S.plan_for(x, g, None, group, False, False, 0, "pipelined")
     big = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
 
     pieces = {
         "torch.empty_like": lambda: torch.empty_like(x),
         "elementwise x * 2": lambda: x * 2,
-        "core (_C.scan via the plan)": lambda: S._nccl_launch(plan, x, g, None, False, False, 0),
-        "_run (plan lookup + core)": lambda: S._run(x, g, None, name, False, False, 0, "pipelined", group),
+        "core (_C.scan via the plan)": lambda: S.launch(plan, x, g, None, False, False, 0),
+        "run (plan lookup + core)": lambda: S.run(x, g, None, name, False, False, 0, "pipelined", group),
         "scan()": lambda: allscan.scan(x, g, group),
         "scan(async_op=True).wait()": lambda: allscan.scan(x, g, group, async_op=True).wait(),
     }

@@ -161,10 +161,9 @@ def main_gpu(args) -> None:
     import torch.nn.functional as F
 
     sys.path.insert(0, os.path.join(HERE, "..", "python"))
-    import allscan  # noqa: F401
+    import allscan
     from allscan import a2a
     from allscan.layers import UlyssesAttention
-    from allscan.layers import ulysses as U
 
     local = int(os.environ.get("LOCAL_RANK", "0"))
     torch.cuda.set_device(local)
@@ -174,9 +173,6 @@ def main_gpu(args) -> None:
     P, me = dist.get_world_size(), dist.get_rank()
     dtype = torch.bfloat16
     D, B = args.head_dim, args.batch
-    have_cpp = a2a._c_module() is not None
-    if me == 0 and not have_cpp:
-        print("ulysses_bench: allscan._C is not built: the all-to-alls run through torch.distributed", file=sys.stderr)
 
     yc_cls = None
     try:
@@ -326,7 +322,7 @@ def main_gpu(args) -> None:
             "benchmark": "ulysses_bench", "tag": args.tag, "world": P, "dtype": "bfloat16", "head_dim": D,
             "batch": B, "causal": args.causal, "host": socket.gethostname(),
             "env": {k: os.environ.get(k) for k in ("NCCL_P2P_DISABLE", "NCCL_SHM_DISABLE", "NCCL_NVLS_ENABLE")},
-            "torch": torch.__version__, "cpp_a2a": have_cpp, "yunchang": yc_cls is not None,
+            "torch": torch.__version__, "cpp_a2a": allscan.settings.a2a_impl != "torch", "yunchang": yc_cls is not None,
             "command": " ".join(sys.argv), "rows": rows,
         }
         doc["summary"] = derive(rows)
