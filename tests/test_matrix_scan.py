@@ -314,3 +314,25 @@ def test_core_checks_name_the_argument():
             _C.matrix_blocks(2, 3, 4, 0)
     finally:
         _C.comm_destroy(c)
+
+
+# ------------------------------------------------------------------------------------------------
+# allscan_perf -o matrix: argument errors, parsed before any CUDA call
+# ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("args, words", [
+    (["-o", "matrix", "-V", "0"], "-V (vdim)"),
+    (["-o", "matrix", "-K", "65"], "-K (blocks)"),
+    (["-o", "matrix", "-m", "ring"], "-m (methods)"),
+    (["-o", "matrix", "-L", "1,x"], "-L (link_model)"),
+    (["-o", "matrix", "-H", "4"], "-H is an option of -o a2a, not of -o matrix"),
+])
+def test_perf_matrix_argument_errors(args, words):
+    from test_perf_cli import BINARY, _run
+
+    if BINARY is None:
+        pytest.skip("allscan_perf is not built")
+    p = _run(*args)
+    assert p.returncode == 2, p.stdout + p.stderr
+    assert words in p.stderr, p.stderr
+    help_text = _run("-h").stdout
+    assert "-o matrix:" in help_text and "--vdim" in help_text

@@ -6,11 +6,13 @@ namespace perf {
 
 extern const Collective kScanCollective;  // scan.cu
 extern const Collective kA2ACollective;   // a2a.cu
+extern const Collective kMatrixCollective;  // matrix.cu
 
 const std::vector<const Collective*>& collectives() {
   static const std::vector<const Collective*> all = {
       &kScanCollective,
       &kA2ACollective,
+      &kMatrixCollective,
   };
   return all;
 }
