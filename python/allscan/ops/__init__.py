@@ -5,24 +5,9 @@ torch.distributed, with their custom ops, autograd and fake kernels. Layers use 
 - :mod:`allscan.ops.a2a`: the chunked all-to-all (``allscan.a2a``), scatter-heads and gather-heads.
 """
 from .._comm import normalize_group
+from . import a2a
 from .a2a import (GATHER, SCATTER, a2a_multi, chunk_head_ranges, gather_heads, gather_heads_multi, kv_head_ranges,
                   scatter_heads, scatter_heads_multi, split_heads)
 from .scan import ScanHandle, destroy_communicators, scan, set_check_every_call
 
-__all__ = [
-    "normalize_group",
-    "scan",
-    "ScanHandle",
-    "set_check_every_call",
-    "destroy_communicators",
-    "SCATTER",
-    "GATHER",
-    "split_heads",
-    "kv_head_ranges",
-    "chunk_head_ranges",
-    "scatter_heads",
-    "gather_heads",
-    "scatter_heads_multi",
-    "gather_heads_multi",
-    "a2a_multi",
-]
+__all__ = ["normalize_group", "scan", "ScanHandle", "set_check_every_call", "destroy_communicators", *a2a.__all__]

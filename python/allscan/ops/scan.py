@@ -19,6 +19,7 @@ from .._contract import (DTYPE_CODES, announce_invalid, check_across_ranks, clea
                          settings)
 from ..reference import acc_dtype, expand_decay
 from . import _scan_dist
+from ._launch import _raw_stream, announce_device, nccl_preflight, stream_ptr
 
 __all__ = ["scan", "ScanHandle", "set_check_every_call", "destroy_communicators", "ScanLaunchPlan", "plan_for",
            "launch", "run", "METHODS"]
@@ -38,13 +39,19 @@ def set_check_every_call(enabled: bool) -> None:
 # ------------------------------------------------------------------------------------------------
 # Validate: local argument checks, and the signature compared across ranks
 # ------------------------------------------------------------------------------------------------
+def _check_companion(name: str, t, tensor: torch.Tensor) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"allscan.scan: {name} must be a torch.Tensor or None, got {type(t).__name__}")
+    if t.device != tensor.device:
+        raise ValueError(f"allscan.scan: {name} is on {t.device}, the tensor on {tensor.device}")
+
+
 def _validate(tensor, gamma, init, method, num_blocks) -> None:
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"allscan.scan: tensor must be a torch.Tensor, got {type(tensor).__name__}")
     dtype_code(tensor.dtype, "allscan.scan: tensor")
     if gamma is not None:
-        if not isinstance(gamma, torch.Tensor):
-            raise TypeError(f"allscan.scan: gamma must be a torch.Tensor or None, got {type(gamma).__name__}")
+        _check_companion("gamma", gamma, tensor)
         if gamma.dtype not in (torch.float32, tensor.dtype):
             raise TypeError(
                 f"allscan.scan: gamma must be float32 or the tensor's dtype ({tensor.dtype}), got {gamma.dtype}"
@@ -54,18 +61,13 @@ def _validate(tensor, gamma, init, method, num_blocks) -> None:
                 f"allscan.scan: gamma's shape {list(gamma.shape)} must be a prefix of the tensor's shape "
                 f"{list(tensor.shape)} (it is broadcast over the trailing dimensions it lacks)"
             )
-        if gamma.device != tensor.device:
-            raise ValueError(f"allscan.scan: gamma is on {gamma.device}, the tensor on {tensor.device}")
     if init is not None:
-        if not isinstance(init, torch.Tensor):
-            raise TypeError(f"allscan.scan: init must be a torch.Tensor or None, got {type(init).__name__}")
+        _check_companion("init", init, tensor)
         if tuple(init.shape) != tuple(tensor.shape) or init.dtype != tensor.dtype:
             raise ValueError(
                 f"allscan.scan: init must have the tensor's shape and dtype ({tensor.dtype}{list(tensor.shape)}), "
                 f"got {init.dtype}{list(init.shape)}"
             )
-        if init.device != tensor.device:
-            raise ValueError(f"allscan.scan: init is on {init.device}, the tensor on {tensor.device}")
     if method not in METHODS:
         raise ValueError(f"allscan.scan: method must be one of {METHODS}, got {method!r}")
     if num_blocks is not None and (
@@ -92,13 +94,6 @@ def _signature(x, g, init, reverse, inclusive, num_blocks, method) -> List[Tuple
     return fields
 
 
-def _announce_device(group) -> torch.device:
-    """The device a rank that failed locally exchanges on: the one its peers use."""
-    if "nccl" in _comm.backend_name(group) and torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
 # ------------------------------------------------------------------------------------------------
 # Plan: what one argument signature needs, prepared once so that later calls only launch
 # ------------------------------------------------------------------------------------------------
@@ -121,14 +116,7 @@ _plans: Dict[tuple, ScanLaunchPlan] = {}
 
 
 def _prepare(x, g, init, group, reverse, inclusive, num_blocks, method) -> ScanLaunchPlan:
-    nccl = _comm.uses_nccl(group, x)
-    if nccl:
-        try:
-            _comm.check_device(group, x.device)  # before any collective
-            _comm.check_env()
-        except ValueError:
-            announce_invalid(group, torch.device("cuda", torch.cuda.current_device()), _OP)
-            raise
+    nccl = nccl_preflight(group, x, _OP)
     check_across_ranks(group, x.device, _OP, _signature(x, g, init, reverse, inclusive, num_blocks, method))
     if not nccl:
         return ScanLaunchPlan(group, None, 0, 0, 0, 0)
@@ -170,17 +158,6 @@ def run(x, g, init, group_name, reverse, inclusive, num_blocks, method, group=No
     return launch(plan, x, g, init, reverse, inclusive, num_blocks, stream)
 
 
-# The current stream's handle without building a torch.cuda.Stream object (a few microseconds per
-# call); the public route where this private helper is missing.
-_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-
-
-def _stream_ptr(device: torch.device) -> int:
-    if _raw_stream is not None:
-        return _raw_stream(device.index)
-    return torch.cuda.current_stream(device).cuda_stream
-
-
 def launch(plan: ScanLaunchPlan, x, g, init, reverse, inclusive, num_blocks, stream=None) -> torch.Tensor:
     """The core's scan through an NCCL plan (no check, no lookup): the output and workspace are
     allocated here, the kernels enqueued on the current stream or ``stream``."""
@@ -192,7 +169,7 @@ def launch(plan: ScanLaunchPlan, x, g, init, reverse, inclusive, num_blocks, str
         plan.comm.handle, x.data_ptr(), y.data_ptr(), x.numel(), plan.dt, 0 if g is None else g.data_ptr(),
         0 if g is None else g.numel(), plan.gdt, 0 if init is None else init.data_ptr(), reverse, inclusive,
         num_blocks, plan.midx, 0 if ws is None else ws.data_ptr(), plan.ws_bytes,
-        _stream_ptr(x.device) if stream is None else stream.cuda_stream,
+        stream_ptr(x.device) if stream is None else stream.cuda_stream,
     )
     if ws is not None and stream is not None:
         ws.record_stream(stream)  # allocated on the current stream, used on `stream`: freed after it
@@ -301,7 +278,7 @@ class ScanHandle:
     def wait(self) -> torch.Tensor:
         if self._raw is not None:
             dev = self._result.device
-            cur = _stream_ptr(dev)
+            cur = stream_ptr(dev)
             _C.event_wait(cur, self._raw[1])
             if cur != self._caller:
                 # The result was allocated on the calling stream; it is now used on this one too.
@@ -403,7 +380,7 @@ def scan(
         _validate(tensor, gamma, init, method, num_blocks)
     except (TypeError, ValueError):
         if isinstance(tensor, torch.Tensor):
-            announce_invalid(group, _announce_device(group), _OP)
+            announce_invalid(group, announce_device(group), _OP)
         raise
     name = group.group_name
     x = tensor.contiguous()
