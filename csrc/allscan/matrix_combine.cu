@@ -75,6 +75,13 @@ __global__ void __launch_bounds__(kThreads) combineKernel(Params p) {
       Ys[kk][c] = v;
     }
     __syncthreads();
+    // Two-level sum: each BK-long slice in its own partial, then added to the total, so the
+    // rounding error grows like sqrt(BK) + sqrt(K/BK) instead of sqrt(K) (half at K = 256).
+    A part[TM][TN];
+#pragma unroll
+    for (int u = 0; u < TM; ++u)
+#pragma unroll
+      for (int v = 0; v < TN; ++v) part[u][v] = A(0);
 #pragma unroll
     for (int kk = 0; kk < BK; ++kk) {
       A mv[TM], yv[TN];
@@ -85,8 +92,12 @@ __global__ void __launch_bounds__(kThreads) combineKernel(Params p) {
 #pragma unroll
       for (int u = 0; u < TM; ++u)
 #pragma unroll
-        for (int v = 0; v < TN; ++v) acc[u][v] = fma(mv[u], yv[v], acc[u][v]);
+        for (int v = 0; v < TN; ++v) part[u][v] = fma(mv[u], yv[v], part[u][v]);
     }
+#pragma unroll
+    for (int u = 0; u < TM; ++u)
+#pragma unroll
+      for (int v = 0; v < TN; ++v) acc[u][v] += part[u][v];
     __syncthreads();
   }
 
