@@ -24,7 +24,8 @@ def test_find_package_consumer(tmp_path):
           "-DALLSCAN_BUILD_BENCH=OFF", f"-DCMAKE_INSTALL_PREFIX={prefix}"])
     _run(["cmake", "--build", str(build), "-j", str(os.cpu_count() or 2)], timeout=1800)
     _run(["cmake", "--install", str(build)])
-    assert (prefix / "include" / "allscan" / "allscan.h").exists()
+    for header in ("common.h", "allscan.h", "a2a_chunked.h"):  # every part's public header, in one folder
+        assert (prefix / "include" / "allscan" / header).exists(), header
     _run(["cmake", "-S", os.path.join(ROOT, "examples", "cpp_consumer"), "-B", str(cbuild), *gen,
           f"-DCMAKE_PREFIX_PATH={prefix}"])
     _run(["cmake", "--build", str(cbuild)])
@@ -37,3 +38,4 @@ def test_find_package_consumer(tmp_path):
         env["LD_LIBRARY_PATH"] = os.path.dirname(libdir[0]) + ":" + env.get("LD_LIBRARY_PATH", "")
     out = _run([str(exe)], env=env)
     assert "consumer ok" in out.stdout and "g_count" in out.stdout
+    assert "a2a last error: allscanA2ASplitHeads: nranks must be >= 1" in out.stdout

@@ -1,6 +1,8 @@
 // Links allscan::allscan from the installed package and uses the C API. Without a GPU it checks
-// what needs none (version, a detached communicator, the block rule, argument errors); with
+// what needs none (version, a detached communicator, the block rule, argument errors of both
+// collectives, which share one last-error message); with
 // `--gpu` and one visible GPU it runs a one-rank NCCL scan and checks the result.
+#include <allscan/a2a_chunked.h>
 #include <allscan/allscan.h>
 
 #include <cstdio>
@@ -60,6 +62,14 @@ int main(int argc, char** argv) {
   EXPECT(std::strstr(allscanGetLastError(), "g_count") != nullptr);
   std::printf("last error names the argument: %s\n", allscanGetLastError());
   allscanCommDestroy(comm);
+  // The chunked all-to-all: head maps on the host, and its errors through the same last error.
+  int lo[3], hi[3];
+  EXPECT(allscanA2ASplitHeads(0, 8, 3, lo, hi) == allscanSuccess);
+  EXPECT(lo[0] == 0 && hi[0] == 3 && lo[1] == 3 && hi[1] == 6 && lo[2] == 6 && hi[2] == 8);
+  EXPECT(allscanA2ASplitHeads(0, 8, 0, lo, hi) == allscanInvalidArgument);
+  EXPECT(std::strstr(allscanGetLastError(), "nranks") != nullptr);
+  EXPECT(std::strcmp(allscanA2AGetLastError(), allscanGetLastError()) == 0);
+  std::printf("a2a last error: %s\n", allscanA2AGetLastError());
   if (argc > 1 && std::strcmp(argv[1], "--gpu") == 0) return runGpu();
   std::printf("consumer ok (allscan %d)\n", allscanGetVersion());
   return 0;
