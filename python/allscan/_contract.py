@@ -61,55 +61,6 @@ def dtype_code(dtype: torch.dtype, what: str) -> int:
 # ------------------------------------------------------------------------------------------------
 # The settings
 # ------------------------------------------------------------------------------------------------
-class Variable(NamedTuple):
-    name: str       # the environment variable
-    attr: str       # the settings attribute ("" for a deprecated alias)
-    values: str     # what it accepts
-    default: str    # unset (or empty)
-    when: str       # when it is read
-    meaning: str
-
-
-_FIRST_USE = "first use"
-_COMM = "first use; the C++ core when it makes a communicator"
-
-VARIABLES: Tuple[Variable, ...] = (
-    Variable("ALLSCAN_CHECK", "check", "`first`, `always`, `never`", "`first`", _FIRST_USE,
-             "The cross-rank argument check of every collective and layer. `first`: on NCCL, the first "
-             "time a signature is seen per group (then cached); on other backends every call. `always`: "
-             "every call (one small all-gather and a host synchronisation), a rank whose own arguments "
-             "fail joins the exchange so the others raise too, and Ulysses attention repeats each "
-             "two-stream forward on one stream and compares. `never`: no check."),
-    Variable("ALLSCAN_LINK_MODEL", "link_model", "`latency_us,us_per_byte` (two positive floats)",
-             "measured (P > 2)", _FIRST_USE,
-             "The link model that chooses the All-Scan's block count, instead of measuring it."),
-    Variable("ALLSCAN_HEAD_FILL", "head_fill", "`auto`, `self`, `side`, `series`", "`auto`", _COMM,
-             "How the All-Scan's chain head writes its own result (README, \"the head's own result\")."),
-    Variable("ALLSCAN_SELF_FILL_MAX_BYTES", "self_fill_max_bytes", "bytes, 0 to 1073741824", "8388608", _COMM,
-             "`auto` head fill: the largest state that takes the self copy."),
-    Variable("ALLSCAN_FILL_CTAS", "fill_ctas", "0 to 1024", "8", _COMM,
-             "CTAs of the head's side fill (0: in series after the send)."),
-    Variable("ALLSCAN_GLA_BACKEND", "gla_backend", "`auto`, `fla`, `torch`", "`auto`", _FIRST_USE,
-             "The GLA layer's local kernels: fla-core on CUDA when importable (`auto`), or forced."),
-    Variable("ALLSCAN_GLA_FUSED", "gla_fused", "`0`, `1`", "`1`", _FIRST_USE,
-             "GLA: the fused Triton correction kernel (`0`: torch ops)."),
-    Variable("ALLSCAN_GLA_FUSED_OUTPUT", "gla_fused_output", "`0`, `1`", "`1`", _FIRST_USE,
-             "GLA: fold the incoming state into the output kernel (`0`: fla's output kernel, then a "
-             "separate correction)."),
-    Variable("ALLSCAN_FLA_AUTOTUNE", "fla_autotune", "`one`, `full`", "unset (fla's own)", "first fla call",
-             "How fla-core's Triton kernels autotune: `one` fixed config per kernel or `full`."),
-    Variable("ALLSCAN_ULYSSES_STREAMS", "ulysses_streams", "`0`, `1`", "`1`", _FIRST_USE,
-             "Ulysses attention: pipeline the chunks over two CUDA streams (`0`: one stream)."),
-    Variable("ALLSCAN_A2A_IMPL", "a2a_impl", "`auto`, `torch`", "`auto`", _FIRST_USE,
-             "The chunked all-to-all: the C++ core on NCCL (`auto`) or torch.distributed everywhere."),
-    Variable("ALLSCAN_PERF", "perf_binary", "a path", "`build/*/bench/allscan_perf`", "by tests/test_perf_cli.py",
-             "The `allscan_perf` binary the CLI tests run."),
-    Variable("ALLSCAN_A2A_CHECK", "", "`auto`, `always`, `never`", "unset", _FIRST_USE,
-             "Deprecated (FutureWarning): `ALLSCAN_CHECK` (`auto` = `first`); ignored when that is set."),
-    Variable("ALLSCAN_ULYSSES_CHECK", "", "`0`, `1`", "unset", _FIRST_USE,
-             "Deprecated (FutureWarning): `1` = `ALLSCAN_CHECK=always`; ignored when that is set."),
-)
-
 MAX_SELF_FILL_BYTES = 1 << 30
 MAX_FILL_CTAS = 1024
 
@@ -146,20 +97,69 @@ def _link_model(name: str, v: str) -> Tuple[float, float]:
     return a, b
 
 
-_PARSE = {
-    "ALLSCAN_CHECK": (_choice("first", "always", "never"), "first"),
-    "ALLSCAN_LINK_MODEL": (_link_model, None),
-    "ALLSCAN_HEAD_FILL": (_choice("auto", "self", "side", "series"), "auto"),
-    "ALLSCAN_SELF_FILL_MAX_BYTES": (_count(MAX_SELF_FILL_BYTES, "a byte count"), 8 << 20),
-    "ALLSCAN_FILL_CTAS": (_count(MAX_FILL_CTAS, "a CTA count"), 8),
-    "ALLSCAN_GLA_BACKEND": (_choice("auto", "fla", "torch"), "auto"),
-    "ALLSCAN_GLA_FUSED": (_flag, True),
-    "ALLSCAN_GLA_FUSED_OUTPUT": (_flag, True),
-    "ALLSCAN_FLA_AUTOTUNE": (_choice("one", "full"), None),
-    "ALLSCAN_ULYSSES_STREAMS": (_flag, True),
-    "ALLSCAN_A2A_IMPL": (_choice("auto", "torch"), "auto"),
-    "ALLSCAN_PERF": (lambda name, v: v, None),
-}
+class Variable(NamedTuple):
+    name: str       # the environment variable
+    attr: str       # the settings attribute ("" for a deprecated alias)
+    values: str     # what it accepts
+    default: str    # unset (or empty)
+    when: str       # when it is read
+    meaning: str
+    parse: Optional[Callable[[str, str], object]] = None  # (name, raw value) -> value, or ValueError
+    unset: object = None  # the value when unset
+
+
+_FIRST_USE = "first use"
+_COMM = "first use; the C++ core when it makes a communicator"
+
+VARIABLES: Tuple[Variable, ...] = (
+    Variable("ALLSCAN_CHECK", "check", "`first`, `always`, `never`", "`first`", _FIRST_USE,
+             "The cross-rank argument check of every collective and layer. `first`: on NCCL, the first "
+             "time a signature is seen per group (then cached); on other backends every call. `always`: "
+             "every call (one small all-gather and a host synchronisation), a rank whose own arguments "
+             "fail joins the exchange so the others raise too, and Ulysses attention repeats each "
+             "two-stream forward on one stream and compares. `never`: no check.",
+             _choice("first", "always", "never"), "first"),
+    Variable("ALLSCAN_LINK_MODEL", "link_model", "`latency_us,us_per_byte` (two positive floats)",
+             "measured (P > 2)", _FIRST_USE,
+             "The link model that chooses the All-Scan's block count, instead of measuring it.",
+             _link_model, None),
+    Variable("ALLSCAN_HEAD_FILL", "head_fill", "`auto`, `self`, `side`, `series`", "`auto`", _COMM,
+             "How the All-Scan's chain head writes its own result (README, \"the head's own result\").",
+             _choice("auto", "self", "side", "series"), "auto"),
+    Variable("ALLSCAN_SELF_FILL_MAX_BYTES", "self_fill_max_bytes", "bytes, 0 to 1073741824", "8388608", _COMM,
+             "`auto` head fill: the largest state that takes the self copy.",
+             _count(MAX_SELF_FILL_BYTES, "a byte count"), 8 << 20),
+    Variable("ALLSCAN_FILL_CTAS", "fill_ctas", "0 to 1024", "8", _COMM,
+             "CTAs of the head's side fill (0: in series after the send).",
+             _count(MAX_FILL_CTAS, "a CTA count"), 8),
+    Variable("ALLSCAN_GLA_BACKEND", "gla_backend", "`auto`, `fla`, `torch`", "`auto`", _FIRST_USE,
+             "The GLA layer's local kernels: fla-core on CUDA when importable (`auto`), or forced.",
+             _choice("auto", "fla", "torch"), "auto"),
+    Variable("ALLSCAN_GLA_FUSED", "gla_fused", "`0`, `1`", "`1`", _FIRST_USE,
+             "GLA: the fused Triton correction kernel (`0`: torch ops).",
+             _flag, True),
+    Variable("ALLSCAN_GLA_FUSED_OUTPUT", "gla_fused_output", "`0`, `1`", "`1`", _FIRST_USE,
+             "GLA: fold the incoming state into the output kernel (`0`: fla's output kernel, then a "
+             "separate correction).",
+             _flag, True),
+    Variable("ALLSCAN_FLA_AUTOTUNE", "fla_autotune", "`one`, `full`", "unset (fla's own)", "first fla call",
+             "How fla-core's Triton kernels autotune: `one` fixed config per kernel or `full`.",
+             _choice("one", "full"), None),
+    Variable("ALLSCAN_ULYSSES_STREAMS", "ulysses_streams", "`0`, `1`", "`1`", _FIRST_USE,
+             "Ulysses attention: pipeline the chunks over two CUDA streams (`0`: one stream).",
+             _flag, True),
+    Variable("ALLSCAN_A2A_IMPL", "a2a_impl", "`auto`, `torch`", "`auto`", _FIRST_USE,
+             "The chunked all-to-all: the C++ core on NCCL (`auto`) or torch.distributed everywhere.",
+             _choice("auto", "torch"), "auto"),
+    Variable("ALLSCAN_PERF", "perf_binary", "a path", "`build/*/bench/allscan_perf`", "by tests/test_perf_cli.py",
+             "The `allscan_perf` binary the CLI tests run.",
+             lambda name, v: v, None),
+    Variable("ALLSCAN_A2A_CHECK", "", "`auto`, `always`, `never`", "unset", _FIRST_USE,
+             "Deprecated (FutureWarning): `ALLSCAN_CHECK` (`auto` = `first`); ignored when that is set."),
+    Variable("ALLSCAN_ULYSSES_CHECK", "", "`0`, `1`", "unset", _FIRST_USE,
+             "Deprecated (FutureWarning): `1` = `ALLSCAN_CHECK=always`; ignored when that is set."),
+)
+
 _A2A_CHECK_ALIAS = {"auto": "first", "always": "always", "never": "never"}
 
 
@@ -194,9 +194,8 @@ class Settings:
         values = {}
         for var in VARIABLES:
             if var.attr:
-                parse, default = _PARSE[var.name]
                 raw = _env(var.name)
-                values[var.attr] = default if raw is None else parse(var.name, raw)
+                values[var.attr] = var.unset if raw is None else var.parse(var.name, raw)
         values["check"] = self._check_with_aliases(values["check"])
         with self._lock:
             for attr, value in values.items():
