@@ -294,15 +294,14 @@ def check_across_ranks(group, device: torch.device, op: str, fields: Sequence[Tu
         seen = ref is not None and ref() is group
         if seen:
             _checked.move_to_end(key)
-    capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-    if capturing:
+    if seen and mode == "first" and _on_nccl(group, device):
+        return
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         if seen:
             return  # checked before capture; the exchange would synchronise, which capture forbids
         raise RuntimeError(
             f"allscan.{op}: these arguments were never checked across ranks, and the check cannot run while "
             f"a CUDA graph is being captured; call it once with them before capturing")
-    if seen and mode == "first" and _on_nccl(group, device):
-        return
     row = [_VALID, _op_code(op), len(values), *values]
     rows = _gather_rows(group, device, row + [0] * (_WIDTH - len(row)))
     _raise_on_difference(op, fields, rows, dist.get_rank(group))
