@@ -236,7 +236,7 @@ size_t workspaceBytes(const allscanComm* comm, const allscanScanArgs_t* a) {
   // on (exclusive, not the tail) or what it receives (inclusive). The tail of an exclusive scan
   // receives straight into y and needs nothing.
   const ChainPos pos = chainPos(comm, a->reverse);
-  const bool needs = pos.head ? (a->init != nullptr && !a->inclusive) : (pos.hasNext || a->inclusive);
+  const bool needs = pos.head ? (a->init != nullptr && !a->inclusive) : (pos.has_next || a->inclusive);
   return needs ? alignUp(a->count * es, kAlign) : 0;
 }
 
@@ -371,7 +371,7 @@ allscanResult_t scanHead(allscanComm* comm, const allscanScanArgs_t* a, const Bl
 allscanResult_t scanLink(const allscanComm* comm, const allscanScanArgs_t* a, const Blocks& b, void* workspace,
                          cudaStream_t stream) {
   const ChainPos pos = chainPos(comm, a->reverse);
-  const bool has_next = pos.hasNext;
+  const bool has_next = pos.has_next;
   const int prev = pos.prev, next = pos.next;
   ncclComm_t nc = comm->nccl;
   const ncclDataType_t nt = ncclType(a->dtype);

@@ -77,7 +77,7 @@ int effectiveBlocks(const allscanComm* comm, int numBlocks, size_t bytes);
 // This rank's place in the chain of a forward (rank p-1 -> p) or reverse (p+1 -> p) scan.
 struct ChainPos {
   bool head;     // the chain starts here (rank 0 forward, P-1 reverse)
-  bool hasNext;  // it sends on (not the tail)
+  bool has_next;  // it sends on (not the tail)
   int prev;      // the rank it receives from (out of range at the head)
   int next;      // the rank it sends to (out of range at the tail)
 };

@@ -57,7 +57,7 @@ Built build(int nranks, int batch, int seq_local, int head_dim, int dtype, const
 
 }  // namespace
 
-void bind_a2a(py::module_& m) {
+void bindA2A(py::module_& m) {
   m.def(
       "a2a_split_heads",
       [](int h0, int h1, int nranks) {

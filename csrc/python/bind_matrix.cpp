@@ -39,7 +39,7 @@ allscanMatrixScanArgs_t makeArgs(std::uintptr_t x, std::uintptr_t y, size_t batc
 
 }  // namespace
 
-void bind_matrix(py::module_& m) {
+void bindMatrix(py::module_& m) {
   m.def("matrix_blocks", [](size_t batch, size_t k, size_t v, int num_blocks) {
     int n = 0;
     size_t cols = 0;

@@ -17,8 +17,8 @@
 
 namespace py = pybind11;
 
-void bind_a2a(py::module_& m);
-void bind_matrix(py::module_& m);
+void bindA2A(py::module_& m);
+void bindMatrix(py::module_& m);
 
 namespace {
 
@@ -221,6 +221,6 @@ PYBIND11_MODULE(_C, m) {
   });
   m.def("event_release", [](int dev, std::uintptr_t e) { releaseEvent(dev, ptr<CUevent_st>(e)); });
 
-  bind_a2a(m);
-  bind_matrix(m);
+  bindA2A(m);
+  bindMatrix(m);
 }
