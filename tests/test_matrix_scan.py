@@ -209,6 +209,16 @@ def test_opcheck_single_rank(single_rank):
         torch.library.opcheck(torch.ops.allscan.matrix_scan.default, args)
 
 
+def test_async_handle_on_cpu(single_rank):
+    x = torch.randn(2, 3, 4)
+    m = torch.randn(2, 3, 3)
+    init = torch.randn(2, 3, 4)
+    h = allscan.scan(x, transition=m, init=init, inclusive=True, async_op=True)
+    assert isinstance(h, allscan.ScanHandle) and h.is_completed()
+    expect = matrix_scan_reference([x], [m], init, inclusive=True)[0]
+    assert torch.equal(h.wait(), expect)
+
+
 def _opcheck_and_compile(rank, P):
     name = dist.group.WORLD.group_name
     gen = torch.Generator().manual_seed(0)
