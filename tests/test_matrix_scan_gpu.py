@@ -122,12 +122,14 @@ def test_nccl_exact_data_bitwise(P):
 
 def _kernel_one_rank(rank, P):
     """P = 1 inclusive with init is one combine, M @ init + x (and M^T through the op's transpose
-    flag, which the backward uses): fp32 within 1e-6 of float64 for every K up to 256."""
+    flag, which the backward uses): fp32 within 1e-6 of float64 for every K up to 256, with the
+    small (32 x 32) and the large (64 x 64, from 128 CTAs of those) output tiles."""
     dev = _dev()
     name = dist.group.WORLD.group_name
     gen = torch.Generator().manual_seed(3)
     for (lead, K, V), transpose in itertools.product(
-            [((4,), 128, 128), ((2,), 64, 64), ((1,), 256, 256), ((3,), 1, 1), ((2,), 70, 300), ((5,), 200, 3)],
+            [((4,), 128, 128), ((40,), 128, 128), ((2,), 64, 64), ((1,), 256, 256), ((3,), 1, 1), ((2,), 70, 300),
+             ((5,), 200, 3), ((64,), 200, 100)],
             (False, True)):
         x = torch.randn(lead + (K, V), generator=gen, dtype=torch.float64)
         m = torch.randn(lead + (K, K), generator=gen, dtype=torch.float64) / K ** 0.5

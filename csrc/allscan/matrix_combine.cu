@@ -17,11 +17,14 @@ using detail::Acc;
 using detail::fromAcc;
 using detail::toAcc;
 
-// Output tile BM x BN per CTA, inner dimension in steps of BK through shared memory, TM x TN
-// outputs per thread. FFMA in the accumulation dtype: an fp32 state must match a float64 chain to
-// ~1e-6 relative, which TF32 tensor cores (10-bit mantissa) cannot give.
-constexpr int BM = 64, BN = 64, BK = 16, TM = 4, TN = 4;
-constexpr int kThreads = (BM / TM) * (BN / TN);  // 256
+// Output tile TILE x TILE per CTA of 256 threads (TILE/16 x TILE/16 outputs per thread), inner
+// dimension in steps of BK through shared memory. FFMA in the accumulation dtype: an fp32 state must
+// match a float64 chain to ~1e-6 relative, which TF32 tensor cores (10-bit mantissa) cannot give.
+// 64 x 64 tiles when there is enough work to fill the GPU with them, else 32 x 32 (4x the CTAs: a
+// pipeline block of a few [128, 128] entries is a few dozen CTAs).
+constexpr int BK = 16;
+constexpr int kThreads = 256;
+constexpr size_t kSmallTileBelowCtas = 128;  // fewer 64 x 64 CTAs than this: 32 x 32 tiles
 
 struct Params {
   const void* m;
@@ -31,9 +34,10 @@ struct Params {
   unsigned col_tiles;
 };
 
-template <typename T, typename MT>
+template <typename T, typename MT, int TILE>
 __global__ void __launch_bounds__(kThreads) combineKernel(Params p) {
   using A = typename Acc<T>::type;
+  constexpr int BM = TILE, BN = TILE, TM = TILE / 16, TN = TILE / 16;
   __shared__ A Ms[BK][BM];  // Ms[kk][i] = M[i0 + i][k0 + kk]
   __shared__ A Ys[BK][BN];  // Ys[kk][c] = y[k0 + kk][c0 + c]
   const size_t K = p.k, vc = p.vc;
@@ -119,8 +123,9 @@ __global__ void __launch_bounds__(kThreads) combineKernel(Params p) {
   }
 }
 
-template <typename T, typename MT>
-cudaError_t launchT(const CombineArgs& a, cudaStream_t stream) {
+template <typename T, typename MT, int TILE>
+cudaError_t launchTile(const CombineArgs& a, cudaStream_t stream) {
+  constexpr int BM = TILE, BN = TILE;
   Params p;
   p.m = a.m;
   p.transpose = a.transpose;
@@ -136,8 +141,15 @@ cudaError_t launchT(const CombineArgs& a, cudaStream_t stream) {
   const size_t gx = static_cast<size_t>(p.col_tiles) * a.nb;
   const size_t gy = (a.k + BM - 1) / BM;
   if (gx > 0x7fffffffu || gy > 65535u) return cudaErrorInvalidConfiguration;
-  combineKernel<T, MT><<<dim3(static_cast<unsigned>(gx), static_cast<unsigned>(gy)), kThreads, 0, stream>>>(p);
+  combineKernel<T, MT, TILE><<<dim3(static_cast<unsigned>(gx), static_cast<unsigned>(gy)), kThreads, 0, stream>>>(p);
   return cudaGetLastError();
+}
+
+template <typename T, typename MT>
+cudaError_t launchT(const CombineArgs& a, cudaStream_t stream) {
+  const size_t ctas64 = (a.vc + 63) / 64 * a.nb * ((a.k + 63) / 64);
+  if (ctas64 < kSmallTileBelowCtas) return launchTile<T, MT, 32>(a, stream);
+  return launchTile<T, MT, 64>(a, stream);
 }
 
 template <typename T>
