@@ -346,3 +346,27 @@ def test_perf_matrix_argument_errors(args, words):
     assert words in p.stderr, p.stderr
     help_text = _run("-h").stdout
     assert "-o matrix:" in help_text and "--vdim" in help_text
+
+
+def test_core_workspace_by_role():
+    """What each rank of a 3-rank chain stages (a [2, 4, 8] fp32 state is 256 bytes, one aligned
+    buffer): the head only a packed or init-combined send, an inner rank what it sends (exclusive)
+    or receives (inclusive), both when blocks are packed; the exclusive tail nothing unless packed."""
+    F32, PIPE, AG = _C.FLOAT32, _C.PIPELINED, _C.ALLGATHER
+    cases = [  # (rank, reverse, init, inclusive, num_blocks, method) -> bytes
+        ((0, False, False, False, 1, PIPE), 0), ((0, False, True, False, 1, PIPE), 256),
+        ((0, False, True, True, 1, PIPE), 0), ((0, False, False, False, 5, PIPE), 256),
+        ((1, False, False, False, 1, PIPE), 256), ((1, False, False, True, 1, PIPE), 256),
+        ((1, False, False, False, 5, PIPE), 512), ((1, False, False, True, 5, PIPE), 512),
+        ((2, False, False, False, 1, PIPE), 0), ((2, False, False, True, 1, PIPE), 256),
+        ((2, False, False, False, 5, PIPE), 256), ((0, True, False, False, 1, PIPE), 0),
+        ((2, True, True, False, 1, PIPE), 256),
+        ((1, False, False, False, 0, AG), 768 + 512 + 256), ((1, False, True, False, 0, AG), 768 + 512 + 256 + 256),
+    ]
+    for (rank, reverse, init, inclusive, nb, method), want in cases:
+        c = _C.comm_create_detached(rank, 3)
+        try:
+            got = _C.matrix_workspace_size(c, 2, 4, 8, F32, F32, False, init, reverse, inclusive, nb, method)
+        finally:
+            _C.comm_destroy(c)
+        assert got == want, (rank, reverse, init, inclusive, nb, method, got, want)
