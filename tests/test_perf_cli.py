@@ -100,7 +100,7 @@ BAD_ARGS = [
     (["-o", "nosuch"], "-o (op): expected scan|a2a"),
     (["-o"], "option -o needs a value"),
     # An option of another row set names the row set it belongs to.
-    (["-o", "a2a", "-K", "2"], "-K is an option of -o scan, not of -o a2a"),
+    (["-o", "a2a", "-K", "2"], "-K is an option of -o scan"),
     (["-o", "a2a", "-r"], "-r is an option of -o scan"),
     (["-H", "4"], "-H is an option of -o a2a, not of -o scan"),
     (["--chunks=2"], "-k is an option of -o a2a"),

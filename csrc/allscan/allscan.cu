@@ -297,72 +297,99 @@ allscanResult_t scanAllGather(const allscanComm* comm, const allscanScanArgs_t* 
   return allscanSuccess;
 }
 
-// How the chain head writes its own result y when it is not what it sends: init or zeros
-// (exclusive), or x itself (inclusive without init). A second kernel on the head costs its launch
-// and join beside a short send, so up to self_fill_max bytes (auto) y is written inside the send's
-// own NCCL group call, as a send/recv to itself: one kernel, like the bare send. Larger states take
-// a few CTAs on the side stream beside the send, whose bandwidth a self copy would share. Zeros
-// come from the communicator's zeroed buffer (ensureZeros; without it, the side path); the side
-// path runs in series after the send when asked or when its buffers are not 16-byte aligned.
+// The chain head's own result y, when it is not what the head sends: init or zeros (exclusive),
+// or x itself (inclusive without init). A second kernel on the head costs its launch and join
+// beside a short send, so up to self_fill_max bytes (auto) y is written inside the send's own NCCL
+// group call, as a send/recv to itself: one kernel, like the bare send. Larger states take a few
+// CTAs on the side stream beside the send, whose bandwidth a self copy would share. Zeros come from
+// the communicator's zeroed buffer (ensureZeros; without it, the side path); the side path runs in
+// series after the send when asked or when its buffers are not 16-byte aligned.
 // Measurements: bench/README.md, "the head's own result" (second to fourth runs).
-HeadFill chooseHeadFill(allscanComm* comm, const allscanScanArgs_t* a, const void* fill_src, cudaStream_t stream) {
-  const size_t bytes = a->count * dtypeSize(a->dtype);
-  int mode = comm->head_fill;
-  if (mode == kFillAuto) mode = bytes <= comm->self_fill_max ? kFillSelf : kFillSide;
-  if (mode == kFillSelf && fill_src == nullptr && !ensureZeros(comm, bytes, stream)) mode = kFillSide;
-  if (mode == kFillSide &&
-      (comm->fill_ctas == 0 || bytes % 16 != 0 || !aligned16(a->y) || (fill_src != nullptr && !aligned16(fill_src))))
-    mode = kFillSeries;
-  return static_cast<HeadFill>(mode);
-}
+class HeadResult {
+ public:
+  // Chooses the path (ALLSCAN_HEAD_FILL, the size, the zero buffer, the alignment).
+  HeadResult(allscanComm* comm, const allscanScanArgs_t* a, cudaStream_t stream)
+      : comm_(comm), a_(a), stream_(stream), bytes_(a->count * dtypeSize(a->dtype)),
+        src_(a->inclusive ? a->x : a->init) {
+    if (a->inclusive && a->init != nullptr) return;  // y is what the head sends: nothing to write
+    int mode = comm->head_fill;
+    if (mode == kFillAuto) mode = bytes_ <= comm->self_fill_max ? kFillSelf : kFillSide;
+    if (mode == kFillSelf && src_ == nullptr && !ensureZeros(comm, bytes_, stream)) mode = kFillSide;
+    if (mode == kFillSide && (comm->fill_ctas == 0 || bytes_ % 16 != 0 || !aligned16(a->y) ||
+                              (src_ != nullptr && !aligned16(src_))))
+      mode = kFillSeries;
+    mode_ = mode;
+  }
+
+  // Before the send's group call: the side path forks its CTAs onto the side stream.
+  allscanResult_t fork() {
+    if (mode_ != kFillSide) return allscanSuccess;
+    ALLSCAN_CUDA_CHECK(cudaEventRecord(comm_->fork, stream_));
+    ALLSCAN_CUDA_CHECK(cudaStreamWaitEvent(comm_->side, comm_->fork, 0));
+    const size_t n16 = bytes_ / 16;
+    const int ctas = static_cast<int>(std::min<size_t>(comm_->fill_ctas, (n16 + kThreads - 1) / kThreads));
+    fillKernel<<<std::max(ctas, 1), kThreads, 0, comm_->side>>>(static_cast<uint4*>(a_->y),
+                                                               static_cast<const uint4*>(src_), n16);
+    ALLSCAN_CUDA_CHECK(cudaGetLastError());
+    ALLSCAN_CUDA_CHECK(cudaEventRecord(comm_->join, comm_->side));
+    return allscanSuccess;
+  }
+
+  // Inside the send's group call: the self path's send/recv to itself.
+  ncclResult_t inGroup(ncclComm_t nc) {
+    if (mode_ != kFillSelf) return ncclSuccess;
+    const void* src = src_ != nullptr ? src_ : comm_->zeros;
+    ncclResult_t nr = ncclSend(src, bytes_, ncclUint8, comm_->rank, nc, stream_);
+    if (nr == ncclSuccess) nr = ncclRecv(a_->y, bytes_, ncclUint8, comm_->rank, nc, stream_);
+    return nr;
+  }
+
+  // After the group call, also when it failed (a capture never holds an unjoined fork).
+  allscanResult_t join() {
+    if (mode_ == kFillSide) ALLSCAN_CUDA_CHECK(cudaStreamWaitEvent(stream_, comm_->join, 0));
+    return allscanSuccess;
+  }
+
+  // After a successful send: the series path.
+  allscanResult_t inSeries() {
+    return mode_ == kFillSeries ? copyOrZero(a_->y, src_, bytes_, stream_) : allscanSuccess;
+  }
+
+ private:
+  allscanComm* comm_;
+  const allscanScanArgs_t* a_;
+  cudaStream_t stream_;
+  size_t bytes_;
+  const void* src_;  // null: zeros
+  int mode_ = -1;    // a HeadFill but kFillAuto; -1: nothing to write
+};
 
 // The chain starts here: y = init (or 0); the value sent on is g*init + x (or x itself). All blocks
 // go in one group call: in order on the same peer connection, so the successor receives block 0
 // first and starts combining it while the rest is in flight.
 allscanResult_t scanHead(allscanComm* comm, const allscanScanArgs_t* a, const Blocks& b, void* workspace,
                          cudaStream_t stream) {
-  const int r = comm->rank;
   const int next = chainPos(comm, a->reverse).next;
   ncclComm_t nc = comm->nccl;
   const ncclDataType_t nt = ncclType(a->dtype);
-  const size_t bytes = a->count * b.esize;
   const void* s = a->x;
   if (a->init != nullptr) {
     void* dst = a->inclusive ? a->y : workspace;
     ALLSCAN_CUDA_CHECK(launchCombine(a->dtype, a->g_dtype, a->x, a->init, a->g, dst, a->count, gInner(a), 0, stream));
     s = dst;
   }
-  const bool need_fill = !a->inclusive || a->init == nullptr;
-  const void* fill_src = a->inclusive ? a->x : a->init;  // null: zeros
-  const HeadFill mode = need_fill ? chooseHeadFill(comm, a, fill_src, stream) : kFillAuto;
-  const bool self_fill = need_fill && mode == kFillSelf;
-  const bool side_fill = need_fill && mode == kFillSide;
-  if (side_fill) {
-    ALLSCAN_CUDA_CHECK(cudaEventRecord(comm->fork, stream));
-    ALLSCAN_CUDA_CHECK(cudaStreamWaitEvent(comm->side, comm->fork, 0));
-    const size_t n16 = bytes / 16;
-    const int ctas = static_cast<int>(std::min<size_t>(comm->fill_ctas, (n16 + kThreads - 1) / kThreads));
-    fillKernel<<<std::max(ctas, 1), kThreads, 0, comm->side>>>(static_cast<uint4*>(a->y),
-                                                             static_cast<const uint4*>(fill_src), n16);
-    ALLSCAN_CUDA_CHECK(cudaGetLastError());
-    ALLSCAN_CUDA_CHECK(cudaEventRecord(comm->join, comm->side));
-  }
-  // On an error the side branch is still joined, so a capture never holds an unjoined fork.
-  allscanResult_t st = allscanSuccess;
+  HeadResult own(comm, a, stream);
+  ALLSCAN_CHECK(own.fork());
   ncclResult_t nr = ncclGroupStart();
   for (size_t k = 0; k < b.n && nr == ncclSuccess; ++k) nr = ncclSend(b.at(s, k), b.len(k), nt, next, nc, stream);
-  if (self_fill) {
-    const void* src = fill_src != nullptr ? fill_src : comm->zeros;
-    if (nr == ncclSuccess) nr = ncclSend(src, bytes, ncclUint8, r, nc, stream);
-    if (nr == ncclSuccess) nr = ncclRecv(a->y, bytes, ncclUint8, r, nc, stream);
-  }
+  if (nr == ncclSuccess) nr = own.inGroup(nc);
   ncclResult_t ne = ncclSettle(nc, ncclGroupEnd());
   if (nr == ncclSuccess) nr = ne;
+  allscanResult_t st = allscanSuccess;
   if (nr != ncclSuccess) st = setError(allscanNcclError, std::string("ncclSend (chain head): ") + ncclGetErrorString(nr));
-  if (side_fill) ALLSCAN_CUDA_CHECK(cudaStreamWaitEvent(stream, comm->join, 0));
+  ALLSCAN_CHECK(own.join());
   if (st != allscanSuccess) return st;
-  if (need_fill && mode == kFillSeries) return copyOrZero(a->y, fill_src, bytes, stream);
-  return st;
+  return own.inSeries();
 }
 
 // Inner and tail ranks: receive block k while sending block k-1 on, combine block k. R receives
