@@ -13,6 +13,7 @@
 #include <cstring>
 #include <numeric>
 
+#include "chain.h"
 #include "harness.h"
 
 namespace perf {
@@ -24,65 +25,23 @@ const char* kRefNames[REF_COUNT] = {"chain", "ring", "allgather", "allreduce"};
 enum Decay { DECAY_NONE = 0, DECAY_HEAD = 1, DECAY_KEY = 2, DECAY_FULL = 3 };
 const char* kDecayNames[4] = {"none", "head", "key", "full"};
 
-enum LinkMode { LINK_CALIBRATE = 0, LINK_NONE = 1, LINK_SET = 2 };
-
 struct ScanOptions {
-  std::vector<int> fixedK;  // fixed block counts (the automatic one is always timed)
-  std::vector<allscanMethod_t> methods = {allscanPipelined, allscanSerial, allscanAllGather};
+  ChainOptions chain;  // -K, -m, -r, -L
   bool refs[REF_COUNT] = {true, true, true, true};
-  int reverse = 0;
   Decay decay = DECAY_KEY;
   int dv = 128;  // trailing dims of the [H, Dk, Dv] view are gcd(count, dv), gcd(count/Dv, dv)
-  LinkMode link = LINK_CALIBRATE;
-  double linkLatencyUs = 0, linkUsPerByte = 0;
 } opts;
 
-const char* methodName(allscanMethod_t m) {
-  switch (m) {
-    case allscanPipelined: return "pipelined";
-    case allscanSerial: return "serial";
-    case allscanAllGather: return "allgather";
-  }
-  return "?";
-}
-
 void parse(int letter, const char* arg) {
+  if (parseChainOption(&opts.chain, letter, arg)) return;
   switch (letter) {
     case 'V': opts.dv = static_cast<int>(parseInt("-V (vdim)", arg, 1, 1 << 20, "a dimension >= 1")); break;
-    case 'r':
-      opts.reverse = arg ? static_cast<int>(parseInt("-r (reverse)", arg, 0, 1, "0 or 1 (write -r, -r0 or -r1)")) : 1;
-      break;
     case 'D': {
       std::string s(arg);
       bool ok = false;
       for (int k = 0; k < 4; ++k)
         if (s == kDecayNames[k]) opts.decay = static_cast<Decay>(k), ok = true;
       if (!ok) argError("-D (decay): expected none, head, key or full, got '" + s + "'");
-      break;
-    }
-    case 'K': {
-      opts.fixedK.clear();
-      for (const auto& t : splitList(arg)) {
-        if (t == "auto") continue;
-        opts.fixedK.push_back(static_cast<int>(parseInt(
-            "-K (blocks)", t.c_str(), 1, allscanMaxBlocks,
-            ("'auto' or a block count 1.." + std::to_string(allscanMaxBlocks) + " (comma-separated list allowed)").c_str())));
-      }
-      break;
-    }
-    case 'm': {
-      opts.methods.clear();
-      for (const auto& t : splitList(arg)) {
-        if (t == "pipelined") opts.methods.push_back(allscanPipelined);
-        else if (t == "serial") opts.methods.push_back(allscanSerial);
-        else if (t == "allgather") opts.methods.push_back(allscanAllGather);
-        else if (t == "all") opts.methods = {allscanPipelined, allscanSerial, allscanAllGather};
-        else argError("-m (methods): expected a comma-separated list of pipelined, serial, allgather (or all), got '" + t + "'");
-      }
-      std::vector<allscanMethod_t> uniq;
-      for (auto m : opts.methods)
-        if (std::find(uniq.begin(), uniq.end(), m) == uniq.end()) uniq.push_back(m);
-      opts.methods = uniq;
       break;
     }
     case 'x': {
@@ -101,33 +60,10 @@ void parse(int letter, const char* arg) {
       }
       break;
     }
-    case 'L': {
-      std::string s(arg);
-      if (s == "calibrate") {
-        opts.link = LINK_CALIBRATE;
-      } else if (s == "none") {
-        opts.link = LINK_NONE;
-      } else {
-        auto parts = splitList(s);
-        char* e1 = nullptr;
-        char* e2 = nullptr;
-        double a = parts.size() == 2 ? strtod(parts[0].c_str(), &e1) : -1;
-        double b = parts.size() == 2 ? strtod(parts[1].c_str(), &e2) : -1;
-        if (parts.size() != 2 || parts[0].empty() || parts[1].empty() || *e1 || *e2 || !(a > 0) || !(b > 0) ||
-            !std::isfinite(a) || !std::isfinite(b))
-          argError("-L (link_model): expected calibrate, none or <latency_us>,<us_per_byte> (two positive numbers), got '" + s + "'");
-        opts.link = LINK_SET;
-        opts.linkLatencyUs = a;
-        opts.linkUsPerByte = b;
-      }
-      break;
-    }
   }
 }
 
-void validate(const Options&) {
-  if (opts.methods.empty()) argError("-m (methods): no method selected");
-}
+void validate(const Options&) { validateChainOptions(opts.chain); }
 
 // The [H, Dk, Dv] view of a state of `count` elements and the decay's element count for a form.
 struct Layout {
@@ -257,9 +193,7 @@ class ScanBench : public Bench {
   void setup() override {
     const ScanOptions& so = opts;
     ASCHECK(allscanCommCreate(c.nccl, &comm_));
-    if (so.link == LINK_SET) ASCHECK(allscanSetLinkModel(comm_, so.linkLatencyUs, so.linkUsPerByte));
-    if (so.link == LINK_CALIBRATE && c.nranks > 1) ASCHECK(allscanCalibrate(comm_, c.stream));
-    ASCHECK(allscanGetLinkModel(comm_, &lat_, &upb_, &isSet_));
+    link_ = setupLinkModel(comm_, so.chain, c.nranks, c.stream);
     // Buffers at the largest size, allocated once (outside any timed loop).
     const size_t maxCount = c.o->maxBytes / c.es;
     const size_t maxBytes = maxCount * c.es;
@@ -282,19 +216,9 @@ class ScanBench : public Bench {
     char buf[512];
     snprintf(buf, sizeof(buf),
              "#  dtype %s  reverse %d  decay %s (fp32; state viewed as [H, Dk, Dv], Dv = gcd(count,%d), Dk = gcd(count/Dv,%d))",
-             dtypeName(c.o->dtype), so.reverse, kDecayNames[so.decay], so.dv, so.dv);
+             dtypeName(c.o->dtype), so.chain.reverse, kDecayNames[so.decay], so.dv, so.dv);
     lines.push_back(buf);
-    std::string ks = "auto";
-    for (int k : so.fixedK) ks += "," + std::to_string(k);
-    std::string ms;
-    for (auto m : so.methods) ms += (ms.empty() ? "" : ",") + std::string(methodName(m));
-    lines.push_back("#  methods " + ms + "  K " + ks);
-    if (isSet_)
-      snprintf(buf, sizeof(buf), "#  link model (%s): latency %.3f us, %.6g us/byte (%.1f GB/s)",
-               so.link == LINK_SET ? "-L" : "calibrated", lat_, upb_, 1e-3 / upb_);
-    else
-      snprintf(buf, sizeof(buf), "#  link model: none (the automatic K is 1)");
-    lines.push_back(buf);
+    for (const std::string& l : chainHeader(so.chain, link_)) lines.push_back(l);
     return lines;
   }
 
@@ -316,9 +240,9 @@ class ScanBench : public Bench {
     if (so.refs[REF_RING]) ref(OP_RING, "p2p-ring", 1.0, 2);
     if (so.refs[REF_ALLGATHER]) ref(OP_ALLGATHER, "nccl-allgather", static_cast<double>(P - 1), 0);
     if (so.refs[REF_ALLREDUCE]) ref(OP_ALLREDUCE, "nccl-allreduce", 2.0 * (P - 1) / P, 0);
-    for (auto m : so.methods) {
+    for (auto m : so.chain.methods) {
       std::vector<int> Ks = {0};
-      if (m == allscanPipelined) Ks.insert(Ks.end(), so.fixedK.begin(), so.fixedK.end());
+      if (m == allscanPipelined) Ks.insert(Ks.end(), so.chain.fixedK.begin(), so.chain.fixedK.end());
       for (int K : Ks) {
         Row r;
         r.kind = OP_SCAN;
@@ -334,11 +258,7 @@ class ScanBench : public Bench {
           if (K == 0) ASCHECK(allscanChooseNumBlocks(comm_, count * c.es, &Keff));
           else Keff = K;
         }
-        if (m != allscanPipelined) r.kLabel = "1";
-        else if (K == 0) r.kLabel = "auto:" + std::to_string(Keff);
-        else r.kLabel = std::to_string(K);
-        r.jsonFields = ",\"method\":\"" + std::string(methodName(m)) + "\",\"K\":" + std::to_string(Keff) +
-                       ",\"K_auto\":" + (K == 0 ? "true" : "false");
+        labelScanRow(&r, m, K, Keff);
         rows.push_back(r);
       }
     }
@@ -369,7 +289,7 @@ class ScanBench : public Bench {
 
   void launch(const Row& r, size_t count) override {
     const size_t bytes = count * c.es;
-    const int reverse = opts.reverse;
+    const int reverse = opts.chain.reverse;
     const ncclDataType_t nt = allscanNcclDataType(c.o->dtype);
     switch (r.kind) {
       case OP_CHAIN: ASCHECK(allscanNeighborExchange(comm_, x_, recv_, bytes, reverse, 1, c.stream)); break;
@@ -390,7 +310,7 @@ class ScanBench : public Bench {
     CheckParams p;
     p.rank = c.rank;
     p.nranks = P;
-    p.reverse = opts.reverse;
+    p.reverse = opts.chain.reverse;
     p.count = count;
     p.inner = (r.kind == OP_SCAN && opts.decay != DECAY_NONE) ? count / layout_.gCount : 0;
     void* outp = nullptr;
@@ -420,20 +340,11 @@ class ScanBench : public Bench {
   }
 
   std::string configJson() override {
-    const ScanOptions& so = opts;
-    std::string ks;
-    for (int k : so.fixedK) ks += (ks.empty() ? "" : ",") + std::to_string(k);
-    std::string ms;
-    for (auto m : so.methods) ms += std::string(ms.empty() ? "" : ",") + "\"" + methodName(m) + "\"";
-    return ",\"reverse\":" + std::to_string(so.reverse) + ",\"decay\":\"" + kDecayNames[so.decay] +
-           "\",\"vdim\":" + std::to_string(so.dv) + ",\"methods\":[" + ms + "],\"fixed_K\":[" + ks + "]";
+    return ",\"reverse\":" + std::to_string(opts.chain.reverse) + ",\"decay\":\"" + kDecayNames[opts.decay] +
+           "\",\"vdim\":" + std::to_string(opts.dv) + chainConfigJson(opts.chain);
   }
 
-  std::string topJson() override {
-    const char* source = opts.link == LINK_SET ? "-L" : (opts.link == LINK_CALIBRATE ? "calibrate" : "none");
-    return std::string("\"link_model\":{\"set\":") + (isSet_ ? "true" : "false") + ",\"source\":\"" + source +
-           "\",\"latency_us\":" + jsonNumber(lat_) + ",\"us_per_byte\":" + jsonNumber(upb_) + "},\n";
-  }
+  std::string topJson() override { return linkModelJson(opts.chain, link_); }
 
  private:
   allscanScanArgs_t scanArgs(const Row& r, size_t count) const {
@@ -449,7 +360,7 @@ class ScanBench : public Bench {
       a.g_dtype = allscanFloat32;
     }
     a.init = nullptr;
-    a.reverse = opts.reverse;
+    a.reverse = opts.chain.reverse;
     a.inclusive = 0;
     a.num_blocks = r.method == allscanPipelined ? r.K : 0;
     a.method = static_cast<allscanMethod_t>(r.method);
@@ -457,8 +368,7 @@ class ScanBench : public Bench {
   }
 
   allscanComm_t comm_ = nullptr;
-  double lat_ = 0, upb_ = 0;
-  int isSet_ = 0;
+  LinkModel link_;
   Layout layout_{};
   void* x_ = nullptr;
   void* y_ = nullptr;
@@ -479,23 +389,19 @@ const Collective kScanCollective = {
     "the All-Scan (allscanScan, every method) against the floor (neighbour send/recv of the same\n"
     "bytes), the closed ring, ncclAllGather and ncclAllReduce; the size is one state's bytes",
     "scan-pipelined, auto K",
-    {{'K', "blocks", required_argument, "<list>",
-      "pipelined block counts: 'auto' or comma-separated integers 1..64;\n"
-      "                              the automatic K is always timed (default auto)"},
-     {'m', "methods", required_argument, "<list>", "scan methods: pipelined,serial,allgather or all (default all)"},
+    {kBlocksOption,
+     kMethodsOption,
      {'x', "refs", required_argument, "<list>",
       "reference rows: chain,ring,allgather,allreduce, all or none\n"
       "                              (default all; 'chain' is the floor of the vs_floor column)"},
-     {'r', "reverse", optional_argument, "0|1", "reverse scan (rank p+1 -> p); -r alone means 1 (default 0)"},
+     kReverseOption,
      {'D', "decay", required_argument, "<form>",
       "none|head|key|full: the decay's shape in the [H, Dk, Dv]\n"
       "                              view of the state (default key, i.e. g is [H, Dk], fp32)"},
      {'V', "vdim", required_argument, "<n>",
       "Dv and Dk of that view are gcd(count, n), gcd(count/Dv, n)\n"
       "                              (default 128)"},
-     {'L', "link_model", required_argument, "<m>",
-      "calibrate | none | <latency_us>,<us_per_byte>: the link model\n"
-      "                              that chooses the automatic K (default calibrate)"}},
+     kLinkModelOption},
     parse,
     validate,
     [](RankCtx& c) -> std::unique_ptr<Bench> { return std::make_unique<ScanBench>(c); }};
