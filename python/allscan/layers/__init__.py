@@ -9,6 +9,8 @@ _LAZY = {
     "zeco_gla": "gla",
     "GatedLinearAttention": "gla",
     "UlyssesAttention": "ulysses",
+    "zeco_gated_delta_rule": ".ops.delta",  # the ops themselves: allscan.ops.delta
+    "zeco_kda": ".ops.delta",
 }
 
 __all__ = sorted(_LAZY)

@@ -1,0 +1,22 @@
+"""Gated DeltaNet and KDA (the delta-rule layers): the local kernels, their reference, and the
+sequence-parallel ops on the matrix All-Scan.
+
+Files, in the layout of flash-linear-attention's ``ops/<op>/``:
+
+- :mod:`.naive`: :func:`recurrent_delta_rule_reference`, token by token in float64 (the tests' reference).
+- :mod:`.chunk`: the chunked delta rule in torch ops and its staged local backend ``TorchDelta``.
+- :mod:`.gates`: the q/k l2norm and gate activations fla's kernels apply first, in torch ops.
+- :mod:`.zeco`: :func:`zeco_gated_delta_rule` and :func:`zeco_kda`, the sequence-parallel ops.
+"""
+from .chunk import TorchDelta, chunk_delta_rule
+from .naive import recurrent_delta_rule_reference
+from .zeco import METHODS, zeco_gated_delta_rule, zeco_kda
+
+__all__ = [
+    "zeco_gated_delta_rule",
+    "zeco_kda",
+    "METHODS",
+    "recurrent_delta_rule_reference",
+    "chunk_delta_rule",
+    "TorchDelta",
+]

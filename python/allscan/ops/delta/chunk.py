@@ -1,0 +1,153 @@
+"""Chunked delta rule in torch ops: the local kernels on CPU (and on CUDA until fla-core's are wired in).
+
+The math of one sequence of C-token chunks (flash-linear-attention's WY / UT-transform form). With
+``G_i`` the within-chunk cumulative log decay (a vector over K; Gated DeltaNet's scalar broadcasts),
+``A_t = (I - beta_t k_t k_t^T) diag(exp(g_t))`` the per-token transition and S the state entering
+the chunk, the delta ``d_i = beta_i (v_i - (diag(exp(g_i)) S_{i-1})^T k_i)`` of every token solves
+the unit lower-triangular system ``(I + diag(beta) A_kk) d = diag(beta) (V - (exp(G) * K) S)`` with
+``A_kk[i, j] = k_i^T diag(exp(G_i - G_j)) k_j`` (j < i). Hence ``d = U - W S`` and, per chunk::
+
+    o      = scale * A_qk U + Q~ S          Q~ = scale * (exp(G) * Q - A_qk W)
+    S_next = M_c S + K_d^T U                M_c = diag(exp(G_C)) - K_d^T W,  K_d = K * exp(G_C - G)
+
+with ``A_qk[i, j] = q_i^T diag(exp(G_i - G_j)) k_j`` (j <= i). Everything but the chunk-to-chunk
+recurrence is computed for all chunks at once; the recurrence is itself a matrix scan over chunks.
+A state S_in added to the state entering the sequence changes the state entering chunk c by
+``P_c S_in`` (``P_c = M_{c-1} ... M_0``), the outputs by ``Q~_c P_c S_in`` and the final state by
+``M S_in`` (``M = P_N``, the sequence's transition): that is how the incoming state of a shard is
+folded in after the All-Scan, without recomputing the local recurrence.
+
+:class:`TorchDelta` is the staged local backend :mod:`allscan.ops.delta.zeco` drives; every stage is
+plain torch (autograd differentiates it). Arithmetic in fp32 (fp64 for fp64 inputs); a T that is not
+a multiple of the chunk size is padded with tokens of k = v = q = 0, beta = 0, g = 0, which leave the
+outputs, the final state and the transition unchanged.
+"""
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+from typing import List, Optional, Sequence
+
+import torch
+
+CHUNK = 64
+
+
+def compute_dtype(v: torch.Tensor) -> torch.dtype:
+    """fp64 for fp64 inputs, fp32 otherwise (the states' dtype too)."""
+    return torch.float64 if v.dtype == torch.float64 else torch.float32
+
+
+def _blocks(x: torch.Tensor, C: int, dt: torch.dtype) -> torch.Tensor:
+    """``[B, T, H, D]`` -> ``[B, H, N, C, D]`` in ``dt``, zero-padded to whole chunks."""
+    B, T, H, D = x.shape
+    pad = (-T) % C
+    x = x.to(dt)
+    if pad:
+        x = torch.cat([x, x.new_zeros(B, pad, H, D)], 1)
+    return x.view(B, (T + pad) // C, C, H, D).permute(0, 3, 1, 2, 4)
+
+
+def _pair_scores(a, b, G, mask):
+    """``[.., i, j] = a_i^T diag(exp(G_i - G_j)) b_j`` where ``mask`` (0 elsewhere); G ``[.., C, 1 or K]``."""
+    diff = G.unsqueeze(-2) - G.unsqueeze(-3)  # [.., C(i), C(j), 1 or K]: G_i - G_j
+    decay = torch.where(mask.unsqueeze(-1), diff, torch.full_like(diff, -math.inf)).exp()
+    if G.shape[-1] == 1:  # one decay per head (Gated DeltaNet): a plain score matrix times the decays
+        return (a @ b.transpose(-1, -2)) * decay.squeeze(-1)
+    return torch.einsum("...ik,...jk,...ijk->...ij", a, b, decay)
+
+
+def chunk_delta_rule(q, k, v, g, beta, scale: float, h0: Optional[torch.Tensor] = None, chunk: int = CHUNK):
+    """The chunked delta rule of one sequence (per batch row), stage 1: everything but the outputs.
+
+    q, k: ``[B, T, H, K]``; v: ``[B, T, H, V]``; g: log decays ``[B, T, H, 1]`` (one per head) or
+    ``[B, T, H, K]``; beta: ``[B, T, H]``; h0: ``[B, H, K, V]`` or None (zeros). Returns a namespace with
+    the chunk quantities, ``states`` (the state entering every chunk, ``[B, H, N, K, V]``), ``final``
+    (``[B, H, K, V]``) and ``transition`` (M, ``[B, H, K, K]``) and ``prefix`` (P_c, ``[B, H, N, K, K]``).
+    """
+    B, T, H, K = k.shape
+    V = v.shape[-1]
+    C = chunk
+    dt = compute_dtype(v)
+    q, k, v, g = (_blocks(x, C, dt) for x in (q, k, v, g))
+    b = _blocks(beta.unsqueeze(-1), C, dt)  # [B, H, N, C, 1]
+    N = q.shape[2]
+    G = g.cumsum(3)
+    causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
+    A_kk = _pair_scores(k, k, G, causal.tril(-1))
+    A_qk = _pair_scores(q, k, G, causal)
+    L = torch.eye(C, dtype=dt, device=q.device) + b * A_kk
+    eG = G.exp()
+    UW = torch.linalg.solve_triangular(L, torch.cat([b * v, b * (eG * k)], -1), upper=False, unitriangular=True)
+    U, W = UW.split([V, K], -1)
+    G_last = G[..., -1:, :]  # [B, H, N, 1, 1 or K]
+    k_d = k * (G_last - G).exp()
+    M_c = torch.diag_embed(G_last.squeeze(-2).exp().expand(B, H, N, K)) - k_d.transpose(-1, -2) @ W
+    h_add = k_d.transpose(-1, -2) @ U  # [B, H, N, K, V]
+
+    S = q.new_zeros(B, H, K, V) if h0 is None else h0.to(dt)
+    P = torch.eye(K, dtype=dt, device=q.device).expand(B, H, K, K)
+    states, prefix = [], []
+    for n in range(N):
+        states.append(S)
+        prefix.append(P)
+        S = M_c[:, :, n] @ S + h_add[:, :, n]
+        P = M_c[:, :, n] @ P
+    return SimpleNamespace(T=T, o_intra=scale * (A_qk @ U), q_eff=scale * (eG * q - A_qk @ W),
+                           states=torch.stack(states, 2), final=S, transition=P, prefix=torch.stack(prefix, 2))
+
+
+def chunk_outputs(cp) -> torch.Tensor:
+    """Stage 2: the outputs ``[B, T, H, V]`` from the states entering the chunks."""
+    return _unblocks(cp.o_intra + cp.q_eff @ cp.states, cp.T)
+
+
+def add_incoming(cp, o: torch.Tensor, S_in: torch.Tensor):
+    """Stage 3: a state ``S_in`` ``[B, H, K, V]`` added to the state entering the sequence: returns the
+    outputs and the final state it gives (``o + Q~_c P_c S_in``, ``final + M S_in``)."""
+    S_in = S_in.to(cp.final.dtype)
+    do = cp.q_eff @ (cp.prefix @ S_in.unsqueeze(2))
+    return o + _unblocks(do, cp.T), cp.final + cp.transition @ S_in
+
+
+def _unblocks(x: torch.Tensor, T: int) -> torch.Tensor:
+    """``[B, H, N, C, D]`` -> ``[B, T, H, D]`` (the padding dropped)."""
+    B, H, N, C, D = x.shape
+    return x.permute(0, 2, 3, 1, 4).reshape(B, N * C, H, D)[:, :T]
+
+
+class TorchDelta:
+    """The local work of one shard in torch ops, in the three stages :mod:`allscan.ops.delta.zeco`
+    drives (a GPU backend implements the same three with fla-core's kernels).
+
+    The shard is cut into segments (``bounds``: local sequence boundaries ``[0, ..., T]``), each an
+    independent sequence from its own initial state (``h0s``, None = zeros); only the first segment
+    can receive an incoming state, so only its transition is kept.
+    """
+
+    name = "torch"
+
+    @staticmethod
+    def summarize(q, k, v, g, beta, scale: float, bounds: Sequence[int], h0s: List[Optional[torch.Tensor]]):
+        """Stage 1, before the scan: per segment the chunk states and local final state, and the first
+        segment's transition (``.segments[0].transition``)."""
+        segs = []
+        for j, (a, e) in enumerate(zip(bounds, bounds[1:])):
+            segs.append(chunk_delta_rule(q[:, a:e], k[:, a:e], v[:, a:e], g[:, a:e], beta[:, a:e], scale, h0s[j]))
+        return SimpleNamespace(segments=segs)
+
+    @staticmethod
+    def local_outputs(sp) -> torch.Tensor:
+        """Stage 2, while the scan is in flight: the outputs ``[B, T, H, V]`` from the local states."""
+        return torch.cat([chunk_outputs(cp) for cp in sp.segments], 1)
+
+    @staticmethod
+    def add_incoming(sp, o: torch.Tensor, S_in: Optional[torch.Tensor]):
+        """Stage 3: the first segment's incoming state folded in. Returns ``(o, finals)``, one final
+        state per segment."""
+        finals = [cp.final for cp in sp.segments]
+        if S_in is None:
+            return o, finals
+        first = sp.segments[0]
+        o0, finals[0] = add_incoming(first, o[:, :first.T], S_in)
+        return torch.cat([o0, o[:, first.T:]], 1), finals

@@ -1,0 +1,310 @@
+"""Sequence-parallel Gated DeltaNet and KDA with the matrix All-Scan: :func:`zeco_gated_delta_rule`,
+:func:`zeco_kda`.
+
+A long sequence is cut into contiguous shards, one per rank of ``group`` (rank order = sequence
+order); each returns on every rank what fla's ``chunk_gated_delta_rule`` / ``chunk_kda`` returns on
+the whole sequence, restricted to the rank's shard. The state after a token is an affine function of
+the state before it (``S_t = A_t S_{t-1} + beta_t k_t v_t^T``, ``A_t = (I - beta_t k_t k_t^T)
+diag(exp(g_t))``), so a shard is summarised by its transition ``M_p = A_T ... A_1`` ``[B, H, K, K]``
+and its final state from a zero incoming state ``h_p``; the state entering rank p is the matrix
+All-Scan ``y_{p+1} = M_p y_p + h_p`` (only the ``[K, V]`` state crosses a boundary)::
+
+    local:    chunk states, local outputs and final state from zero, and M_p     (backend stage 1, 2)
+    All-Scan: S_in = allscan.scan(h_p, transition=M_p, init=initial_state)       (rank 0 reads init)
+    fold in:  o += Q~_c P_c S_in per chunk, final = h_p + M_p S_in               (backend stage 3)
+
+Autograd is torch's: the scan is differentiable in its state, transition and init (through the
+reverse scan with the transposed transitions), so the gradients of q, k, v, g, beta and
+``initial_state`` cross ranks with one state per boundary.
+
+Packed sequences (``cu_seqlens`` over the GLOBAL sequence, B = 1, equal shard lengths) are cut as
+``zeco_gla`` cuts them (:class:`allscan.ops.gla.zeco.ShardSegments`): only the first local segment
+receives the incoming state; a segment that starts inside the shard starts from its own initial
+state. The state a rank passes on is the one of the sequence crossing its end: with a sequence
+starting inside the shard the transition is cut (``M_p = 0``, ``h_p`` that sequence's final state);
+when a sequence ends exactly at the shard's end nothing crosses (``M_p = 0``, ``h_p = 0``), so the
+next rank's first sequence starts from exactly its own initial state.
+
+Collectives: with more than one rank every rank, in every branch, issues the same one signature
+check and one ``allscan.scan`` (state ``[B, H, K, V]``, transition ``[B, H, K, K]``, init given or
+not on every rank alike) in the forward, and autograd one reverse scan in the backward: the scan's
+inputs stay in the autograd graph on every rank whenever they do on one (a cut state is a zero that
+keeps its graph).
+"""
+from __future__ import annotations
+
+import warnings
+from typing import Optional
+
+import torch
+
+from allscan._contract import DTYPE_CODES, check_across_ranks
+
+from ..gla.zeco import ShardSegments, _sequence_parallel_group
+from . import gates
+from .chunk import TorchDelta, compute_dtype
+
+__all__ = ["zeco_gated_delta_rule", "zeco_kda", "METHODS"]
+
+_SCAN_METHOD = {"zeco": "pipelined", "allgather": "allgather", "fla_cp": None}
+METHODS = tuple(_SCAN_METHOD)  # the ``method=`` values of zeco_gated_delta_rule and zeco_kda
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+_WARNED: list = []
+
+
+def select_backend(q: torch.Tensor):
+    """The local backend. Only the torch one exists yet; fla-core's chunk kernels (and its CP pre-pass
+    for ``[h_local | M]``) are to implement the same three stages (:class:`TorchDelta`) on CUDA."""
+    if q.is_cuda and not _WARNED:
+        _WARNED.append(True)
+        warnings.warn("allscan.ops.delta: no fla-core backend yet; using the torch chunked delta rule on CUDA "
+                      "(correct, but slow and memory-hungry)")
+    return TorchDelta
+
+
+def _renamed(op: str, fn, *args):
+    """Call a helper shared with zeco_gla, its errors naming ``op`` instead."""
+    try:
+        return fn(*args)
+    except (ValueError, RuntimeError) as e:
+        raise type(e)(str(e).replace("zeco_gla", op)) from None
+
+
+def _zero_in_graph(t: torch.Tensor) -> torch.Tensor:
+    """Zeros shaped like ``t`` that stay in its autograd graph (with zero gradient), so every rank's
+    scan input requires grad alike and every rank joins the reverse scan."""
+    return torch.where(torch.zeros((), dtype=torch.bool, device=t.device), t, torch.zeros((), dtype=t.dtype,
+                                                                                          device=t.device))
+
+
+def _check_tensor(op, name, t, shape, what):
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(t).__name__}")
+    if tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{op}: {name} must be {what} = {list(shape)}, got {list(t.shape)}")
+    if not t.is_floating_point():
+        raise TypeError(f"{op}: {name} must be a floating-point tensor, got {t.dtype}")
+
+
+def _validate(op, q, k, v, g, beta, per_key, initial_state, cu_seqlens, method):
+    if method not in _SCAN_METHOD:
+        raise ValueError(f"{op}: method must be one of {list(METHODS)}, got {method!r}")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(f"{op}: {name} must be a 4-D tensor [B, T_local, heads, dim], got {list(t.shape)}")
+        if t.dtype not in _DTYPES:
+            raise TypeError(f"{op}: {name} must be float32, bfloat16, float16 or float64, got {t.dtype}")
+    B, T, H, K = q.shape
+    if k.shape != q.shape:
+        raise ValueError(f"{op}: k must have q's shape {list(q.shape)}, got {list(k.shape)}")
+    if v.shape[:2] != q.shape[:2] or v.shape[2] % H:
+        raise ValueError(f"{op}: v must be [B, T_local, HV, V] with [B, T_local] = {[B, T]} and HV a multiple of "
+                         f"H = {H}, got {list(v.shape)}")
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise TypeError(f"{op}: q, k and v must have one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if T == 0:
+        raise ValueError(f"{op}: every rank needs at least one token (T_local = 0)")
+    HV, V = v.shape[2], v.shape[3]
+    if per_key:
+        _check_tensor(op, "g", g, (B, T, HV, K), "[B, T_local, HV, K]")
+    else:
+        _check_tensor(op, "g", g, (B, T, HV), "[B, T_local, HV]")
+    _check_tensor(op, "beta", beta, (B, T, HV), "[B, T_local, HV]")
+    for t in (k, v, g, beta):
+        if t.device != q.device:
+            raise ValueError(f"{op}: q, k, v, g and beta must be on one device, got {q.device} and {t.device}")
+    if cu_seqlens is not None and not isinstance(cu_seqlens, torch.Tensor):
+        raise TypeError(f"{op}: cu_seqlens must be a 1-D integer tensor [N+1] or None, got {type(cu_seqlens).__name__}")
+    if initial_state is not None:
+        n = B if cu_seqlens is None else cu_seqlens.numel() - 1
+        _check_tensor(op, "initial_state", initial_state, (n, HV, K, V),
+                      "[B, HV, K, V]" if cu_seqlens is None else "[N, HV, K, V] (N sequences in cu_seqlens)")
+        if initial_state.dtype != compute_dtype(v):
+            raise TypeError(f"{op}: initial_state must be {compute_dtype(v)} (the states' dtype for {v.dtype} "
+                            f"inputs), got {initial_state.dtype}")
+    if method == "fla_cp":
+        raise NotImplementedError(
+            f"{op}: method='fla_cp' (flash-linear-attention's own context parallelism) needs fla-core's GPU "
+            "kernels (fla.ops.cp, CUDA tensors and an NCCL group); it is not available on the torch (CPU) path")
+
+
+def _check_gate_options(op, per_key, HV, K, use_gate_in_kernel, A_log, dt_bias, use_beta_sigmoid_in_kernel,
+                        allow_neg_eigval, safe_gate, lower_bound):
+    if allow_neg_eigval and not use_beta_sigmoid_in_kernel:
+        raise ValueError(f"{op}: allow_neg_eigval=True requires use_beta_sigmoid_in_kernel=True")
+    if not use_gate_in_kernel:
+        if A_log is not None or dt_bias is not None:
+            raise ValueError(f"{op}: A_log and dt_bias are read only with use_gate_in_kernel=True")
+        return
+    if A_log is None and not (per_key and lower_bound is not None):
+        raise ValueError(f"{op}: use_gate_in_kernel=True needs A_log"
+                         + (" (or lower_bound)" if per_key else ""))
+    if A_log is not None:
+        _check_tensor(op, "A_log", A_log, (HV,), "[HV]")
+    if dt_bias is not None:
+        _check_tensor(op, "dt_bias", dt_bias, (HV * K,) if per_key else (HV,), "[HV * K]" if per_key else "[HV]")
+    if safe_gate and (lower_bound is None or not -5 <= lower_bound < 0):
+        raise ValueError(f"{op}: safe_gate=True with use_gate_in_kernel=True needs lower_bound in [-5, 0), "
+                         f"got {lower_bound}")
+
+
+def _signature(q, v, segs, method, h0, flags):
+    B, T, H, K = q.shape
+    return [
+        ("dtype", DTYPE_CODES[q.dtype]),
+        ("B", B),
+        ("H (q heads)", H),
+        ("HV (v heads)", v.shape[2]),
+        ("K", K),
+        ("V", v.shape[3]),
+        ("T_local (packed sequences)", T if segs.varlen else 0),
+        ("number of packed sequences", segs.num_seqs if segs.varlen else 0),
+        ("method", METHODS.index(method)),
+        ("initial_state given", int(h0 is not None)),
+        ("options (l2norm, gate, beta sigmoid, negative eigenvalues)", flags),
+    ]
+
+
+def _activate(per_key, q, k, g, beta, HV, use_qk_l2norm_in_kernel, use_gate_in_kernel, A_log, dt_bias,
+              use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound, dt):
+    """What fla's kernels apply before the recurrence, in the compute dtype ``dt``; q and k repeated
+    over grouped value heads, g ``[B, T, HV, 1 or K]``."""
+    q, k, g, beta = (t.to(dt) for t in (q, k, g, beta))
+    if use_qk_l2norm_in_kernel:
+        q, k = gates.l2norm(q), gates.l2norm(k)
+    if use_beta_sigmoid_in_kernel:
+        beta = gates.beta_gate(beta, allow_neg_eigval)
+    if use_gate_in_kernel:
+        g = gates.kda_gate(g, A_log, dt_bias, lower_bound) if per_key else gates.gdn_gate(g, A_log, dt_bias)
+    H = q.shape[2]
+    if HV != H:  # grouped values: HV / H value heads share each q/k head
+        q, k = (t.repeat_interleave(HV // H, dim=2) for t in (q, k))
+    return q, k, (g if per_key else g.unsqueeze(-1)), beta
+
+
+def _delta_rule(op, per_key, q, k, v, g, beta, group, scale, initial_state, output_final_state, cu_seqlens,
+                use_qk_l2norm_in_kernel, method, use_gate_in_kernel, A_log, dt_bias, use_beta_sigmoid_in_kernel,
+                allow_neg_eigval, safe_gate=False, lower_bound=None):
+    _validate(op, q, k, v, g, beta, per_key, initial_state, cu_seqlens, method)
+    B, T, H, K = q.shape
+    HV = v.shape[2]
+    _check_gate_options(op, per_key, HV, K, use_gate_in_kernel, A_log, dt_bias, use_beta_sigmoid_in_kernel,
+                        allow_neg_eigval, safe_gate, lower_bound)
+    scale = K ** -0.5 if scale is None else float(scale)
+    group = _renamed(op, _sequence_parallel_group, group)
+    segs = _renamed(op, ShardSegments, group, T, B, cu_seqlens)
+    h0 = initial_state
+    if segs.world > 1:
+        flags = (int(bool(use_qk_l2norm_in_kernel)) | int(bool(use_gate_in_kernel)) << 1
+                 | int(bool(use_beta_sigmoid_in_kernel)) << 2 | int(bool(allow_neg_eigval)) << 3)
+        check_across_ranks(group, q.device, op, _signature(q, v, segs, method, h0, flags))
+
+    # the initial state of every local segment (None = zeros). Rank 0's first segment gets
+    # initial_state through the scan's init; a sequence starting exactly at a later rank's start
+    # adds its own to the (exactly zero) incoming state.
+    h0s = [None] * segs.nseg
+    if h0 is not None and segs.varlen:
+        for j in range(segs.nseg):
+            if j > 0 or (segs.rank > 0 and not segs.continued):
+                h0s[j] = h0[segs.seq_ids[j]:segs.seq_ids[j] + 1]
+    init = None if h0 is None else (h0[:1] if segs.varlen else h0)
+
+    with torch.autocast(device_type=q.device.type, enabled=False):  # the compute dtype is ours
+        q, k, g, beta = _activate(per_key, q, k, g, beta, HV, use_qk_l2norm_in_kernel, use_gate_in_kernel, A_log,
+                                  dt_bias, use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound, compute_dtype(v))
+        return _sharded(q, k, v, g, beta, scale, segs, group, h0s, init, method, output_final_state)
+
+
+def _sharded(q, k, v, g, beta, scale, segs, group, h0s, init, method, output_final_state):
+    """The three backend stages around the one scan; finals gathered as zeco_gla returns them."""
+    B, T, HV, V = v.shape
+    K = q.shape[-1]
+    be = select_backend(q)
+    sp = be.summarize(q, k, v, g, beta, scale, segs.bounds, h0s)
+    handle = None
+    S_in = init
+    if segs.world > 1:
+        from allscan import scan
+
+        last = sp.segments[-1]
+        x, M = last.final, last.transition
+        if segs.varlen and segs.ends_here[-1]:  # nothing crosses the shard's end
+            x, M = _zero_in_graph(x), torch.zeros_like(M)
+        elif segs.nseg > 1:  # the sequence crossing the end starts here: no incoming state reaches it
+            M = torch.zeros_like(M)
+        handle = scan(x.contiguous(), group=group, transition=M.contiguous(), init=init,
+                      method=_SCAN_METHOD[method], async_op=True)
+    o = be.local_outputs(sp)  # overlaps the scan on CUDA
+    if handle is not None:
+        S_in = handle.wait()
+    o, finals = be.add_incoming(sp, o, S_in)
+
+    final = None
+    if output_final_state:
+        if segs.varlen:
+            rows = [o.new_zeros(HV, K, V)] * segs.num_seqs
+            for j in range(segs.nseg):
+                if segs.ends_here[j]:
+                    rows[segs.seq_ids[j]] = finals[j][0]
+            final = torch.stack(rows)
+        else:
+            final = finals[0]
+    return o.to(v.dtype), final
+
+
+def zeco_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                          group=None, *, scale: Optional[float] = None, initial_state: Optional[torch.Tensor] = None,
+                          output_final_state: bool = False, cu_seqlens: Optional[torch.Tensor] = None,
+                          use_qk_l2norm_in_kernel: bool = False, method: str = "zeco",
+                          use_gate_in_kernel: bool = False, A_log: Optional[torch.Tensor] = None,
+                          dt_bias: Optional[torch.Tensor] = None, use_beta_sigmoid_in_kernel: bool = False,
+                          allow_neg_eigval: bool = False):
+    """Sequence-parallel Gated DeltaNet (fla's ``chunk_gated_delta_rule`` conventions).
+
+    Args:
+        q, k: ``[B, T_local, H, K]``; v: ``[B, T_local, HV, V]`` (HV a multiple of H: grouped values):
+            this rank's contiguous shard.
+        g: ``[B, T_local, HV]``, natural-log decays (or, with ``use_gate_in_kernel``, the raw gate input:
+            ``g = -exp(A_log) * softplus(g + dt_bias)``, ``A_log`` and ``dt_bias`` ``[HV]``).
+        beta: ``[B, T_local, HV]`` (or raw logits with ``use_beta_sigmoid_in_kernel``: ``sigmoid(beta)``,
+            ``2 * sigmoid(beta)`` with ``allow_neg_eigval``).
+        group: the sequence-parallel process group (rank order = sequence order); None: the default
+            group (one process when torch.distributed is not initialised); ``allscan.ops.gla.LOCAL``:
+            this process alone.
+        scale: default ``K ** -0.5``. use_qk_l2norm_in_kernel: l2-normalise q and k first (as fla).
+        initial_state, output_final_state, cu_seqlens: as :func:`allscan.ops.gla.zeco_gla` (states
+            ``[B, HV, K, V]``, or ``[N, HV, K, V]`` with ``cu_seqlens``; float32, float64 for float64
+            inputs): the initial state is used where its sequence starts (its gradient returned there,
+            zeros elsewhere); the final state is the state after this rank's last token (without
+            ``cu_seqlens``) or the rows of the sequences ending on this rank (zeros elsewhere).
+        method: ``"zeco"`` (the pipelined matrix All-Scan), ``"allgather"`` (every rank's state and
+            transition all-gathered, predecessors folded locally: fla's CP pattern, same code) or
+            ``"fla_cp"`` (fla's own CP: needs fla-core's GPU kernels, not available here yet).
+
+    Returns:
+        ``(o [B, T_local, HV, V] in v's dtype, final_state or None)``.
+    """
+    return _delta_rule("zeco_gated_delta_rule", False, q, k, v, g, beta, group, scale, initial_state,
+                       output_final_state, cu_seqlens, use_qk_l2norm_in_kernel, method, use_gate_in_kernel, A_log,
+                       dt_bias, use_beta_sigmoid_in_kernel, allow_neg_eigval)
+
+
+def zeco_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, group=None, *,
+             scale: Optional[float] = None, initial_state: Optional[torch.Tensor] = None,
+             output_final_state: bool = False, cu_seqlens: Optional[torch.Tensor] = None,
+             use_qk_l2norm_in_kernel: bool = False, method: str = "zeco", use_gate_in_kernel: bool = False,
+             A_log: Optional[torch.Tensor] = None, dt_bias: Optional[torch.Tensor] = None,
+             use_beta_sigmoid_in_kernel: bool = False, allow_neg_eigval: bool = False, safe_gate: bool = False,
+             lower_bound: Optional[float] = None):
+    """Sequence-parallel KDA (fla's ``chunk_kda`` conventions): :func:`zeco_gated_delta_rule` with one
+    decay per key dimension, g ``[B, T_local, HV, K]``. With ``use_gate_in_kernel`` g is the raw gate
+    input: ``-exp(A_log) * softplus(g + dt_bias)`` (``A_log`` ``[HV]``, ``dt_bias`` ``[HV * K]``), or with
+    ``lower_bound`` ``lower_bound * sigmoid(exp(A_log) * (g + dt_bias))`` (``A_log`` optional there).
+    ``safe_gate`` is a kernel hint in fla (gates within ``[lower_bound, 0)``); here it only checks
+    ``lower_bound``, as fla does."""
+    return _delta_rule("zeco_kda", True, q, k, v, g, beta, group, scale, initial_state, output_final_state,
+                       cu_seqlens, use_qk_l2norm_in_kernel, method, use_gate_in_kernel, A_log, dt_bias,
+                       use_beta_sigmoid_in_kernel, allow_neg_eigval, safe_gate, lower_bound)

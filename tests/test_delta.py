@@ -1,0 +1,346 @@
+"""Sequence-parallel Gated DeltaNet and KDA on CPU: gloo ranks against a float64 token-by-token delta
+rule on the whole sequence.
+
+Checks the whole algorithm (local chunked delta rule from the local initial states, the shard's
+transition, the matrix All-Scan of the states crossing rank boundaries, the incoming state folded into
+the outputs and final states, and torch autograd through all of it, the reverse scan included) at
+P = 1..4 for both layers: outputs, every gradient (q, k, v, g, beta, initial_state, and A_log /
+dt_bias with the in-kernel gates), initial and final states, B > 1, T_local not a multiple of the
+chunk size, packed sequences cut inside ranks, exactly on rank boundaries and across several ranks,
+grouped value heads, fla's l2norm and gate options; methods zeco and allgather agree; ``group=None``
+is the default group; bad arguments raise naming the argument. Everything in float64, compared to
+1e-9 relative.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(__file__))
+from distributed import run_distributed  # noqa: E402
+
+from allscan.layers import zeco_gated_delta_rule, zeco_kda  # noqa: E402
+from allscan.ops.delta import chunk_delta_rule, recurrent_delta_rule_reference  # noqa: E402
+from allscan.ops.delta.chunk import add_incoming, chunk_outputs  # noqa: E402
+from allscan.ops.gla import LOCAL  # noqa: E402
+
+H, K, V = 2, 6, 4
+TOL = 1e-9  # float64 chunked and sequence-parallel math against float64 token by token
+LAYERS = {"gdn": zeco_gated_delta_rule, "kda": zeco_kda}
+
+
+def _rel(a, b):
+    a, b = a.double(), b.double()
+    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
+
+
+def _data(seed, layer, B, T, HV, n_h0, gated):
+    """Raw inputs in float64 (the in-kernel gates' inputs when ``gated``), and the output gradient."""
+    gen = torch.Generator().manual_seed(seed)
+    d = dict(q=torch.randn(B, T, H, K, generator=gen, dtype=torch.float64),
+             k=F.normalize(torch.randn(B, T, H, K, generator=gen, dtype=torch.float64), dim=-1),
+             v=torch.randn(B, T, HV, V, generator=gen, dtype=torch.float64))
+    gshape = (B, T, HV, K) if layer == "kda" else (B, T, HV)
+    if gated:  # raw gate inputs, raw beta logits
+        d["g"] = torch.randn(*gshape, generator=gen, dtype=torch.float64)
+        d["beta"] = torch.randn(B, T, HV, generator=gen, dtype=torch.float64)
+        d["A_log"] = torch.rand(HV, generator=gen, dtype=torch.float64) - 1.5
+        d["dt_bias"] = 0.5 * torch.randn(HV * K if layer == "kda" else HV, generator=gen, dtype=torch.float64)
+    else:
+        d["g"] = F.logsigmoid(torch.randn(*gshape, generator=gen, dtype=torch.float64) + 3.0)
+        d["beta"] = torch.rand(B, T, HV, generator=gen, dtype=torch.float64)
+    d["h0"] = torch.randn(n_h0, HV, K, V, generator=gen, dtype=torch.float64)
+    do = torch.randn(B, T, HV, V, generator=gen, dtype=torch.float64)
+    return d, do
+
+
+def _activate(layer, d, gated):
+    """fla's in-kernel l2norm and gates, written out here as the oracle (float64)."""
+    if not gated:
+        return d["q"], d["k"], d["g"], d["beta"]
+    l2 = lambda x: x / torch.sqrt((x * x).sum(-1, keepdim=True) + 1e-6)  # noqa: E731
+    if layer == "kda":
+        HV = d["v"].shape[2]
+        g = -d["A_log"].exp().view(HV, 1) * F.softplus(d["g"] + d["dt_bias"].view(HV, K))
+    else:
+        g = -d["A_log"].exp() * F.softplus(d["g"] + d["dt_bias"])
+    return l2(d["q"]), l2(d["k"]), g, 2 * torch.sigmoid(d["beta"])
+
+
+def _names(gated):
+    return ["q", "k", "v", "g", "beta", "h0"] + (["A_log", "dt_bias"] if gated else [])
+
+
+def _reference(layer, d, do, gated, cu, T_local, world, dfinals):
+    """float64 reference: output, final states (per rank), and the gradients of
+    sum(o * do) + sum_p <final_p, dfinal_p> for every input."""
+    ins = {n: d[n].clone().requires_grad_(True) for n in _names(gated)}
+    q, k, g, beta = _activate(layer, ins, gated)
+    v, h0 = ins["v"], ins["h0"]
+    o, fin = recurrent_delta_rule_reference(q, k, v, g, beta, initial_state=h0, cu_seqlens=cu)
+    loss = (o * do).sum()
+    if cu is None:  # the state after each rank's last token: the reference on the prefix
+        finals = []
+        for p in range(world):
+            e = (p + 1) * T_local
+            _, f = recurrent_delta_rule_reference(q[:, :e], k[:, :e], v[:, :e], g[:, :e], beta[:, :e],
+                                                  initial_state=h0)
+            finals.append(f)
+            loss = loss + (f * dfinals[p]).sum()
+    else:
+        finals = [fin] * world
+        loss = loss + sum((fin * dd).sum() for dd in dfinals)
+    grads = torch.autograd.grad(loss, list(ins.values()))
+    return o.detach(), [f.detach() for f in finals], dict(zip(ins, grads))
+
+
+def _final_rows(cu, rank, T_local):
+    off = rank * T_local
+    return [i for i in range(len(cu) - 1) if off < cu[i + 1] <= off + T_local]
+
+
+def _options(gated):
+    if not gated:
+        return {}
+    return dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
+                allow_neg_eigval=True)
+
+
+def _check_case(rank, world, group, case):
+    layer, cu_list, T_local, B, HV, gated = (case[n] for n in ("layer", "cu", "T_local", "B", "HV", "gated"))
+    fn = LAYERS[layer]
+    cu = None if cu_list is None else torch.tensor(cu_list, dtype=torch.long)
+    T = T_local * world
+    n_h0 = B if cu is None else len(cu_list) - 1
+    d, do = _data(1000 + T + HV + 7 * gated, layer, B, T, HV, n_h0, gated)
+    gen = torch.Generator().manual_seed(99)
+    dfinals = [torch.randn(n_h0, HV, K, V, generator=gen, dtype=torch.float64) for _ in range(world)]
+    if cu is not None:  # each row's gradient is given by the rank where that sequence ends
+        for p in range(world):
+            keep = torch.zeros(n_h0, 1, 1, 1, dtype=torch.float64)
+            keep[_final_rows(cu_list, p, T_local)] = 1
+            dfinals[p] = dfinals[p] * keep
+    ref_o, ref_finals, ref_grads = _reference(layer, d, do, gated, cu_list, T_local, world, dfinals)
+    sl = slice(rank * T_local, (rank + 1) * T_local)
+    results = {}
+    for method in case["methods"]:
+        ins = {n: (d[n][:, sl] if n in ("q", "k", "v", "g", "beta") else d[n]).clone().requires_grad_(True)
+               for n in _names(gated)}
+        extra = {"A_log": ins["A_log"], "dt_bias": ins["dt_bias"]} if gated else {}
+        o, fin = fn(ins["q"], ins["k"], ins["v"], ins["g"], ins["beta"], group, initial_state=ins["h0"],
+                    output_final_state=True, cu_seqlens=cu, method=method, **_options(gated), **extra)
+        tag = f"{layer} {method} cu={cu_list} B={B} HV={HV} gated={gated} P={world} rank={rank}"
+        assert o.shape == (B, T_local, HV, V) and o.dtype == torch.float64, tag
+        assert _rel(o, ref_o[:, sl]) < TOL, f"output: {tag}: {_rel(o, ref_o[:, sl])}"
+        if cu is None:
+            assert fin.shape == (B, HV, K, V), tag
+            assert _rel(fin, ref_finals[rank]) < TOL, f"final state: {tag}"
+        else:
+            assert fin.shape == (n_h0, HV, K, V), tag
+            rows = _final_rows(cu_list, rank, T_local)
+            for i in range(n_h0):
+                if i in rows:
+                    assert _rel(fin[i], ref_finals[0][i]) < TOL, f"final state row {i}: {tag}"
+                else:
+                    assert torch.count_nonzero(fin[i]) == 0, f"final row {i} not ending here is nonzero: {tag}"
+        loss = (o * do[:, sl]).sum() + (fin * dfinals[rank]).sum()
+        grads = dict(zip(ins, torch.autograd.grad(loss, list(ins.values()))))
+        for name, gr in grads.items():
+            if name in ("q", "k", "v", "g", "beta"):
+                err = _rel(gr, ref_grads[name][:, sl])
+            else:  # used on some ranks (initial states) or replicated (gate parameters): sum over ranks
+                gr = gr.clone()
+                if world > 1:
+                    dist.all_reduce(gr)
+                err = _rel(gr, ref_grads[name])
+            assert err < TOL, f"d{name}: {tag}: {err}"
+        if cu is None and rank > 0:
+            assert torch.count_nonzero(grads["h0"]) == 0, f"dh0 on a rank after the first: {tag}"
+        results[method] = [o.detach(), fin.detach()] + list(grads.values())
+    base = results[case["methods"][0]]
+    for m in case["methods"][1:]:
+        for a, b in zip(base, results[m]):
+            assert torch.allclose(a, b, rtol=1e-12, atol=1e-12), f"method {m} differs from {case['methods'][0]}"
+
+
+def _cases(world):
+    T_local = 70  # one whole 64-token chunk and a partial one per rank
+    T = T_local * world
+    both = ["zeco", "allgather"]
+    cus = [[0, 17, T_local, T_local + 3, T] if world > 1 else [0, 17, 64, T],  # a cut on a rank boundary
+           [0, 5, T - 7, T],  # one sequence across every rank boundary (middle ranks have no start)
+           [0, T]]
+    if world >= 3:
+        cus.append([0, 30, T_local + 50, 2 * T_local, 2 * T_local + 1, T])
+    cases = []
+    for layer in LAYERS:
+        cases.append(dict(layer=layer, cu=None, T_local=T_local, B=2, HV=H, gated=False, methods=both))
+        cases.append(dict(layer=layer, cu=None, T_local=T_local, B=1, HV=2 * H, gated=True, methods=["zeco"]))
+        for i, cu in enumerate(cus):
+            cases.append(dict(layer=layer, cu=sorted(set(cu)), T_local=T_local, B=1, HV=H, gated=False,
+                              methods=both if i == 0 else ["zeco"]))
+    return cases
+
+
+def _run_world(rank, world):
+    group = dist.group.WORLD if world > 1 else None
+    for case in _cases(world):
+        _check_case(rank, world, group, case)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_zeco_delta_distributed(world):
+    if world == 1:
+        _run_world(0, 1)  # no group: one process, no communication
+    else:
+        run_distributed(_run_world, world, timeout=600)
+
+
+def test_chunked_matches_recurrent_single_process():
+    """The local chunk kernels (stage by stage) against the token loop: outputs and final states from an
+    initial state, the same through the incoming-state fold-in, and the transition against the product
+    of the per-token transitions; fp32 inputs within fp32 accuracy."""
+    gen = torch.Generator().manual_seed(3)
+    for per_key in (False, True):
+        for T in (1, 63, 64, 130):
+            q = torch.randn(2, T, H, K, generator=gen, dtype=torch.float64)
+            k = F.normalize(torch.randn(2, T, H, K, generator=gen, dtype=torch.float64), dim=-1)
+            v = torch.randn(2, T, H, V, generator=gen, dtype=torch.float64)
+            g = F.logsigmoid(torch.randn(2, T, H, K if per_key else 1, generator=gen, dtype=torch.float64) + 2)
+            beta = torch.rand(2, T, H, generator=gen, dtype=torch.float64)
+            h0 = torch.randn(2, H, K, V, generator=gen, dtype=torch.float64)
+            ro, rf = recurrent_delta_rule_reference(q, k, v, g if per_key else g[..., 0], beta, initial_state=h0)
+            cp = chunk_delta_rule(q, k, v, g, beta, K ** -0.5, h0)
+            assert _rel(chunk_outputs(cp), ro) < TOL and _rel(cp.final, rf) < TOL, (per_key, T)
+            cp0 = chunk_delta_rule(q, k, v, g, beta, K ** -0.5)
+            o, f = add_incoming(cp0, chunk_outputs(cp0), h0)
+            assert _rel(o, ro) < TOL and _rel(f, rf) < TOL, (per_key, T)
+            M = torch.eye(K, dtype=torch.float64).expand(2, H, K, K)
+            for t in range(T):
+                kt, bt = k[:, t].unsqueeze(-1), beta[:, t, :, None, None]
+                A = (torch.eye(K, dtype=torch.float64) - bt * kt @ kt.transpose(-1, -2)) @ torch.diag_embed(
+                    g[:, t].exp().expand(2, H, K))
+                M = A @ M
+            assert _rel(cp0.transition, M) < TOL, (per_key, T)
+            cp32 = chunk_delta_rule(*(x.float() for x in (q, k, v, g, beta)), K ** -0.5, h0.float())
+            assert cp32.final.dtype == torch.float32
+            assert _rel(chunk_outputs(cp32), ro) < 1e-5 and _rel(cp32.final, rf) < 1e-5, (per_key, T)
+
+
+def test_kda_lower_bound_gate_and_fp32():
+    """KDA's lower-bound gate (A_log optional) and fp32 inputs with an fp32 initial state, one process."""
+    d, do = _data(11, "kda", 1, 90, H, 1, True)
+    for A_log in (d["A_log"], None):
+        a = 1 if A_log is None else A_log.exp().view(H, 1)
+        g_ref = -5.0 * torch.sigmoid((d["g"] + d["dt_bias"].view(H, K)) * a)
+        o, fin = zeco_kda(d["q"], d["k"], d["v"], d["g"], d["beta"], use_gate_in_kernel=True, A_log=A_log,
+                          dt_bias=d["dt_bias"], lower_bound=-5.0, safe_gate=True, initial_state=d["h0"],
+                          output_final_state=True)
+        ro, rf = recurrent_delta_rule_reference(d["q"], d["k"], d["v"], g_ref, d["beta"], initial_state=d["h0"])
+        assert _rel(o, ro) < TOL and _rel(fin, rf) < TOL
+    g = F.logsigmoid(d["g"] + 3)
+    beta = torch.sigmoid(d["beta"])
+    o, fin = zeco_kda(d["q"].float(), d["k"].float(), d["v"].float(), g.float(), beta.float(),
+                      initial_state=d["h0"].float(), output_final_state=True)
+    ro, rf = recurrent_delta_rule_reference(d["q"], d["k"], d["v"], g, beta, initial_state=d["h0"])
+    assert o.dtype == torch.float32 and fin.dtype == torch.float32
+    assert _rel(o, ro) < 1e-5 and _rel(fin, rf) < 1e-5
+    ob, _ = zeco_kda(*(x.bfloat16() for x in (d["q"], d["k"], d["v"])), g.bfloat16(), beta.bfloat16())
+    ro, _ = recurrent_delta_rule_reference(d["q"], d["k"], d["v"], g, beta)
+    assert ob.dtype == torch.bfloat16 and _rel(ob, ro) < 3e-2
+
+
+def _run_default_group(rank, world):
+    """``group=None`` in an initialised group is the default group: the same as passing it; ``LOCAL``
+    is one process holding the whole sequence."""
+    T_local = 40
+    d, do = _data(321, "gdn", 1, T_local * world, H, 1, False)
+    sl = slice(rank * T_local, (rank + 1) * T_local)
+    ref, _ = recurrent_delta_rule_reference(d["q"], d["k"], d["v"], d["g"], d["beta"])
+    whole, _ = zeco_gated_delta_rule(d["q"], d["k"], d["v"], d["g"], d["beta"], LOCAL)
+    assert _rel(whole, ref) < TOL
+    outs = {}
+    for name, group in (("None", None), ("WORLD", dist.group.WORLD)):
+        ins = [d[n][:, sl].clone().requires_grad_(True) for n in ("q", "k", "v", "g", "beta")]
+        o, fin = zeco_gated_delta_rule(*ins, group, output_final_state=True)
+        outs[name] = (o.detach(), fin.detach(), torch.autograd.grad((o * do[:, sl]).sum(), ins))
+    assert _rel(outs["None"][0], ref[:, sl]) < TOL
+    assert torch.equal(outs["WORLD"][0], outs["None"][0]) and torch.equal(outs["WORLD"][1], outs["None"][1])
+    for a, b in zip(outs["WORLD"][2], outs["None"][2]):
+        assert torch.equal(a, b)
+
+
+def test_group_none_is_the_default_group():
+    run_distributed(_run_default_group, 2, timeout=300)
+
+
+def _run_mismatch(rank, world):
+    # ranks disagreeing on an option must raise on every rank (the op's cross-rank check), not hang
+    d, _ = _data(5, "kda", 1, 16, H, 1, False)
+    with pytest.raises(ValueError, match=r"options .*\(rank 0: 0, rank 1: 1\)"):
+        zeco_kda(d["q"], d["k"], d["v"], d["g"], d["beta"], use_qk_l2norm_in_kernel=bool(rank))
+
+
+def test_mismatched_options_across_ranks_raise():
+    run_distributed(_run_mismatch, 2, timeout=120)
+
+
+def test_errors():
+    q = torch.randn(1, 8, H, K)
+    v = torch.randn(1, 8, H, V)
+    g3, g4, beta = torch.zeros(1, 8, H), torch.zeros(1, 8, H, K), torch.rand(1, 8, H)
+    gdn, kda = zeco_gated_delta_rule, zeco_kda
+    with pytest.raises(ValueError, match="zeco_kda: method must be one of"):
+        kda(q, q, v, g4, beta, method="ring")
+    with pytest.raises(NotImplementedError, match="fla_cp.*fla-core's GPU kernels"):
+        gdn(q, q, v, g3, beta, method="fla_cp")
+    with pytest.raises(ValueError, match=r"zeco_kda: g must be \[B, T_local, HV, K\]"):
+        kda(q, q, v, g3, beta)
+    with pytest.raises(ValueError, match=r"zeco_gated_delta_rule: g must be \[B, T_local, HV\]"):
+        gdn(q, q, v, g4, beta)
+    with pytest.raises(ValueError, match="beta must be"):
+        gdn(q, q, v, g3, beta[..., :1])
+    with pytest.raises(ValueError, match="k must have q's shape"):
+        gdn(q, torch.randn(1, 8, H, K + 1), v, g3, beta)
+    with pytest.raises(ValueError, match="v must be"):
+        gdn(q, q, torch.randn(1, 8, H + 1, V), g3, beta)
+    with pytest.raises(ValueError, match="q must be a 4-D tensor"):
+        gdn(q[0], q, v, g3, beta)
+    with pytest.raises(TypeError, match="q must be float32, bfloat16, float16 or float64"):
+        gdn(q.int(), q, v, g3, beta)
+    with pytest.raises(TypeError, match="q, k and v must have one dtype"):
+        gdn(q, q, v.double(), g3, beta)
+    with pytest.raises(TypeError, match="beta must be a floating-point tensor"):
+        gdn(q, q, v, g3, beta.int())
+    with pytest.raises(ValueError, match="every rank needs at least one token"):
+        gdn(q[:, :0], q[:, :0], v[:, :0], g3[:, :0], beta[:, :0])
+    with pytest.raises(TypeError, match="initial_state must be torch.float32"):
+        gdn(q, q, v, g3, beta, initial_state=torch.zeros(1, H, K, V, dtype=torch.float64))
+    with pytest.raises(ValueError, match=r"initial_state must be \[B, HV, K, V\]"):
+        gdn(q, q, v, g3, beta, initial_state=torch.zeros(2, H, K, V))
+    with pytest.raises(ValueError, match=r"zeco_kda: cu_seqlens must start at 0 and end at"):
+        kda(q, q, v, g4, beta, cu_seqlens=torch.tensor([0, 3, 7]))
+    with pytest.raises(ValueError, match="zeco_gated_delta_rule: cu_seqlens must be strictly increasing"):
+        gdn(q, q, v, g3, beta, cu_seqlens=torch.tensor([0, 3, 3, 8]))
+    with pytest.raises(TypeError, match="cu_seqlens must be a 1-D integer tensor"):
+        gdn(q, q, v, g3, beta, cu_seqlens=[0, 8])
+    with pytest.raises(ValueError, match="zeco_gated_delta_rule: with cu_seqlens the batch size must be 1"):
+        gdn(q.expand(2, -1, -1, -1), q.expand(2, -1, -1, -1), v.expand(2, -1, -1, -1), g3.expand(2, -1, -1),
+            beta.expand(2, -1, -1), cu_seqlens=torch.tensor([0, 8]))
+    with pytest.raises(ValueError, match="allow_neg_eigval=True requires use_beta_sigmoid_in_kernel=True"):
+        gdn(q, q, v, g3, beta, allow_neg_eigval=True)
+    with pytest.raises(ValueError, match="use_gate_in_kernel=True needs A_log"):
+        gdn(q, q, v, g3, beta, use_gate_in_kernel=True)
+    with pytest.raises(ValueError, match="A_log and dt_bias are read only with use_gate_in_kernel=True"):
+        kda(q, q, v, g4, beta, A_log=torch.zeros(H))
+    with pytest.raises(ValueError, match=r"dt_bias must be \[HV \* K\]"):
+        kda(q, q, v, g4, beta, use_gate_in_kernel=True, A_log=torch.zeros(H), dt_bias=torch.zeros(H))
+    with pytest.raises(ValueError, match=r"safe_gate=True .* needs lower_bound in \[-5, 0\)"):
+        kda(q, q, v, g4, beta, use_gate_in_kernel=True, A_log=torch.zeros(H), safe_gate=True)
+    with pytest.raises(RuntimeError, match="zeco_kda: group given but torch.distributed is not initialised"):
+        kda(q, q, v, g4, beta, object())
