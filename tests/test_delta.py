@@ -111,21 +111,30 @@ def _options(gated):
                 allow_neg_eigval=True)
 
 
-def _check_case(rank, world, group, case):
+def _prepare(world, case):
+    """A case's inputs and its float64 reference on the whole sequence (computed once, in the parent)."""
     layer, cu_list, T_local, B, HV, gated = (case[n] for n in ("layer", "cu", "T_local", "B", "HV", "gated"))
-    fn = LAYERS[layer]
-    cu = None if cu_list is None else torch.tensor(cu_list, dtype=torch.long)
     T = T_local * world
-    n_h0 = B if cu is None else len(cu_list) - 1
+    n_h0 = B if cu_list is None else len(cu_list) - 1
     d, do = _data(1000 + T + HV + 7 * gated, layer, B, T, HV, n_h0, gated)
     gen = torch.Generator().manual_seed(99)
     dfinals = [torch.randn(n_h0, HV, K, V, generator=gen, dtype=torch.float64) for _ in range(world)]
-    if cu is not None:  # each row's gradient is given by the rank where that sequence ends
+    if cu_list is not None:  # each row's gradient is given by the rank where that sequence ends
         for p in range(world):
             keep = torch.zeros(n_h0, 1, 1, 1, dtype=torch.float64)
             keep[_final_rows(cu_list, p, T_local)] = 1
             dfinals[p] = dfinals[p] * keep
-    ref_o, ref_finals, ref_grads = _reference(layer, d, do, gated, cu_list, T_local, world, dfinals)
+    return dict(case, d=d, do=do, dfinals=dfinals,
+                ref=_reference(layer, d, do, gated, cu_list, T_local, world, dfinals))
+
+
+def _check_case(rank, world, group, case):
+    layer, cu_list, T_local, B, HV, gated = (case[n] for n in ("layer", "cu", "T_local", "B", "HV", "gated"))
+    fn = LAYERS[layer]
+    cu = None if cu_list is None else torch.tensor(cu_list, dtype=torch.long)
+    n_h0 = B if cu is None else len(cu_list) - 1
+    d, do, dfinals = case["d"], case["do"], case["dfinals"]
+    ref_o, ref_finals, ref_grads = case["ref"]
     sl = slice(rank * T_local, (rank + 1) * T_local)
     results = {}
     for method in case["methods"]:
@@ -187,18 +196,22 @@ def _cases(world):
     return cases
 
 
-def _run_world(rank, world):
+def _run_world(rank, world, cases):
     group = dist.group.WORLD if world > 1 else None
-    for case in _cases(world):
+    for case in cases:
         _check_case(rank, world, group, case)
+    if world == 2:  # one spawn for the checks that need a group but no particular size
+        _check_default_group(rank, world)
+        _check_mismatch(rank)
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 def test_zeco_delta_distributed(world):
+    cases = [_prepare(world, c) for c in _cases(world)]
     if world == 1:
-        _run_world(0, 1)  # no group: one process, no communication
+        _run_world(0, 1, cases)  # no group: one process, no communication
     else:
-        run_distributed(_run_world, world, timeout=600)
+        run_distributed(_run_world, world, cases, timeout=600)
 
 
 def test_chunked_matches_recurrent_single_process():
@@ -255,7 +268,7 @@ def test_kda_lower_bound_gate_and_fp32():
     assert ob.dtype == torch.bfloat16 and _rel(ob, ro) < 3e-2
 
 
-def _run_default_group(rank, world):
+def _check_default_group(rank, world):
     """``group=None`` in an initialised group is the default group: the same as passing it; ``LOCAL``
     is one process holding the whole sequence."""
     T_local = 40
@@ -275,19 +288,11 @@ def _run_default_group(rank, world):
         assert torch.equal(a, b)
 
 
-def test_group_none_is_the_default_group():
-    run_distributed(_run_default_group, 2, timeout=300)
-
-
-def _run_mismatch(rank, world):
+def _check_mismatch(rank):
     # ranks disagreeing on an option must raise on every rank (the op's cross-rank check), not hang
     d, _ = _data(5, "kda", 1, 16, H, 1, False)
     with pytest.raises(ValueError, match=r"options .*\(rank 0: 0, rank 1: 1\)"):
         zeco_kda(d["q"], d["k"], d["v"], d["g"], d["beta"], use_qk_l2norm_in_kernel=bool(rank))
-
-
-def test_mismatched_options_across_ranks_raise():
-    run_distributed(_run_mismatch, 2, timeout=120)
 
 
 def test_errors():
