@@ -57,13 +57,15 @@ def _pair_scores(a, b, G, mask):
     return torch.einsum("...ik,...jk,...ijk->...ij", a, b, decay)
 
 
-def chunk_delta_rule(q, k, v, g, beta, scale: float, h0: Optional[torch.Tensor] = None, chunk: int = CHUNK):
-    """The chunked delta rule of one sequence (per batch row), stage 1: everything but the outputs.
+def chunk_delta_rule(q, k, v, g, beta, scale: float, h0: Optional[torch.Tensor] = None, chunk: int = CHUNK,
+                     with_transition: bool = True):
+    """The chunked delta rule of one sequence (per batch row), up to the states entering the chunks.
 
     q, k: ``[B, T, H, K]``; v: ``[B, T, H, V]``; g: log decays ``[B, T, H, 1]`` (one per head) or
     ``[B, T, H, K]``; beta: ``[B, T, H]``; h0: ``[B, H, K, V]`` or None (zeros). Returns a namespace with
-    the chunk quantities, ``states`` (the state entering every chunk, ``[B, H, N, K, V]``), ``final``
-    (``[B, H, K, V]``) and ``transition`` (M, ``[B, H, K, K]``) and ``prefix`` (P_c, ``[B, H, N, K, K]``).
+    the chunk quantities (``o_intra``, ``q_eff`` = Q~), ``states`` (the state entering every chunk,
+    ``[B, H, N, K, V]``), ``final`` (``[B, H, K, V]``) and, ``with_transition``, ``transition`` (M,
+    ``[B, H, K, K]``) and ``prefix`` (P_c, ``[B, H, N, K, K]``; None without).
     """
     B, T, H, K = k.shape
     V = v.shape[-1]
@@ -86,15 +88,17 @@ def chunk_delta_rule(q, k, v, g, beta, scale: float, h0: Optional[torch.Tensor] 
     h_add = k_d.transpose(-1, -2) @ U  # [B, H, N, K, V]
 
     S = q.new_zeros(B, H, K, V) if h0 is None else h0.to(dt)
-    P = torch.eye(K, dtype=dt, device=q.device).expand(B, H, K, K)
+    P = torch.eye(K, dtype=dt, device=q.device).expand(B, H, K, K) if with_transition else None
     states, prefix = [], []
     for n in range(N):
         states.append(S)
-        prefix.append(P)
         S = M_c[:, :, n] @ S + h_add[:, :, n]
-        P = M_c[:, :, n] @ P
+        if with_transition:
+            prefix.append(P)
+            P = M_c[:, :, n] @ P
     return SimpleNamespace(T=T, o_intra=scale * (A_qk @ U), q_eff=scale * (eG * q - A_qk @ W),
-                           states=torch.stack(states, 2), final=S, transition=P, prefix=torch.stack(prefix, 2))
+                           states=torch.stack(states, 2), final=S, transition=P,
+                           prefix=torch.stack(prefix, 2) if with_transition else None)
 
 
 def chunk_outputs(cp) -> torch.Tensor:
@@ -118,23 +122,26 @@ def _unblocks(x: torch.Tensor, T: int) -> torch.Tensor:
 
 class TorchDelta:
     """The local work of one shard in torch ops, in the three stages :mod:`allscan.ops.delta.zeco`
-    drives (a GPU backend implements the same three with fla-core's kernels).
+    drives; a GPU backend implements the same three (fla-core's chunk kernels for the states and
+    outputs, its CP pre-pass for the transition) and returns the same ``finals`` and ``transition``.
 
     The shard is cut into segments (``bounds``: local sequence boundaries ``[0, ..., T]``), each an
     independent sequence from its own initial state (``h0s``, None = zeros); only the first segment
-    can receive an incoming state, so only its transition is kept.
+    can receive an incoming state, so only its transition is computed.
     """
 
     name = "torch"
 
     @staticmethod
     def summarize(q, k, v, g, beta, scale: float, bounds: Sequence[int], h0s: List[Optional[torch.Tensor]]):
-        """Stage 1, before the scan: per segment the chunk states and local final state, and the first
-        segment's transition (``.segments[0].transition``)."""
+        """Stage 1, before the scan: what the scan needs. Returns an object with ``finals`` (each
+        segment's final state from its local initial state, ``[B, H, K, V]``) and ``transition`` (the
+        first segment's, ``[B, H, K, K]``), and whatever stages 2 and 3 need."""
         segs = []
         for j, (a, e) in enumerate(zip(bounds, bounds[1:])):
-            segs.append(chunk_delta_rule(q[:, a:e], k[:, a:e], v[:, a:e], g[:, a:e], beta[:, a:e], scale, h0s[j]))
-        return SimpleNamespace(segments=segs)
+            segs.append(chunk_delta_rule(q[:, a:e], k[:, a:e], v[:, a:e], g[:, a:e], beta[:, a:e], scale, h0s[j],
+                                         with_transition=j == 0))
+        return SimpleNamespace(segments=segs, finals=[cp.final for cp in segs], transition=segs[0].transition)
 
     @staticmethod
     def local_outputs(sp) -> torch.Tensor:
@@ -145,7 +152,7 @@ class TorchDelta:
     def add_incoming(sp, o: torch.Tensor, S_in: Optional[torch.Tensor]):
         """Stage 3: the first segment's incoming state folded in. Returns ``(o, finals)``, one final
         state per segment."""
-        finals = [cp.final for cp in sp.segments]
+        finals = list(sp.finals)
         if S_in is None:
             return o, finals
         first = sp.segments[0]

@@ -229,11 +229,10 @@ def _sharded(q, k, v, g, beta, scale, segs, group, h0s, init, method, output_fin
     if segs.world > 1:
         from allscan import scan
 
-        last = sp.segments[-1]
-        x, M = last.final, last.transition
+        x, M = sp.finals[-1], sp.transition
         if segs.varlen and segs.ends_here[-1]:  # nothing crosses the shard's end
             x, M = _zero_in_graph(x), torch.zeros_like(M)
-        elif segs.nseg > 1:  # the sequence crossing the end starts here: no incoming state reaches it
+        elif segs.nseg > 1:  # the sequence crossing the end starts in the shard: no incoming state reaches it
             M = torch.zeros_like(M)
         handle = scan(x.contiguous(), group=group, transition=M.contiguous(), init=init,
                       method=_SCAN_METHOD[method], async_op=True)
