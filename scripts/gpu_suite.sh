@@ -3,8 +3,11 @@
 #
 #   scripts/gpu_suite.sh [stage ...]      (default: every stage)
 #
-# Stages: build tests perf perffill perfab perfhead scanhost scanbench glakern glatest glabench glatrain glatrain32 ulysses
-#         ulysses_host (default: all but perfab, perfhead, scanhost and glakern, the investigations)
+# Stages: build tests perf perffill perfab perfhead perfbase perfmatrix perfa2a scanhost scanbench glakern glatest glabench
+#         glatrain glatrain32 ulysses ulysses_host (default: all but perfab, perfhead, perfbase, scanhost and glakern, the
+#         investigations)
+# perfbase: the standard sweep of an earlier tree's allscan_perf (BASE=<source dir>, default .base) and of this one,
+#         alternated three times (a refactor's before/after, side by side in one run).
 # Limits: TIMEOUT_<stage> or STAGE_TIMEOUT seconds per stage; KSWEEP=0 skips the K sweep of perf.
 # Logs and JSON go to $OUT (default ./gpu_out); a short table is printed last.
 # Needs: python3 with torch (CUDA), nvcc, cmake, ninja, pybind11, scikit-build-core; fla-core and
@@ -16,7 +19,7 @@ mkdir -p "$OUT"
 # Never turn NVLink multicast on (shared machines).
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=4
-STAGES=${*:-build tests perf perffill scanbench glatest glabench glatrain glatrain32 ulysses ulysses_host}
+STAGES=${*:-build tests perf perffill perfmatrix perfa2a scanbench glatest glabench glatrain glatrain32 ulysses ulysses_host}
 NGPU=$(python3 -c 'import torch; print(torch.cuda.device_count())')
 SUMMARY="$OUT/summary.txt"
 : > "$SUMMARY"
@@ -57,6 +60,23 @@ for s in $STAGES; do
       run_stage perf "$PERF" -b 4K -e 256M -f 2 -g "$NGPU" -K auto,4 -j "$OUT/perf.json"
       run_stage perf_graph "$PERF" -b 4K -e 256M -f 4 -g "$NGPU" -G 5 -K auto -j "$OUT/perf_graph.json"
       [ "${KSWEEP:-1}" = 0 ] || run_stage ksweep "$PERF" -b 64K -e 256M -f 4 -g "$NGPU" -m pipelined -K 1,2,4,8,16,32,64 -x chain -N 3 -j "$OUT/ksweep.json"
+      ;;
+    perfbase)  # before/after: the same standard sweep from an earlier tree and from this one, alternated
+      PERF=$(ls build/*/bench/allscan_perf 2>/dev/null | head -1)
+      BASE=${BASE:-.base}
+      run_stage base_build bash -c "cmake -S '$BASE' -B /tmp/allscan_base -G Ninja -DCMAKE_CUDA_ARCHITECTURES=90 -DCMAKE_BUILD_TYPE=Release && cmake --build /tmp/allscan_base --target allscan_perf" || continue
+      for i in 1 2 3; do
+        run_stage "perfbase_before_$i" /tmp/allscan_base/bench/allscan_perf -b 4K -e 256M -f 2 -g "$NGPU" -K auto,4 -j "$OUT/perfbase_before_$i.json" > /dev/null
+        run_stage "perfbase_after_$i" "$PERF" -b 4K -e 256M -f 2 -g "$NGPU" -K auto,4 -j "$OUT/perfbase_after_$i.json" > /dev/null
+      done
+      ;;
+    perfmatrix)  # the matrix-transition All-Scan against the bare send and the all-gather method
+      PERF=$(ls build/*/bench/allscan_perf 2>/dev/null | head -1)
+      run_stage perfmatrix "$PERF" -o matrix -b 64K -e 256M -f 2 -g "$NGPU" -K auto,4 -j "$OUT/perfmatrix.json"
+      ;;
+    perfa2a)  # the chunked all-to-all against NCCL's all-to-all of the same bytes
+      PERF=$(ls build/*/bench/allscan_perf 2>/dev/null | head -1)
+      run_stage perfa2a "$PERF" -o a2a -b 1M -e 256M -f 4 -g "$NGPU" -j "$OUT/perfa2a.json"
       ;;
     perffill)  # the head's own result in series after the send against perf's default
       PERF=$(ls build/*/bench/allscan_perf 2>/dev/null | head -1)

@@ -68,7 +68,7 @@ def test_cpp_plan_simulated_on_host(tmp_path):
         pytest.skip("needs nvcc and the nvidia-nccl wheel")
     root = os.path.join(os.path.dirname(__file__), "..")
     exe = str(tmp_path / "plan_sim")
-    subprocess.run([nvcc, "-std=c++17", "-arch=sm_80", f"-I{root}/csrc/allscan/include",
+    subprocess.run([nvcc, "-std=c++17", "-arch=sm_80", f"-I{root}/csrc", f"-I{root}/csrc/common/include", f"-I{root}/csrc/allscan/include",
                     f"-I{root}/csrc/a2a_chunked/include", f"-I{nccl}/include",
                     f"{root}/csrc/a2a_chunked/test/plan_sim.cu", "-o", exe, f"-L{nccl}/lib", "-l:libnccl.so.2",
                     f"-Xlinker=-rpath={nccl}/lib"], check=True, capture_output=True, timeout=300)
