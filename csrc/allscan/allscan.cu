@@ -9,6 +9,8 @@
 #include <string>
 
 #include "comm.h"
+#include "head_result.h"
+#include "pipeline.h"
 #include "common/acc.cuh"
 #include "common/error.h"
 
@@ -106,21 +108,11 @@ __global__ void __launch_bounds__(kThreads) foldKernel(const T* __restrict__ X, 
   }
 }
 
-// Writes `bytes` of zeros, or a copy of `src`, with a small fixed number of CTAs: the head's own
-// result, written beside the send without taking the memory bandwidth the transfer needs.
-__global__ void __launch_bounds__(kThreads) fillKernel(uint4* __restrict__ dst, const uint4* __restrict__ src, size_t n16) {
-  const size_t stride = static_cast<size_t>(gridDim.x) * blockDim.x;
-  for (size_t i = static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n16; i += stride)
-    dst[i] = src != nullptr ? src[i] : make_uint4(0, 0, 0, 0);
-}
-
 int gridFor(size_t work) {
   size_t blocks = (work + kThreads - 1) / kThreads;
   // Enough blocks to fill any current GPU several times over; the loops are grid-strided.
   return static_cast<int>(std::max<size_t>(1, std::min<size_t>(blocks, 4096)));
 }
-
-bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
 
 template <typename T, typename G>
 cudaError_t launchCombineT(const void* x, const void* y, const void* g, void* out, size_t n, size_t inner,
@@ -190,14 +182,8 @@ cudaError_t launchFold(const allscanScanArgs_t& a, const void* X, const void* Gs
 // Arguments, blocks and workspace layout
 // ------------------------------------------------------------------------------------------------
 allscanResult_t checkArgs(const allscanComm* comm, const allscanScanArgs_t* a) {
-  ALLSCAN_ARG_CHECK(comm != nullptr, "comm: null communicator");
-  ALLSCAN_ARG_CHECK(a != nullptr, "args: null argument struct");
-  ALLSCAN_ARG_CHECK(validDtype(a->dtype), "dtype: expected allscanFloat32, allscanFloat16, allscanBfloat16 or allscanFloat64, got " + std::to_string(static_cast<int>(a->dtype)));
-  ALLSCAN_ARG_CHECK(a->method == allscanPipelined || a->method == allscanSerial || a->method == allscanAllGather,
-                    "method: expected allscanPipelined, allscanSerial or allscanAllGather, got " + std::to_string(static_cast<int>(a->method)));
-  ALLSCAN_ARG_CHECK(a->num_blocks >= 0, "num_blocks: expected 0 (auto) or a positive block count, got " + std::to_string(a->num_blocks));
-  ALLSCAN_ARG_CHECK(a->reverse == 0 || a->reverse == 1, "reverse: expected 0 or 1");
-  ALLSCAN_ARG_CHECK(a->inclusive == 0 || a->inclusive == 1, "inclusive: expected 0 or 1");
+  ALLSCAN_CHECK(checkTarget(comm, a));
+  ALLSCAN_CHECK(checkSchedule(a));
   if (a->count > 0) {
     ALLSCAN_ARG_CHECK(a->x != nullptr, "x: null pointer for a state of " + std::to_string(a->count) + " elements");
     ALLSCAN_ARG_CHECK(a->y != nullptr, "y: null pointer for a state of " + std::to_string(a->count) + " elements");
@@ -297,99 +283,24 @@ allscanResult_t scanAllGather(const allscanComm* comm, const allscanScanArgs_t* 
   return allscanSuccess;
 }
 
-// The chain head's own result y, when it is not what the head sends: init or zeros (exclusive),
-// or x itself (inclusive without init). A second kernel on the head costs its launch and join
-// beside a short send, so up to self_fill_max bytes (auto) y is written inside the send's own NCCL
-// group call, as a send/recv to itself: one kernel, like the bare send. Larger states take a few
-// CTAs on the side stream beside the send, whose bandwidth a self copy would share. Zeros come from
-// the communicator's zeroed buffer (ensureZeros; without it, the side path); the side path runs in
-// series after the send when asked or when its buffers are not 16-byte aligned.
-// Measurements: bench/README.md, "the head's own result" (second to fourth runs).
-class HeadResult {
- public:
-  // Chooses the path (ALLSCAN_HEAD_FILL, the size, the zero buffer, the alignment).
-  HeadResult(allscanComm* comm, const allscanScanArgs_t* a, cudaStream_t stream)
-      : comm_(comm), a_(a), stream_(stream), bytes_(a->count * dtypeSize(a->dtype)),
-        src_(a->inclusive ? a->x : a->init) {
-    if (a->inclusive && a->init != nullptr) return;  // y is what the head sends: nothing to write
-    int mode = comm->head_fill;
-    if (mode == kFillAuto) mode = bytes_ <= comm->self_fill_max ? kFillSelf : kFillSide;
-    if (mode == kFillSelf && src_ == nullptr && !ensureZeros(comm, bytes_, stream)) mode = kFillSide;
-    if (mode == kFillSide && (comm->fill_ctas == 0 || bytes_ % 16 != 0 || !aligned16(a->y) ||
-                              (src_ != nullptr && !aligned16(src_))))
-      mode = kFillSeries;
-    mode_ = mode;
-  }
-
-  // Before the send's group call: the side path forks its CTAs onto the side stream.
-  allscanResult_t fork() {
-    if (mode_ != kFillSide) return allscanSuccess;
-    ALLSCAN_CUDA_CHECK(cudaEventRecord(comm_->fork, stream_));
-    ALLSCAN_CUDA_CHECK(cudaStreamWaitEvent(comm_->side, comm_->fork, 0));
-    const size_t n16 = bytes_ / 16;
-    const int ctas = static_cast<int>(std::min<size_t>(comm_->fill_ctas, (n16 + kThreads - 1) / kThreads));
-    fillKernel<<<std::max(ctas, 1), kThreads, 0, comm_->side>>>(static_cast<uint4*>(a_->y),
-                                                               static_cast<const uint4*>(src_), n16);
-    ALLSCAN_CUDA_CHECK(cudaGetLastError());
-    ALLSCAN_CUDA_CHECK(cudaEventRecord(comm_->join, comm_->side));
-    return allscanSuccess;
-  }
-
-  // Inside the send's group call: the self path's send/recv to itself.
-  ncclResult_t inGroup(ncclComm_t nc) {
-    if (mode_ != kFillSelf) return ncclSuccess;
-    const void* src = src_ != nullptr ? src_ : comm_->zeros;
-    ncclResult_t nr = ncclSend(src, bytes_, ncclUint8, comm_->rank, nc, stream_);
-    if (nr == ncclSuccess) nr = ncclRecv(a_->y, bytes_, ncclUint8, comm_->rank, nc, stream_);
-    return nr;
-  }
-
-  // After the group call, also when it failed (a capture never holds an unjoined fork).
-  allscanResult_t join() {
-    if (mode_ == kFillSide) ALLSCAN_CUDA_CHECK(cudaStreamWaitEvent(stream_, comm_->join, 0));
-    return allscanSuccess;
-  }
-
-  // After a successful send: the series path.
-  allscanResult_t inSeries() {
-    return mode_ == kFillSeries ? copyOrZero(a_->y, src_, bytes_, stream_) : allscanSuccess;
-  }
-
- private:
-  allscanComm* comm_;
-  const allscanScanArgs_t* a_;
-  cudaStream_t stream_;
-  size_t bytes_;
-  const void* src_;  // null: zeros
-  int mode_ = -1;    // a HeadFill but kFillAuto; -1: nothing to write
-};
-
-// The chain starts here: y = init (or 0); the value sent on is g*init + x (or x itself). All blocks
-// go in one group call: in order on the same peer connection, so the successor receives block 0
-// first and starts combining it while the rest is in flight.
+// The chain starts here: y = init (or 0); the value sent on is g*init + x (or x itself), all blocks
+// in one group call (headSend).
 allscanResult_t scanHead(allscanComm* comm, const allscanScanArgs_t* a, const Blocks& b, void* workspace,
                          cudaStream_t stream) {
-  const int next = chainPos(comm, a->reverse).next;
-  ncclComm_t nc = comm->nccl;
-  const ncclDataType_t nt = ncclType(a->dtype);
   const void* s = a->x;
   if (a->init != nullptr) {
     void* dst = a->inclusive ? a->y : workspace;
     ALLSCAN_CUDA_CHECK(launchCombine(a->dtype, a->g_dtype, a->x, a->init, a->g, dst, a->count, gInner(a), 0, stream));
     s = dst;
   }
-  HeadResult own(comm, a, stream);
-  ALLSCAN_CHECK(own.fork());
-  ncclResult_t nr = ncclGroupStart();
-  for (size_t k = 0; k < b.n && nr == ncclSuccess; ++k) nr = ncclSend(b.at(s, k), b.len(k), nt, next, nc, stream);
-  if (nr == ncclSuccess) nr = own.inGroup(nc);
-  ncclResult_t ne = ncclSettle(nc, ncclGroupEnd());
-  if (nr == ncclSuccess) nr = ne;
-  allscanResult_t st = allscanSuccess;
-  if (nr != ncclSuccess) st = setError(allscanNcclError, std::string("ncclSend (chain head): ") + ncclGetErrorString(nr));
-  ALLSCAN_CHECK(own.join());
-  if (st != allscanSuccess) return st;
-  return own.inSeries();
+  // The head's own result: init or zeros (exclusive), x itself (inclusive without init); with an
+  // init, the inclusive result is what it sends (written above).
+  HeadResult own(comm, a->inclusive && a->init != nullptr ? nullptr : a->y, a->inclusive ? a->x : a->init,
+                 a->count * dtypeSize(a->dtype), stream);
+  const ncclDataType_t nt = ncclType(a->dtype);
+  return headSend(comm, a->reverse, b.n, own, [&](size_t k, ncclComm_t nc, int next) {
+    return ncclSend(b.at(s, k), b.len(k), nt, next, nc, stream);
+  });
 }
 
 // Inner and tail ranks: receive block k while sending block k-1 on, combine block k. R receives
@@ -397,31 +308,22 @@ allscanResult_t scanHead(allscanComm* comm, const allscanScanArgs_t* a, const Bl
 // S = workspace. Inclusive: R = workspace, S = y.
 allscanResult_t scanLink(const allscanComm* comm, const allscanScanArgs_t* a, const Blocks& b, void* workspace,
                          cudaStream_t stream) {
-  const ChainPos pos = chainPos(comm, a->reverse);
-  const bool has_next = pos.has_next;
-  const int prev = pos.prev, next = pos.next;
-  ncclComm_t nc = comm->nccl;
-  const ncclDataType_t nt = ncclType(a->dtype);
   const size_t inner = gInner(a);
   void* R = a->inclusive ? workspace : a->y;
   void* S = a->inclusive ? a->y : workspace;
-  const bool combine = has_next || a->inclusive;
-  for (size_t k = 0; k < b.n; ++k) {
-    ALLSCAN_NCCL_CHECK(nc, ncclGroupStart());
-    if (has_next && k > 0) ALLSCAN_NCCL_CHECK_IN_GROUP(nc, ncclSend(b.at(S, k - 1), b.len(k - 1), nt, next, nc, stream));
-    ALLSCAN_NCCL_CHECK_IN_GROUP(nc, ncclRecv(b.at(R, k), b.len(k), nt, prev, nc, stream));
-    ALLSCAN_NCCL_CHECK(nc, ncclGroupEnd());
-    if (combine) {
-      ALLSCAN_CUDA_CHECK(launchCombine(a->dtype, a->g_dtype, b.at(a->x, k), b.at(R, k), a->g, b.at(S, k), b.len(k),
-                                       inner, k * b.elems, stream));
-    }
-  }
-  if (has_next) {
-    ALLSCAN_NCCL_CHECK(nc, ncclGroupStart());
-    ALLSCAN_NCCL_CHECK_IN_GROUP(nc, ncclSend(b.at(S, b.n - 1), b.len(b.n - 1), nt, next, nc, stream));
-    ALLSCAN_NCCL_CHECK(nc, ncclGroupEnd());
-  }
-  return allscanSuccess;
+  const bool combine = chainPos(comm, a->reverse).has_next || a->inclusive;
+  return relayBlocks(
+      comm, a->reverse, b.n, ncclType(a->dtype),
+      [&](size_t k) { return BlockRef{b.at(S, k), b.len(k)}; },  // sent on
+      [&](size_t k) { return BlockRef{b.at(R, k), b.len(k)}; },  // received
+      [&](size_t k) -> allscanResult_t {
+        if (combine) {
+          ALLSCAN_CUDA_CHECK(launchCombine(a->dtype, a->g_dtype, b.at(a->x, k), b.at(R, k), a->g, b.at(S, k),
+                                           b.len(k), inner, k * b.elems, stream));
+        }
+        return allscanSuccess;
+      },
+      stream);
 }
 
 }  // namespace
@@ -549,7 +451,7 @@ allscanResult_t allscanWorkspaceSize(allscanComm_t comm, const allscanScanArgs_t
 allscanResult_t allscanNeighborExchange(allscanComm_t comm, const void* sendbuf, void* recvbuf, size_t bytes,
                                         int reverse, int chain, cudaStream_t stream) {
   ALLSCAN_ARG_CHECK(comm != nullptr, "comm: null communicator");
-  ALLSCAN_ARG_CHECK(comm->nccl != nullptr, "comm: a detached communicator has no NCCL communicator");
+  ALLSCAN_CHECK(checkAttached(comm));
   const int P = comm->nranks, r = comm->rank;
   if (P == 1 || bytes == 0) return allscanSuccess;
   ALLSCAN_ARG_CHECK(sendbuf != nullptr && recvbuf != nullptr, "sendbuf/recvbuf: null pointer");
@@ -569,11 +471,9 @@ allscanResult_t allscanScan(allscanComm_t comm, const allscanScanArgs_t* a, void
   ALLSCAN_CHECK(checkArgs(comm, a));
   if (a->count == 0) return allscanSuccess;
   const size_t need = workspaceBytes(comm, a);
-  ALLSCAN_ARG_CHECK(workspace_bytes >= need && (need == 0 || workspace != nullptr),
-                    "workspace: " + std::to_string(need) + " bytes needed (allscanWorkspaceSize), got " +
-                        std::to_string(workspace_bytes));
+  ALLSCAN_CHECK(checkWorkspace(need, workspace, workspace_bytes, "allscanWorkspaceSize"));
   if (comm->nranks == 1) return scanOneRank(a, stream);
-  ALLSCAN_ARG_CHECK(comm->nccl != nullptr, "comm: a detached communicator has no NCCL communicator");
+  ALLSCAN_CHECK(checkAttached(comm));
   if (a->method == allscanAllGather) return scanAllGather(comm, a, workspace, stream);
   const Blocks blocks(a->count, scanBlocks(comm, a), dtypeSize(a->dtype));
   if (chainPos(comm, a->reverse).head) return scanHead(comm, a, blocks, workspace, stream);

@@ -37,6 +37,13 @@ allscanResult_t copyOrZero(void* y, const void* src, size_t bytes, cudaStream_t 
   return allscanSuccess;
 }
 
+allscanResult_t checkWorkspace(size_t need, const void* workspace, size_t workspace_bytes, const char* size_query) {
+  ALLSCAN_ARG_CHECK(workspace_bytes >= need && (need == 0 || workspace != nullptr),
+                    "workspace: " + std::to_string(need) + " bytes needed (" + size_query + "), got " +
+                        std::to_string(workspace_bytes));
+  return allscanSuccess;
+}
+
 allscanResult_t newComm(int rank, int nranks, allscanComm** out) {
   allscanComm settings;
   ALLSCAN_CHECK(readEnv(&settings));

@@ -8,9 +8,12 @@
 
 #include <algorithm>
 #include <cstddef>
+#include <cstdint>
+#include <string>
 #include <vector>
 
 #include "allscan/allscan.h"
+#include "common/error.h"
 
 struct allscanComm {
   ncclComm_t nccl = nullptr;  // borrowed, never destroyed here (null for a detached communicator)
@@ -55,10 +58,41 @@ inline ncclDataType_t ncclType(allscanDataType_t t) { return allscanNcclDataType
 const char* dtypeName(allscanDataType_t t);
 
 // ------------------------------------------------------------------------------------------------
+// Arguments every scan flavour has (allscanScanArgs_t, allscanMatrixScanArgs_t), checked in this
+// order: checkTarget, the flavour's own operand dtypes, checkSchedule, the flavour's own fields.
+// ------------------------------------------------------------------------------------------------
+template <typename Args> allscanResult_t checkTarget(const allscanComm* comm, const Args* a) {
+  ALLSCAN_ARG_CHECK(comm != nullptr, "comm: null communicator");
+  ALLSCAN_ARG_CHECK(a != nullptr, "args: null argument struct");
+  ALLSCAN_ARG_CHECK(validDtype(a->dtype), "dtype: expected allscanFloat32, allscanFloat16, allscanBfloat16 or allscanFloat64, got " + std::to_string(static_cast<int>(a->dtype)));
+  return allscanSuccess;
+}
+
+template <typename Args> allscanResult_t checkSchedule(const Args* a) {
+  ALLSCAN_ARG_CHECK(a->method == allscanPipelined || a->method == allscanSerial || a->method == allscanAllGather,
+                    "method: expected allscanPipelined, allscanSerial or allscanAllGather, got " + std::to_string(static_cast<int>(a->method)));
+  ALLSCAN_ARG_CHECK(a->num_blocks >= 0, "num_blocks: expected 0 (auto) or a positive block count, got " + std::to_string(a->num_blocks));
+  ALLSCAN_ARG_CHECK(a->reverse == 0 || a->reverse == 1, "reverse: expected 0 or 1");
+  ALLSCAN_ARG_CHECK(a->inclusive == 0 || a->inclusive == 1, "inclusive: expected 0 or 1");
+  return allscanSuccess;
+}
+
+// At the start of a scan of a non-empty state: the workspace holds the `need` bytes its size query
+// (`size_query`, named in the error) asked for.
+allscanResult_t checkWorkspace(size_t need, const void* workspace, size_t workspace_bytes, const char* size_query);
+
+// Before the first NCCL call: a detached communicator (no NCCL) only scans a chain of one.
+inline allscanResult_t checkAttached(const allscanComm* comm) {
+  ALLSCAN_ARG_CHECK(comm->nccl != nullptr, "comm: a detached communicator has no NCCL communicator");
+  return allscanSuccess;
+}
+
+// ------------------------------------------------------------------------------------------------
 // Blocks and workspace layout
 // ------------------------------------------------------------------------------------------------
 constexpr size_t kAlign = 256;  // workspace sub-buffers start at this alignment
 inline size_t alignUp(size_t v, size_t a) { return (v + a - 1) / a * a; }
+inline bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
 
 // Elements per pipeline block: ceil(count/K) rounded up to 16 bytes' worth of elements, so every
 // block but the last starts 16-byte aligned. The number of blocks is then ceil(count / blockElems)

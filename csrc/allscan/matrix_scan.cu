@@ -1,12 +1,15 @@
 // The matrix-transition All-Scan: y_{p+1} = M_p @ y_p + x_p over the ranks of a communicator, with
-// the pipelined / serial / all-gather schedules on NCCL. Shares the communicator, the block-count
-// rule and the head's zero buffer with the diagonal scan (comm.h). No libtorch.
+// the pipelined / serial / all-gather schedules on NCCL. Shares the communicator, the argument
+// checks, the block-count rule and the chain positions with the diagonal scan (comm.h), and the
+// chain head's own result beside its send (head_result.h). No libtorch.
 #include <algorithm>
 #include <string>
 
 #include "allscan/allscan.h"
 #include "comm.h"
 #include "common/error.h"
+#include "head_result.h"
+#include "pipeline.h"
 #include "matrix_combine.h"
 
 using namespace allscan::detail;
@@ -88,17 +91,11 @@ int matrixBlockCount(const allscanComm* comm, const allscanMatrixScanArgs_t* a) 
 bool mulOverflows(size_t a, size_t b, size_t* out) { return __builtin_mul_overflow(a, b, out); }
 
 allscanResult_t checkArgs(const allscanComm* comm, const allscanMatrixScanArgs_t* a) {
-  ALLSCAN_ARG_CHECK(comm != nullptr, "comm: null communicator");
-  ALLSCAN_ARG_CHECK(a != nullptr, "args: null argument struct");
-  ALLSCAN_ARG_CHECK(validDtype(a->dtype), "dtype: expected allscanFloat32, allscanFloat16, allscanBfloat16 or allscanFloat64, got " + std::to_string(static_cast<int>(a->dtype)));
+  ALLSCAN_CHECK(checkTarget(comm, a));
   ALLSCAN_ARG_CHECK(validDtype(a->m_dtype) && (a->m_dtype == allscanFloat32 || a->m_dtype == a->dtype),
                     std::string("m_dtype: expected float32 or the state's dtype (") + dtypeName(a->dtype) + "), got " +
                         std::to_string(static_cast<int>(a->m_dtype)));
-  ALLSCAN_ARG_CHECK(a->method == allscanPipelined || a->method == allscanSerial || a->method == allscanAllGather,
-                    "method: expected allscanPipelined, allscanSerial or allscanAllGather, got " + std::to_string(static_cast<int>(a->method)));
-  ALLSCAN_ARG_CHECK(a->num_blocks >= 0, "num_blocks: expected 0 (auto) or a positive block count, got " + std::to_string(a->num_blocks));
-  ALLSCAN_ARG_CHECK(a->reverse == 0 || a->reverse == 1, "reverse: expected 0 or 1");
-  ALLSCAN_ARG_CHECK(a->inclusive == 0 || a->inclusive == 1, "inclusive: expected 0 or 1");
+  ALLSCAN_CHECK(checkSchedule(a));
   ALLSCAN_ARG_CHECK(a->transpose_m == 0 || a->transpose_m == 1, "transpose_m: expected 0 or 1");
   size_t bk = 0, n = 0, mk = 0, mn = 0, bytes = 0;
   ALLSCAN_ARG_CHECK(!mulOverflows(a->batch, a->k, &bk) && !mulOverflows(bk, a->v, &n) &&
@@ -128,12 +125,11 @@ size_t workspaceBytes(const allscanComm* comm, const allscanMatrixScanArgs_t* a)
     return ws + alignUp(bytes, kAlign);                                                                 // fold temp
   }
   const Blocks b = makeBlocks(a->batch, a->k, a->v, dtypeSize(a->dtype), matrixBlockCount(comm, a));
-  const int head = a->reverse ? P - 1 : 0;
-  const bool has_next = a->reverse ? comm->rank > 0 : comm->rank < P - 1;
-  if (comm->rank == head) return b.packed() || (a->init != nullptr && !a->inclusive) ? alignUp(bytes, kAlign) : 0;
+  const ChainPos pos = chainPos(comm, a->reverse);
+  if (pos.head) return b.packed() || (a->init != nullptr && !a->inclusive) ? alignUp(bytes, kAlign) : 0;
   // See scanLink: R stages what is received, S what is sent on.
   const bool need_r = b.packed() || a->inclusive;
-  const bool need_s = has_next && (b.packed() || !a->inclusive);
+  const bool need_s = pos.has_next && (b.packed() || !a->inclusive);
   return (need_r ? alignUp(bytes, kAlign) : 0) + (need_s ? alignUp(bytes, kAlign) : 0);
 }
 
@@ -161,17 +157,11 @@ Blocks wholeState(const allscanMatrixScanArgs_t* a) {
 
 allscanResult_t scanOneRank(const allscanMatrixScanArgs_t* a, cudaStream_t stream) {
   const size_t bytes = stateCount(a) * dtypeSize(a->dtype);
-  if (a->inclusive && a->init != nullptr) {
-    const Blocks w = wholeState(a);
-    ALLSCAN_CUDA_CHECK(allscan::matrix::launchCombine(
-        combineArgs(a, w, 0, a->m, w.natural(a->init, 0), w.natural(a->x, 0), w.natural(a->y, 0)), stream));
-  } else if (a->inclusive) {
-    ALLSCAN_CUDA_CHECK(cudaMemcpyAsync(a->y, a->x, bytes, cudaMemcpyDeviceToDevice, stream));
-  } else if (a->init != nullptr) {
-    ALLSCAN_CUDA_CHECK(cudaMemcpyAsync(a->y, a->init, bytes, cudaMemcpyDeviceToDevice, stream));
-  } else {
-    ALLSCAN_CUDA_CHECK(cudaMemsetAsync(a->y, 0, bytes, stream));
-  }
+  if (!a->inclusive) return copyOrZero(a->y, a->init, bytes, stream);
+  if (a->init == nullptr) return copyOrZero(a->y, a->x, bytes, stream);
+  const Blocks w = wholeState(a);
+  ALLSCAN_CUDA_CHECK(allscan::matrix::launchCombine(
+      combineArgs(a, w, 0, a->m, w.natural(a->init, 0), w.natural(a->x, 0), w.natural(a->y, 0)), stream));
   return allscanSuccess;
 }
 
@@ -213,14 +203,7 @@ allscanResult_t scanAllGather(const allscanComm* comm, const allscanMatrixScanAr
     q += step;
   }
   const int n = (last - q) * step;
-  if (n == 0) {
-    if (cur == nullptr) {
-      ALLSCAN_CUDA_CHECK(cudaMemsetAsync(a->y, 0, bytes, stream));
-    } else {
-      ALLSCAN_CUDA_CHECK(cudaMemcpyAsync(a->y, cur, bytes, cudaMemcpyDeviceToDevice, stream));
-    }
-    return allscanSuccess;
-  }
+  if (n == 0) return copyOrZero(a->y, cur, bytes, stream);
   // Ping-pong between T and y, so that the last combine writes y (a combine cannot work in place:
   // every output row reads the whole column).
   const Blocks w = wholeState(a);
@@ -235,18 +218,10 @@ allscanResult_t scanAllGather(const allscanComm* comm, const allscanMatrixScanAr
   return allscanSuccess;
 }
 
-// The chain starts here: y = init (or 0); the value sent on is M @ init + x (or x itself), in the
-// block layout, all blocks in one group call (in order on one connection: the successor starts on
-// block 0 while the rest is in flight). The head's own result, when it is not what is sent, is
-// written in the same group call as a send/recv to itself up to self_fill_max bytes (one kernel, as
-// the bare send: see allscanScan and bench/README.md), else after the send.
+// The head sends M @ init + x (x itself without init) on in the block layout, and keeps init (or
+// zeros) for itself: headSend.
 allscanResult_t scanHead(allscanComm* comm, const allscanMatrixScanArgs_t* a, const Blocks& b, void* workspace,
                          cudaStream_t stream) {
-  const int r = comm->rank;
-  const int next = a->reverse ? r - 1 : r + 1;
-  ncclComm_t nc = comm->nccl;
-  const ncclDataType_t nt = ncclType(a->dtype);
-  const size_t bytes = stateCount(a) * b.es;
   const void* s = a->x;
   if (a->init != nullptr) {
     void* S = a->inclusive && !b.packed() ? a->y : workspace;
@@ -260,32 +235,14 @@ allscanResult_t scanHead(allscanComm* comm, const allscanMatrixScanArgs_t* a, co
     ALLSCAN_CUDA_CHECK(allscan::matrix::launchPack(b.es, a->x, workspace, b.batch, b.k, b.v, b.vcw, false, stream));
     s = workspace;
   }
-  const bool need_fill = !a->inclusive || a->init == nullptr;
-  const void* fill_src = a->inclusive ? a->x : a->init;  // null: zeros
-  bool self_fill = false;
-  if (need_fill) {
-    const bool self = comm->head_fill == kFillSelf || (comm->head_fill == kFillAuto && bytes <= comm->self_fill_max);
-    self_fill = self && (fill_src != nullptr || ensureZeros(comm, bytes, stream));
-  }
-  ncclResult_t nr = ncclGroupStart();
-  for (size_t i = 0; i < b.n && nr == ncclSuccess; ++i)
-    nr = ncclSend(static_cast<const char*>(s) + b.off(i) * b.es, b.elems(i), nt, next, nc, stream);
-  if (self_fill) {
-    const void* src = fill_src != nullptr ? fill_src : comm->zeros;
-    if (nr == ncclSuccess) nr = ncclSend(src, bytes, ncclUint8, r, nc, stream);
-    if (nr == ncclSuccess) nr = ncclRecv(a->y, bytes, ncclUint8, r, nc, stream);
-  }
-  const ncclResult_t ne = ncclSettle(nc, ncclGroupEnd());
-  if (nr == ncclSuccess) nr = ne;
-  if (nr != ncclSuccess) return setError(allscanNcclError, std::string("ncclSend (chain head): ") + ncclGetErrorString(nr));
-  if (need_fill && !self_fill) {
-    if (fill_src != nullptr) {
-      ALLSCAN_CUDA_CHECK(cudaMemcpyAsync(a->y, fill_src, bytes, cudaMemcpyDeviceToDevice, stream));
-    } else {
-      ALLSCAN_CUDA_CHECK(cudaMemsetAsync(a->y, 0, bytes, stream));
-    }
-  }
-  return allscanSuccess;
+  // The head's own result: init or zeros (exclusive), x itself (inclusive without init); with an
+  // init, the inclusive result was written by the combine above.
+  HeadResult own(comm, a->inclusive && a->init != nullptr ? nullptr : a->y, a->inclusive ? a->x : a->init,
+                 stateCount(a) * b.es, stream);
+  const ncclDataType_t nt = ncclType(a->dtype);
+  return headSend(comm, a->reverse, b.n, own, [&](size_t i, ncclComm_t nc, int next) {
+    return ncclSend(static_cast<const char*>(s) + b.off(i) * b.es, b.elems(i), nt, next, nc, stream);
+  });
 }
 
 // Inner and tail ranks: receive block i while sending block i-1 on, combine block i. R receives
@@ -294,12 +251,7 @@ allscanResult_t scanHead(allscanComm* comm, const allscanMatrixScanArgs_t* a, co
 // blocks the combine also writes the natural-layout result (the received y, or the inclusive one).
 allscanResult_t scanLink(const allscanComm* comm, const allscanMatrixScanArgs_t* a, const Blocks& b, void* workspace,
                          cudaStream_t stream) {
-  const int P = comm->nranks, r = comm->rank;
-  const bool has_next = a->reverse ? r > 0 : r < P - 1;
-  const int prev = a->reverse ? r + 1 : r - 1;
-  const int next = a->reverse ? r - 1 : r + 1;
-  ncclComm_t nc = comm->nccl;
-  const ncclDataType_t nt = ncclType(a->dtype);
+  const bool has_next = chainPos(comm, a->reverse).has_next;
   const size_t bytes = stateCount(a) * b.es;
   const bool need_r = b.packed() || a->inclusive;
   char* ws = static_cast<char*>(workspace);
@@ -308,23 +260,21 @@ allscanResult_t scanLink(const allscanComm* comm, const allscanMatrixScanArgs_t*
   if (has_next) S = a->inclusive && !b.packed() ? a->y : ws + (need_r ? alignUp(bytes, kAlign) : 0);
   const bool combine = has_next || a->inclusive;
   auto at = [&](void* base, size_t i) { return static_cast<char*>(base) + b.off(i) * b.es; };
-  for (size_t i = 0; i < b.n; ++i) {
-    ALLSCAN_NCCL_CHECK(nc, ncclGroupStart());
-    if (has_next && i > 0) ALLSCAN_NCCL_CHECK_IN_GROUP(nc, ncclSend(at(S, i - 1), b.elems(i - 1), nt, next, nc, stream));
-    ALLSCAN_NCCL_CHECK_IN_GROUP(nc, ncclRecv(at(R, i), b.elems(i), nt, prev, nc, stream));
-    ALLSCAN_NCCL_CHECK(nc, ncclGroupEnd());
-    if (!combine) continue;
+  auto combineBlock = [&](size_t i) -> allscanResult_t {
+    if (!combine) return allscanSuccess;
     CombineArgs c = combineArgs(a, b, i, a->m, b.block(R, i), b.natural(a->x, i),
                                 has_next ? b.block(S, i) : b.natural(a->y, i));
     if (has_next && a->inclusive && b.packed()) c.out2 = b.natural(a->y, i);
     if (!a->inclusive && b.packed()) c.ycopy = b.natural(a->y, i);
     ALLSCAN_CUDA_CHECK(allscan::matrix::launchCombine(c, stream));
-  }
-  if (has_next) {
-    ALLSCAN_NCCL_CHECK(nc, ncclGroupStart());
-    ALLSCAN_NCCL_CHECK_IN_GROUP(nc, ncclSend(at(S, b.n - 1), b.elems(b.n - 1), nt, next, nc, stream));
-    ALLSCAN_NCCL_CHECK(nc, ncclGroupEnd());
-  } else if (!combine && b.packed()) {
+    return allscanSuccess;
+  };
+  ALLSCAN_CHECK(relayBlocks(
+      comm, a->reverse, b.n, ncclType(a->dtype),
+      [&](size_t i) { return BlockRef{at(S, i), b.elems(i)}; },  // sent on
+      [&](size_t i) { return BlockRef{at(R, i), b.elems(i)}; },  // received
+      combineBlock, stream));
+  if (!combine && b.packed()) {
     // The exclusive tail received the packed blocks: one unpack into the result.
     ALLSCAN_CUDA_CHECK(allscan::matrix::launchPack(b.es, R, a->y, b.batch, b.k, b.v, b.vcw, true, stream));
   }
@@ -361,15 +311,12 @@ allscanResult_t allscanMatrixScan(allscanComm_t comm, const allscanMatrixScanArg
   ALLSCAN_CHECK(checkArgs(comm, a));
   if (stateCount(a) == 0) return allscanSuccess;
   const size_t need = workspaceBytes(comm, a);
-  ALLSCAN_ARG_CHECK(workspace_bytes >= need && (need == 0 || workspace != nullptr),
-                    "workspace: " + std::to_string(need) + " bytes needed (allscanMatrixWorkspaceSize), got " +
-                        std::to_string(workspace_bytes));
+  ALLSCAN_CHECK(checkWorkspace(need, workspace, workspace_bytes, "allscanMatrixWorkspaceSize"));
   if (comm->nranks == 1) return scanOneRank(a, stream);
-  ALLSCAN_ARG_CHECK(comm->nccl != nullptr, "comm: a detached communicator has no NCCL communicator");
+  ALLSCAN_CHECK(checkAttached(comm));
   if (a->method == allscanAllGather) return scanAllGather(comm, a, workspace, stream);
   const Blocks b = makeBlocks(a->batch, a->k, a->v, dtypeSize(a->dtype), matrixBlockCount(comm, a));
-  const int head = a->reverse ? comm->nranks - 1 : 0;
-  if (comm->rank == head) return scanHead(comm, a, b, workspace, stream);
+  if (chainPos(comm, a->reverse).head) return scanHead(comm, a, b, workspace, stream);
   return scanLink(comm, a, b, workspace, stream);
 }
 

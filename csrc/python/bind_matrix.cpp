@@ -20,20 +20,13 @@ allscanMatrixScanArgs_t makeArgs(std::uintptr_t x, std::uintptr_t y, size_t batc
                                  std::uintptr_t m, int m_dtype, bool transpose_m, std::uintptr_t init, bool reverse,
                                  bool inclusive, int num_blocks, int method) {
   allscanMatrixScanArgs_t a{};
-  a.x = ptr<const void>(x);
-  a.y = ptr<void>(y);
+  allscan_py::setChainArgs(&a, x, y, dtype, init, reverse, inclusive, num_blocks, method);
   a.batch = batch;
   a.k = k;
   a.v = v;
-  a.dtype = static_cast<allscanDataType_t>(dtype);
   a.m = ptr<const void>(m);
   a.m_dtype = static_cast<allscanDataType_t>(m_dtype);
   a.transpose_m = transpose_m ? 1 : 0;
-  a.init = ptr<const void>(init);
-  a.reverse = reverse ? 1 : 0;
-  a.inclusive = inclusive ? 1 : 0;
-  a.num_blocks = num_blocks;
-  a.method = static_cast<allscanMethod_t>(method);
   return a;
 }
 

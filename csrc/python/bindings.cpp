@@ -33,18 +33,11 @@ allscanScanArgs_t makeArgs(std::uintptr_t x, std::uintptr_t y, size_t count, int
                            size_t g_count, int g_dtype, std::uintptr_t init, bool reverse, bool inclusive,
                            int num_blocks, int method) {
   allscanScanArgs_t a{};
-  a.x = ptr<const void>(x);
-  a.y = ptr<void>(y);
+  allscan_py::setChainArgs(&a, x, y, dtype, init, reverse, inclusive, num_blocks, method);
   a.count = count;
-  a.dtype = static_cast<allscanDataType_t>(dtype);
   a.g = ptr<const void>(g);
   a.g_count = g_count;
   a.g_dtype = static_cast<allscanDataType_t>(g_dtype);
-  a.init = ptr<const void>(init);
-  a.reverse = reverse ? 1 : 0;
-  a.inclusive = inclusive ? 1 : 0;
-  a.num_blocks = num_blocks;
-  a.method = static_cast<allscanMethod_t>(method);
   return a;
 }
 
