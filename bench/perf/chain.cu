@@ -118,9 +118,52 @@ std::string linkModelJson(const ChainOptions& o, const LinkModel& m) {
 void labelScanRow(Row* r, allscanMethod_t method, int K, int Kused) {
   if (method != allscanPipelined) r->kLabel = "1";
   else if (K == 0) r->kLabel = "auto:" + std::to_string(Kused);
-  else r->kLabel = std::to_string(K);
+  else r->kLabel = std::to_string(Kused);
   r->jsonFields = ",\"method\":\"" + std::string(methodName(method)) + "\",\"K\":" + std::to_string(Kused) +
                   ",\"K_auto\":" + (K == 0 ? "true" : "false");
+}
+
+std::vector<Row> methodRows(const ChainOptions& o, const std::string& prefix, int kind) {
+  std::vector<Row> rows;
+  for (auto m : o.methods) {
+    std::vector<int> Ks = {0};
+    if (m == allscanPipelined) Ks.insert(Ks.end(), o.fixedK.begin(), o.fixedK.end());
+    for (int K : Ks) {
+      Row r;
+      r.kind = kind;
+      r.method = m;
+      r.K = K;
+      r.name = prefix + "-" + methodName(m);
+      r.inSummary = m == allscanPipelined && K == 0;
+      rows.push_back(r);
+    }
+  }
+  return rows;
+}
+
+void ChainBench::setupChain() {
+  ASCHECK(allscanCommCreate(c.nccl, &comm_));
+  link_ = setupLinkModel(comm_, chain_, c.nranks, c.stream);
+}
+
+void ChainBench::teardownChain() {
+  for (void* p : {x_, y_, recv_})
+    if (p) CUDACHECK(cudaFree(p));
+  ws_.release();
+  ASCHECK(allscanCommDestroy(comm_));
+}
+
+void Workspace::grow(size_t need) {
+  if (need <= bytes) return;
+  if (ptr) CUDACHECK(cudaFree(ptr));
+  CUDACHECK(cudaMalloc(&ptr, need));
+  bytes = need;
+}
+
+void Workspace::release() {
+  if (ptr) CUDACHECK(cudaFree(ptr));
+  ptr = nullptr;
+  bytes = 0;
 }
 
 }  // namespace perf

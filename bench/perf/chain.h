@@ -1,10 +1,11 @@
 // What the row sets of every All-Scan flavour share (scan.cu, matrix.cu): the options -K, -m, -r and
-// -L, the link model that chooses the automatic block count, and how a scan row is labelled in the
-// table and the JSON.
+// -L, the link model that chooses the automatic block count, the scan rows and how they are
+// labelled in the table and the JSON, and the scan rows' workspace.
 #pragma once
 
 #include <getopt.h>
 
+#include <algorithm>
 #include <string>
 #include <vector>
 
@@ -56,8 +57,57 @@ std::vector<std::string> chainHeader(const ChainOptions& o, const LinkModel& m);
 std::string chainConfigJson(const ChainOptions& o);
 std::string linkModelJson(const ChainOptions& o, const LinkModel& m);
 
-// A scan row's K column (auto:k, the fixed K, or 1 for serial / all-gather) and JSON fields
-// ,"method","K" (the block count used),"K_auto".
+// A scan row's K column (auto:Kused, Kused for a fixed K, or 1 for serial / all-gather) and JSON
+// fields ,"method","K" (Kused, the block count used),"K_auto". K is the one asked for (0: auto);
+// Kused may be fewer where the state splits into fewer blocks (the matrix scan).
 void labelScanRow(Row* r, allscanMethod_t method, int K, int Kused);
+
+// The scan rows in table order, every method with the automatic K and (pipelined) every fixed -K:
+// kind, method, K, name "<prefix>-<method>" and inSummary (pipelined, automatic K) set.
+std::vector<Row> methodRows(const ChainOptions& o, const std::string& prefix, int kind);
+
+// The scan rows' workspace, grown before timing (never inside a timed loop) to the most that the
+// rows of `kind` that run at this size need: bytesFor(row).
+struct Workspace {
+  void* ptr = nullptr;
+  size_t bytes = 0;
+  template <typename BytesFor> void reserve(const std::vector<Row>& rows, int kind, BytesFor bytesFor) {
+    size_t need = 0;
+    for (const Row& r : rows)
+      if (r.kind == kind && r.skip.empty()) need = std::max(need, static_cast<size_t>(bytesFor(r)));
+    grow(need);
+  }
+  void grow(size_t need);  // reallocates when `need` is more than `bytes`
+  void release();
+};
+
+// A scan flavour's rows: its communicator with the link model, the state, result and floor buffers
+// (allocated by the flavour), its workspace, the header's link lines and the JSON's link model.
+class ChainBench : public Bench {
+ public:
+  ChainBench(RankCtx& ctx, const ChainOptions& o) : Bench(ctx), chain_(o) {}
+  std::string topJson() override { return linkModelJson(chain_, link_); }
+
+ protected:
+  void setupChain();     // the communicator and its link model (setup, before the buffers)
+  void teardownChain();  // frees x_, y_, recv_, the workspace and the communicator (teardown)
+  std::vector<std::string> chainHeaderLines() const { return chainHeader(chain_, link_); }
+  // What a scan row's arguments have in every flavour: x_, y_, reverse, the block count, the method.
+  template <typename Args> void setRowArgs(Args* a, const Row& r) const {
+    a->x = x_;
+    a->y = y_;
+    a->reverse = chain_.reverse;
+    a->num_blocks = r.method == allscanPipelined ? r.K : 0;
+    a->method = static_cast<allscanMethod_t>(r.method);
+  }
+
+  const ChainOptions& chain_;
+  allscanComm_t comm_ = nullptr;
+  LinkModel link_;
+  void* x_ = nullptr;     // this rank's state
+  void* y_ = nullptr;     // the scan's result
+  void* recv_ = nullptr;  // the floor's receive buffer (p2p-chain)
+  Workspace ws_;
+};
 
 }  // namespace perf

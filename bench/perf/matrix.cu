@@ -8,92 +8,25 @@
 #include <getopt.h>
 
 #include <algorithm>
-#include <cmath>
 #include <cstring>
 
+#include "chain.h"
 #include "harness.h"
 
 namespace perf {
 namespace {
 
-enum LinkMode { LINK_CALIBRATE = 0, LINK_NONE = 1, LINK_SET = 2 };
-
 struct MatrixOptions {
-  std::vector<int> fixedK;
-  std::vector<allscanMethod_t> methods = {allscanPipelined, allscanSerial, allscanAllGather};
-  int reverse = 0;
-  int n = 128;  // K = V = n
-  LinkMode link = LINK_CALIBRATE;
-  double linkLatencyUs = 0, linkUsPerByte = 0;
+  ChainOptions chain;  // -K, -m, -r, -L
+  int n = 128;         // K = V = n
 } opts;
 
-const char* methodName(allscanMethod_t m) {
-  switch (m) {
-    case allscanPipelined: return "pipelined";
-    case allscanSerial: return "serial";
-    case allscanAllGather: return "allgather";
-  }
-  return "?";
-}
-
 void parse(int letter, const char* arg) {
-  switch (letter) {
-    case 'V': opts.n = static_cast<int>(parseInt("-V (vdim)", arg, 1, 4096, "the state's K = V, 1..4096")); break;
-    case 'r':
-      opts.reverse = arg ? static_cast<int>(parseInt("-r (reverse)", arg, 0, 1, "0 or 1 (write -r, -r0 or -r1)")) : 1;
-      break;
-    case 'K': {
-      opts.fixedK.clear();
-      for (const auto& t : splitList(arg)) {
-        if (t == "auto") continue;
-        opts.fixedK.push_back(static_cast<int>(parseInt(
-            "-K (blocks)", t.c_str(), 1, allscanMaxBlocks,
-            ("'auto' or a block count 1.." + std::to_string(allscanMaxBlocks) + " (comma-separated list allowed)").c_str())));
-      }
-      break;
-    }
-    case 'm': {
-      opts.methods.clear();
-      for (const auto& t : splitList(arg)) {
-        if (t == "pipelined") opts.methods.push_back(allscanPipelined);
-        else if (t == "serial") opts.methods.push_back(allscanSerial);
-        else if (t == "allgather") opts.methods.push_back(allscanAllGather);
-        else if (t == "all") opts.methods = {allscanPipelined, allscanSerial, allscanAllGather};
-        else argError("-m (methods): expected a comma-separated list of pipelined, serial, allgather (or all), got '" + t + "'");
-      }
-      std::vector<allscanMethod_t> uniq;
-      for (auto m : opts.methods)
-        if (std::find(uniq.begin(), uniq.end(), m) == uniq.end()) uniq.push_back(m);
-      opts.methods = uniq;
-      break;
-    }
-    case 'L': {
-      std::string s(arg);
-      if (s == "calibrate") {
-        opts.link = LINK_CALIBRATE;
-      } else if (s == "none") {
-        opts.link = LINK_NONE;
-      } else {
-        auto parts = splitList(s);
-        char* e1 = nullptr;
-        char* e2 = nullptr;
-        double a = parts.size() == 2 ? strtod(parts[0].c_str(), &e1) : -1;
-        double b = parts.size() == 2 ? strtod(parts[1].c_str(), &e2) : -1;
-        if (parts.size() != 2 || parts[0].empty() || parts[1].empty() || *e1 || *e2 || !(a > 0) || !(b > 0) ||
-            !std::isfinite(a) || !std::isfinite(b))
-          argError("-L (link_model): expected calibrate, none or <latency_us>,<us_per_byte> (two positive numbers), got '" + s + "'");
-        opts.link = LINK_SET;
-        opts.linkLatencyUs = a;
-        opts.linkUsPerByte = b;
-      }
-      break;
-    }
-  }
+  if (parseChainOption(&opts.chain, letter, arg)) return;
+  if (letter == 'V') opts.n = static_cast<int>(parseInt("-V (vdim)", arg, 1, 4096, "the state's K = V, 1..4096"));
 }
 
-void validate(const Options&) {
-  if (opts.methods.empty()) argError("-m (methods): no method selected");
-}
+void validate(const Options&) { validateChainOptions(opts.chain); }
 
 // ------------------------------------------------------------------------------------------------
 // Exactly representable transitions and the GPU-side check
@@ -167,15 +100,12 @@ __global__ void checkKernel(const T* out, CheckParams p, unsigned long long* wro
 // ------------------------------------------------------------------------------------------------
 enum OpKind { OP_CHAIN, OP_MATRIX };
 
-class MatrixBench : public Bench {
+class MatrixBench : public ChainBench {
  public:
-  using Bench::Bench;
+  explicit MatrixBench(RankCtx& ctx) : ChainBench(ctx, opts.chain) {}
 
   void setup() override {
-    ASCHECK(allscanCommCreate(c.nccl, &comm_));
-    if (opts.link == LINK_SET) ASCHECK(allscanSetLinkModel(comm_, opts.linkLatencyUs, opts.linkUsPerByte));
-    if (opts.link == LINK_CALIBRATE && c.nranks > 1) ASCHECK(allscanCalibrate(comm_, c.stream));
-    ASCHECK(allscanGetLinkModel(comm_, &lat_, &upb_, &isSet_));
+    setupChain();
     const size_t n = static_cast<size_t>(opts.n);
     const size_t maxCount = c.o->maxBytes / c.es;
     const size_t maxBatch = maxCount / (n * n);
@@ -196,19 +126,9 @@ class MatrixBench : public Bench {
     snprintf(buf, sizeof(buf),
              "#  dtype %s  reverse %d  state [batch, %d, %d], transition [batch, %d, %d] fp32 (exact: signed "
              "permutations x {2, 1/2, 1, 0})",
-             dtypeName(c.o->dtype), opts.reverse, opts.n, opts.n, opts.n, opts.n);
+             dtypeName(c.o->dtype), opts.chain.reverse, opts.n, opts.n, opts.n, opts.n);
     lines.push_back(buf);
-    std::string ks = "auto";
-    for (int k : opts.fixedK) ks += "," + std::to_string(k);
-    std::string ms;
-    for (auto m : opts.methods) ms += (ms.empty() ? "" : ",") + std::string(methodName(m));
-    lines.push_back("#  methods " + ms + "  K " + ks);
-    if (isSet_)
-      snprintf(buf, sizeof(buf), "#  link model (%s): latency %.3f us, %.6g us/byte (%.1f GB/s)",
-               opts.link == LINK_SET ? "-L" : "calibrated", lat_, upb_, 1e-3 / upb_);
-    else
-      snprintf(buf, sizeof(buf), "#  link model: none (the automatic K is 1)");
-    lines.push_back(buf);
+    for (const std::string& l : chainHeaderLines()) lines.push_back(l);
     return lines;
   }
 
@@ -226,32 +146,19 @@ class MatrixBench : public Bench {
     floor.floorRank = 1;
     floor.jsonFields = ",\"method\":null,\"K\":null,\"K_auto\":false";
     rows.push_back(floor);
-    for (auto m : opts.methods) {
-      std::vector<int> Ks = {0};
-      if (m == allscanPipelined) Ks.insert(Ks.end(), opts.fixedK.begin(), opts.fixedK.end());
-      for (int K : Ks) {
-        Row r;
-        r.kind = OP_MATRIX;
-        r.method = m;
-        r.K = K;
-        r.name = std::string("matrix-") + methodName(m);
-        r.inSummary = m == allscanPipelined && K == 0;
-        r.skip = shapeSkip;
-        int blocks = 1;
-        if (r.skip.empty()) {
-          allscanMatrixScanArgs_t a = args(r);
-          if (allscanMatrixCheckArgs(comm_, &a) != allscanSuccess) r.skip = allscanGetLastError();
-          int want = K;
-          if (m == allscanPipelined && K == 0) ASCHECK(allscanChooseNumBlocks(comm_, count * c.es, &want));
-          if (m == allscanPipelined) ASCHECK(allscanMatrixBlocks(batch_, n, n, want, &blocks, nullptr));
-        }
-        if (m != allscanPipelined) r.kLabel = "1";
-        else if (K == 0) r.kLabel = "auto:" + std::to_string(blocks);
-        else r.kLabel = std::to_string(blocks);
-        r.jsonFields = ",\"method\":\"" + std::string(methodName(m)) + "\",\"K\":" + std::to_string(blocks) +
-                       ",\"K_auto\":" + (K == 0 ? "true" : "false");
-        rows.push_back(r);
+    for (Row& r : methodRows(opts.chain, "matrix", OP_MATRIX)) {
+      const auto m = static_cast<allscanMethod_t>(r.method);
+      r.skip = shapeSkip;
+      int blocks = 1;
+      if (r.skip.empty()) {
+        allscanMatrixScanArgs_t a = args(r);
+        if (allscanMatrixCheckArgs(comm_, &a) != allscanSuccess) r.skip = allscanGetLastError();
+        int want = r.K;
+        if (m == allscanPipelined && r.K == 0) ASCHECK(allscanChooseNumBlocks(comm_, count * c.es, &want));
+        if (m == allscanPipelined) ASCHECK(allscanMatrixBlocks(batch_, n, n, want, &blocks, nullptr));
       }
+      labelScanRow(&r, m, r.K, blocks);
+      rows.push_back(r);
     }
     const std::string tail = ",\"layout\":[" + std::to_string(batch_) + "," + std::to_string(n) + "," +
                              std::to_string(n) + "],\"transition\":\"float\"";
@@ -260,28 +167,21 @@ class MatrixBench : public Bench {
   }
 
   void prepare(const std::vector<Row>& rows, size_t) override {
-    size_t need = 0;
-    for (const Row& r : rows) {
-      if (r.kind != OP_MATRIX || !r.skip.empty()) continue;
+    ws_.reserve(rows, OP_MATRIX, [&](const Row& r) {
       allscanMatrixScanArgs_t a = args(r);
       size_t b = 0;
       ASCHECK(allscanMatrixWorkspaceSize(comm_, &a, &b));
-      need = std::max(need, b);
-    }
-    if (need > wsBytes_) {
-      if (ws_) CUDACHECK(cudaFree(ws_));
-      CUDACHECK(cudaMalloc(&ws_, need));
-      wsBytes_ = need;
-    }
+      return b;
+    });
   }
 
   void launch(const Row& r, size_t count) override {
     if (r.kind == OP_CHAIN) {
-      ASCHECK(allscanNeighborExchange(comm_, x_, recv_, count * c.es, opts.reverse, 1, c.stream));
+      ASCHECK(allscanNeighborExchange(comm_, x_, recv_, count * c.es, opts.chain.reverse, 1, c.stream));
       return;
     }
     allscanMatrixScanArgs_t a = args(r);
-    ASCHECK(allscanMatrixScan(comm_, &a, ws_, wsBytes_, c.stream));
+    ASCHECK(allscanMatrixScan(comm_, &a, ws_.ptr, ws_.bytes, c.stream));
   }
 
   void check(const Row& r, size_t count, unsigned long long* wrong) override {
@@ -289,7 +189,7 @@ class MatrixBench : public Bench {
     p.chain = r.kind == OP_CHAIN ? 1 : 0;
     p.rank = c.rank;
     p.nranks = c.nranks;
-    p.reverse = opts.reverse;
+    p.reverse = opts.chain.reverse;
     p.count = count;
     p.n = static_cast<size_t>(opts.n);
     void* out = r.kind == OP_CHAIN ? recv_ : y_;
@@ -304,57 +204,31 @@ class MatrixBench : public Bench {
   }
 
   void teardown() override {
-    if (ws_) CUDACHECK(cudaFree(ws_));
-    CUDACHECK(cudaFree(x_));
-    CUDACHECK(cudaFree(y_));
-    CUDACHECK(cudaFree(recv_));
     CUDACHECK(cudaFree(m_));
-    ASCHECK(allscanCommDestroy(comm_));
+    teardownChain();
   }
 
   std::string configJson() override {
-    std::string ks;
-    for (int k : opts.fixedK) ks += (ks.empty() ? "" : ",") + std::to_string(k);
-    std::string ms;
-    for (auto m : opts.methods) ms += std::string(ms.empty() ? "" : ",") + "\"" + methodName(m) + "\"";
-    return ",\"reverse\":" + std::to_string(opts.reverse) + ",\"vdim\":" + std::to_string(opts.n) +
-           ",\"methods\":[" + ms + "],\"fixed_K\":[" + ks + "]";
-  }
-
-  std::string topJson() override {
-    const char* source = opts.link == LINK_SET ? "-L" : (opts.link == LINK_CALIBRATE ? "calibrate" : "none");
-    return std::string("\"link_model\":{\"set\":") + (isSet_ ? "true" : "false") + ",\"source\":\"" + source +
-           "\",\"latency_us\":" + jsonNumber(lat_) + ",\"us_per_byte\":" + jsonNumber(upb_) + "},\n";
+    return ",\"reverse\":" + std::to_string(opts.chain.reverse) + ",\"vdim\":" + std::to_string(opts.n) +
+           chainConfigJson(opts.chain);
   }
 
  private:
   allscanMatrixScanArgs_t args(const Row& r) const {
     allscanMatrixScanArgs_t a;
     memset(&a, 0, sizeof(a));
-    a.x = x_;
-    a.y = y_;
     a.batch = batch_;
     a.k = static_cast<size_t>(opts.n);
     a.v = static_cast<size_t>(opts.n);
     a.dtype = c.o->dtype;
     a.m = m_;
     a.m_dtype = allscanFloat32;
-    a.reverse = opts.reverse;
-    a.num_blocks = r.method == allscanPipelined ? r.K : 0;
-    a.method = static_cast<allscanMethod_t>(r.method);
+    setRowArgs(&a, r);
     return a;
   }
 
-  allscanComm_t comm_ = nullptr;
-  double lat_ = 0, upb_ = 0;
-  int isSet_ = 0;
   size_t batch_ = 0;
-  void* x_ = nullptr;
-  void* y_ = nullptr;
-  void* recv_ = nullptr;
   float* m_ = nullptr;
-  void* ws_ = nullptr;
-  size_t wsBytes_ = 0;
 };
 
 }  // namespace
@@ -367,15 +241,11 @@ const Collective kMatrixCollective = {
     "one being fla's context-parallel pattern) against the floor (neighbour send/recv of the same\n"
     "bytes); the size is one state's bytes, [batch, n, n] with -V n",
     "matrix-pipelined, auto K",
-    {{'K', "blocks", required_argument, "<list>",
-      "pipelined block counts: 'auto' or comma-separated integers 1..64;\n"
-      "                              the automatic K is always timed (default auto)"},
-     {'m', "methods", required_argument, "<list>", "scan methods: pipelined,serial,allgather or all (default all)"},
-     {'r', "reverse", optional_argument, "0|1", "reverse scan (rank p+1 -> p); -r alone means 1 (default 0)"},
+    {kBlocksOption,
+     kMethodsOption,
+     kReverseOption,
      {'V', "vdim", required_argument, "<n>", "the state's K = V (state [batch, n, n]; default 128)"},
-     {'L', "link_model", required_argument, "<m>",
-      "calibrate | none | <latency_us>,<us_per_byte>: the link model\n"
-      "                              that chooses the automatic K (default calibrate)"}},
+     kLinkModelOption},
     parse,
     validate,
     [](RankCtx& c) -> std::unique_ptr<Bench> { return std::make_unique<MatrixBench>(c); }};

@@ -186,14 +186,13 @@ void launchCheck(allscanDataType_t t, const void* out, const CheckParams& p, uns
 // ------------------------------------------------------------------------------------------------
 enum OpKind { OP_CHAIN, OP_RING, OP_ALLGATHER, OP_ALLREDUCE, OP_SCAN };
 
-class ScanBench : public Bench {
+class ScanBench : public ChainBench {
  public:
-  using Bench::Bench;
+  explicit ScanBench(RankCtx& ctx) : ChainBench(ctx, opts.chain) {}
 
   void setup() override {
     const ScanOptions& so = opts;
-    ASCHECK(allscanCommCreate(c.nccl, &comm_));
-    link_ = setupLinkModel(comm_, so.chain, c.nranks, c.stream);
+    setupChain();
     // Buffers at the largest size, allocated once (outside any timed loop).
     const size_t maxCount = c.o->maxBytes / c.es;
     const size_t maxBytes = maxCount * c.es;
@@ -218,7 +217,7 @@ class ScanBench : public Bench {
              "#  dtype %s  reverse %d  decay %s (fp32; state viewed as [H, Dk, Dv], Dv = gcd(count,%d), Dk = gcd(count/Dv,%d))",
              dtypeName(c.o->dtype), so.chain.reverse, kDecayNames[so.decay], so.dv, so.dv);
     lines.push_back(buf);
-    for (const std::string& l : chainHeader(so.chain, link_)) lines.push_back(l);
+    for (const std::string& l : chainHeaderLines()) lines.push_back(l);
     return lines;
   }
 
@@ -240,27 +239,17 @@ class ScanBench : public Bench {
     if (so.refs[REF_RING]) ref(OP_RING, "p2p-ring", 1.0, 2);
     if (so.refs[REF_ALLGATHER]) ref(OP_ALLGATHER, "nccl-allgather", static_cast<double>(P - 1), 0);
     if (so.refs[REF_ALLREDUCE]) ref(OP_ALLREDUCE, "nccl-allreduce", 2.0 * (P - 1) / P, 0);
-    for (auto m : so.chain.methods) {
-      std::vector<int> Ks = {0};
-      if (m == allscanPipelined) Ks.insert(Ks.end(), so.chain.fixedK.begin(), so.chain.fixedK.end());
-      for (int K : Ks) {
-        Row r;
-        r.kind = OP_SCAN;
-        r.method = m;
-        r.K = K;
-        r.name = std::string("scan-") + methodName(m);
-        r.busFactor = 1.0;
-        r.inSummary = m == allscanPipelined && K == 0;
-        allscanScanArgs_t a = scanArgs(r, count);
-        if (allscanCheckArgs(comm_, &a) != allscanSuccess) r.skip = allscanGetLastError();
-        int Keff = 1;
-        if (m == allscanPipelined) {
-          if (K == 0) ASCHECK(allscanChooseNumBlocks(comm_, count * c.es, &Keff));
-          else Keff = K;
-        }
-        labelScanRow(&r, m, K, Keff);
-        rows.push_back(r);
+    for (Row& r : methodRows(so.chain, "scan", OP_SCAN)) {
+      const auto m = static_cast<allscanMethod_t>(r.method);
+      allscanScanArgs_t a = scanArgs(r, count);
+      if (allscanCheckArgs(comm_, &a) != allscanSuccess) r.skip = allscanGetLastError();
+      int Keff = 1;
+      if (m == allscanPipelined) {
+        if (r.K == 0) ASCHECK(allscanChooseNumBlocks(comm_, count * c.es, &Keff));
+        else Keff = r.K;
       }
+      labelScanRow(&r, m, r.K, Keff);
+      rows.push_back(r);
     }
     const Layout& L = layout_;
     const std::string tail = ",\"layout\":[" + std::to_string(L.H) + "," + std::to_string(L.Dk) + "," +
@@ -272,19 +261,12 @@ class ScanBench : public Bench {
 
   // Workspace: the largest any scan row needs at this size, allocated before timing.
   void prepare(const std::vector<Row>& rows, size_t count) override {
-    size_t need = 0;
-    for (const Row& r : rows) {
-      if (r.kind != OP_SCAN || !r.skip.empty()) continue;
+    ws_.reserve(rows, OP_SCAN, [&](const Row& r) {
       allscanScanArgs_t a = scanArgs(r, count);
       size_t b = 0;
       ASCHECK(allscanWorkspaceSize(comm_, &a, &b));
-      need = std::max(need, b);
-    }
-    if (need > wsBytes_) {
-      if (ws_) CUDACHECK(cudaFree(ws_));
-      CUDACHECK(cudaMalloc(&ws_, need));
-      wsBytes_ = need;
-    }
+      return b;
+    });
   }
 
   void launch(const Row& r, size_t count) override {
@@ -298,7 +280,7 @@ class ScanBench : public Bench {
       case OP_ALLREDUCE: NCCLCHECK(ncclAllReduce(x_, ar_, count, nt, ncclSum, c.nccl, c.stream)); break;
       case OP_SCAN: {
         allscanScanArgs_t a = scanArgs(r, count);
-        ASCHECK(allscanScan(comm_, &a, ws_, wsBytes_, c.stream));
+        ASCHECK(allscanScan(comm_, &a, ws_.ptr, ws_.bytes, c.stream));
         break;
       }
     }
@@ -329,14 +311,10 @@ class ScanBench : public Bench {
   }
 
   void teardown() override {
-    if (ws_) CUDACHECK(cudaFree(ws_));
-    CUDACHECK(cudaFree(x_));
-    CUDACHECK(cudaFree(y_));
-    if (recv_) CUDACHECK(cudaFree(recv_));
     if (ag_) CUDACHECK(cudaFree(ag_));
     if (ar_) CUDACHECK(cudaFree(ar_));
     if (g_) CUDACHECK(cudaFree(g_));
-    ASCHECK(allscanCommDestroy(comm_));
+    teardownChain();
   }
 
   std::string configJson() override {
@@ -344,14 +322,10 @@ class ScanBench : public Bench {
            "\",\"vdim\":" + std::to_string(opts.dv) + chainConfigJson(opts.chain);
   }
 
-  std::string topJson() override { return linkModelJson(opts.chain, link_); }
-
  private:
   allscanScanArgs_t scanArgs(const Row& r, size_t count) const {
     allscanScanArgs_t a;
     memset(&a, 0, sizeof(a));
-    a.x = x_;
-    a.y = y_;
     a.count = count;
     a.dtype = c.o->dtype;
     if (opts.decay != DECAY_NONE) {
@@ -360,24 +334,15 @@ class ScanBench : public Bench {
       a.g_dtype = allscanFloat32;
     }
     a.init = nullptr;
-    a.reverse = opts.chain.reverse;
     a.inclusive = 0;
-    a.num_blocks = r.method == allscanPipelined ? r.K : 0;
-    a.method = static_cast<allscanMethod_t>(r.method);
+    setRowArgs(&a, r);
     return a;
   }
 
-  allscanComm_t comm_ = nullptr;
-  LinkModel link_;
   Layout layout_{};
-  void* x_ = nullptr;
-  void* y_ = nullptr;
-  void* recv_ = nullptr;
   void* ag_ = nullptr;
   void* ar_ = nullptr;
   float* g_ = nullptr;
-  void* ws_ = nullptr;
-  size_t wsBytes_ = 0;
 };
 
 }  // namespace
