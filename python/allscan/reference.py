@@ -7,7 +7,7 @@ recurrence in float64 without intermediate rounding (the ground truth for error 
 """
 from __future__ import annotations
 
-from typing import List, Optional, Sequence
+from typing import Callable, List, Optional, Sequence
 
 import torch
 
@@ -51,24 +51,39 @@ def scan_reference(
         gs = [None] * P
     if len(gs) != P:
         raise ValueError(f"gs: expected {P} decays (one per rank), got {len(gs)}")
+    return fold_chain(xs, lambda p, y, x: combine(gs[p], y, x), init, reverse=reverse, inclusive=inclusive,
+                      exact=exact)
+
+
+def fold_chain(
+    xs: Sequence[torch.Tensor],
+    step: Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor],
+    init: Optional[torch.Tensor] = None,
+    *,
+    reverse: bool = False,
+    inclusive: bool = False,
+    exact: bool = False,
+) -> List[torch.Tensor]:
+    """Every rank's result of the chain ``y_next = step(p, y, x_p)`` started from ``init`` (None:
+    zeros), as every scan flavour's reference walks it: y entering rank p, or leaving it with
+    ``inclusive``. ``exact=False`` stays in the storage dtype (``step`` rounds to it; the head without
+    ``init`` passes its x on unchanged); ``exact=True`` gives ``step`` x_p and y in float64 and
+    rounds nothing."""
+    P = len(xs)
     order = range(P - 1, -1, -1) if reverse else range(P)
     out: List[Optional[torch.Tensor]] = [None] * P
     if exact:
         f64 = torch.float64
         y = torch.zeros_like(xs[0], dtype=f64) if init is None else init.to(f64)
         for p in order:
-            g = None if gs[p] is None else expand_decay(gs[p], xs[p].dim()).to(f64)
-            nxt = (y if g is None else g * y) + xs[p].to(f64)
+            nxt = step(p, y, xs[p].to(f64))
             out[p] = nxt if inclusive else y
             y = nxt
         return out  # type: ignore[return-value]
     y = None if init is None else init.clone()  # None: the chain head's zero state
     for p in order:
         x = xs[p]
-        nxt = x.clone() if y is None else combine(gs[p], y, x)
-        if inclusive:
-            out[p] = nxt
-        else:
-            out[p] = torch.zeros_like(x) if y is None else y
+        nxt = x.clone() if y is None else step(p, y, x)
+        out[p] = nxt if inclusive else (torch.zeros_like(x) if y is None else y)
         y = nxt
     return out  # type: ignore[return-value]

@@ -1,14 +1,31 @@
 """What every collective's launch shares: which path a call takes (and the local checks made before
-the first collective of the NCCL path), the device a rank that failed locally exchanges on, and the
-current stream's raw handle."""
+the first collective of the NCCL path), the device a rank that failed locally exchanges on, the
+current stream's raw handle, and the caches of prepared plans (one per collective, all forgotten
+together by ``allscan.destroy_communicators``)."""
 from __future__ import annotations
+
+from typing import List
 
 import torch
 
 from .. import _comm
-from .._contract import announce_invalid
+from .._contract import announce_invalid, settings
 
-__all__ = ["nccl_preflight", "announce_device", "stream_ptr"]
+__all__ = ["validated_group", "nccl_preflight", "announce_device", "stream_ptr", "plan_cache", "plan_is_current",
+           "forget_plans"]
+
+
+def validated_group(group, tensor, op: str, validate):
+    """The group (None: the default group) once ``validate()`` (the local argument checks) passed. A
+    rank whose checks fail tells its peers (so their signature exchange fails too) and re-raises."""
+    group = _comm.normalize_group(group)
+    try:
+        validate()
+    except (TypeError, ValueError):
+        if isinstance(tensor, torch.Tensor):
+            announce_invalid(group, announce_device(group), op)
+        raise
+    return group
 
 
 def announce_device(group) -> torch.device:
@@ -42,3 +59,30 @@ def stream_ptr(device: torch.device) -> int:
     if _raw_stream is not None:
         return _raw_stream(device.index)
     return torch.cuda.current_stream(device).cuda_stream
+
+
+# ------------------------------------------------------------------------------------------------
+# Plans: what one argument signature needs, prepared once so that later calls only launch. A plan
+# has ``comm`` (None on the torch.distributed path) and ``group_ref`` (its group, weakly).
+# ------------------------------------------------------------------------------------------------
+_plan_caches: List[dict] = []
+
+
+def plan_cache() -> dict:
+    """A collective's cache of plans (signature key -> plan), emptied by :func:`forget_plans`."""
+    cache: dict = {}
+    _plan_caches.append(cache)
+    return cache
+
+
+def plan_is_current(plan, group) -> bool:
+    """Whether a cached plan (or None) serves this call: not when the check runs every call, off
+    NCCL (where ``first`` checks every call) or when the group was re-created."""
+    return (plan is not None and plan.comm is not None and settings.check != "always"
+            and plan.group_ref() is group)
+
+
+def forget_plans() -> None:
+    """Forget every collective's plans (they hold communicators: ``allscan.destroy_communicators``)."""
+    for cache in _plan_caches:
+        cache.clear()

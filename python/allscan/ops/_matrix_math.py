@@ -11,7 +11,7 @@ from typing import List, Optional, Sequence
 
 import torch
 
-from ..reference import acc_dtype
+from ..reference import acc_dtype, fold_chain
 
 __all__ = ["combine", "matrix_scan_reference"]
 
@@ -44,19 +44,5 @@ def matrix_scan_reference(
     P = len(xs)
     if len(ms) != P:
         raise ValueError(f"ms: expected {P} transitions (one per rank), got {len(ms)}")
-    order = range(P - 1, -1, -1) if reverse else range(P)
-    out: List[Optional[torch.Tensor]] = [None] * P
-    if exact:
-        f64 = torch.float64
-        y = torch.zeros_like(xs[0], dtype=f64) if init is None else init.to(f64)
-        for p in order:
-            nxt = combine(ms[p].to(f64), y, xs[p].to(f64), transpose)
-            out[p] = nxt if inclusive else y
-            y = nxt
-        return out  # type: ignore[return-value]
-    y = None if init is None else init.clone()  # None: the chain head's zero state
-    for p in order:
-        nxt = xs[p].clone() if y is None else combine(ms[p], y, xs[p], transpose)
-        out[p] = nxt if inclusive else (torch.zeros_like(xs[p]) if y is None else y)
-        y = nxt
-    return out  # type: ignore[return-value]
+    return fold_chain(xs, lambda p, y, x: combine(ms[p], y, x, transpose), init, reverse=reverse,
+                      inclusive=inclusive, exact=exact)

@@ -17,17 +17,17 @@ dM_p = r_p y_p^T; init = y_head, whose adjoint is a_head.)
 """
 from __future__ import annotations
 
-import weakref
 from typing import Dict, List, Optional, Tuple
 
 import torch
-import torch.distributed as dist
 
 from .. import _C, _comm
-from .._contract import DTYPE_CODES, announce_invalid, check_across_ranks, dtype_code, settings
+from .._contract import DTYPE_CODES, check_across_ranks, dtype_code
 from ..reference import acc_dtype
 from . import _matrix_dist
+from ._launch import nccl_preflight, plan_cache, plan_is_current, stream_ptr, validated_group
 from ._matrix_math import combine
+from .scan import ScanLaunchPlan, _needs_grad, async_handle, is_chain_head, save_call_options
 
 __all__ = ["matrix_scan", "METHODS"]
 
@@ -97,72 +97,33 @@ def _signature(x, m, init, reverse, inclusive, transpose, num_blocks, method) ->
     ]
 
 
-def _announce_device(group) -> torch.device:
-    if "nccl" in _comm.backend_name(group) and torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
 # ------------------------------------------------------------------------------------------------
-# Plan and launch
+# Plan and launch (the diagonal scan's plan: its gdt is the transition's dtype code here)
 # ------------------------------------------------------------------------------------------------
-class _Plan:
-    """The NCCL launch of one signature (``comm`` None on the torch.distributed path)."""
-
-    __slots__ = ("group_ref", "comm", "dt", "mdt", "midx", "ws_bytes")
-
-    def __init__(self, group, comm, dt, mdt, midx, ws_bytes):
-        self.group_ref = weakref.ref(group)
-        self.comm = comm
-        self.dt = dt
-        self.mdt = mdt
-        self.midx = midx
-        self.ws_bytes = ws_bytes
+_plans: Dict[tuple, ScanLaunchPlan] = plan_cache()
 
 
-_plans: Dict[tuple, _Plan] = {}
-
-
-def _prepare(x, m, init, group, reverse, inclusive, transpose, num_blocks, method) -> _Plan:
-    nccl = _comm.uses_nccl(group, x)
-    if nccl:
-        try:
-            _comm.check_device(group, x.device)  # before any collective
-            _comm.check_env()
-        except ValueError:
-            announce_invalid(group, torch.device("cuda", torch.cuda.current_device()), _OP)
-            raise
+def _prepare(x, m, init, group, reverse, inclusive, transpose, num_blocks, method) -> ScanLaunchPlan:
+    nccl = nccl_preflight(group, x, _OP)
     check_across_ranks(group, x.device, _OP, _signature(x, m, init, reverse, inclusive, transpose, num_blocks, method))
     if not nccl:
-        return _Plan(group, None, 0, 0, 0, 0)
+        return ScanLaunchPlan(group, None, 0, 0, 0, 0)
     comm = _comm.get_communicator(group, x.device)
     dt, mdt, midx = DTYPE_CODES[x.dtype], DTYPE_CODES[m.dtype], METHODS.index(method)
     batch, K, V = _dims(x)
     ws = _C.matrix_workspace_size(comm.handle, batch, K, V, dt, mdt, transpose, init is not None, reverse, inclusive,
                                   num_blocks, midx)
-    return _Plan(group, comm, dt, mdt, midx, ws)
+    return ScanLaunchPlan(group, comm, dt, mdt, midx, ws)
 
 
-def _plan_for(x, m, init, group, reverse, inclusive, transpose, num_blocks, method) -> _Plan:
+def _plan_for(x, m, init, group, reverse, inclusive, transpose, num_blocks, method) -> ScanLaunchPlan:
     key = (group.group_name, id(group), x.device, x.shape, x.dtype, m.dtype, init is None, reverse, inclusive,
            transpose, num_blocks, method)
     plan = _plans.get(key)
-    # Off NCCL the check runs every call (as the diagonal scan's); a re-created group, or a
-    # communicator destroyed since (allscan.destroy_communicators: handle 0), gets a new plan.
-    if (plan is None or plan.comm is None or not plan.comm.handle or settings.check == "always"
-            or plan.group_ref() is not group):
+    if not plan_is_current(plan, group):
         plan = _prepare(x, m, init, group, reverse, inclusive, transpose, num_blocks, method)
         _plans[key] = plan
     return plan
-
-
-_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-
-
-def _stream_ptr(device: torch.device) -> int:
-    if _raw_stream is not None:
-        return _raw_stream(device.index)
-    return torch.cuda.current_stream(device).cuda_stream
 
 
 def _run(x, m, init, group_name, reverse, inclusive, transpose, num_blocks, method, group=None, stream=None):
@@ -180,10 +141,10 @@ def _run(x, m, init, group_name, reverse, inclusive, transpose, num_blocks, meth
     with torch.cuda.device(x.device):  # the core launches on the current device
         y = torch.empty_like(x)
         ws = torch.empty(plan.ws_bytes, dtype=torch.uint8, device=x.device) if plan.ws_bytes else None
-        _C.matrix_scan(plan.comm.handle, x.data_ptr(), y.data_ptr(), batch, K, V, plan.dt, m.data_ptr(), plan.mdt,
+        _C.matrix_scan(plan.comm.handle, x.data_ptr(), y.data_ptr(), batch, K, V, plan.dt, m.data_ptr(), plan.gdt,
                        transpose, 0 if init is None else init.data_ptr(), reverse, inclusive, num_blocks, plan.midx,
                        0 if ws is None else ws.data_ptr(), plan.ws_bytes,
-                       _stream_ptr(x.device) if stream is None else stream.cuda_stream)
+                       stream_ptr(x.device) if stream is None else stream.cuda_stream)
         if ws is not None and stream is not None:
             ws.record_stream(stream)  # allocated on the current stream, used on `stream`
     return y
@@ -216,13 +177,8 @@ def _matrix_scan_fake(x, m, init, group_name, reverse, inclusive, transpose, num
 
 def _setup_context(ctx, inputs, output):
     x, m, init, group_name, reverse, inclusive, transpose, num_blocks, method = inputs
-    ctx.group_name = group_name
-    ctx.reverse = reverse
-    ctx.inclusive = inclusive
+    save_call_options(ctx, init, group_name, reverse, inclusive, num_blocks, method)
     ctx.transpose = transpose
-    ctx.num_blocks = num_blocks
-    ctx.method = method
-    ctx.has_init = init is not None
     need_y = ctx.needs_input_grad[1]
     ctx.save_for_backward(m, output if need_y else None)
 
@@ -243,9 +199,7 @@ def _backward(ctx, dy):
         outer = torch.matmul(r.to(acc), y.to(acc).transpose(-1, -2))  # d(transition used) = r y^T
         dm = (outer.transpose(-1, -2) if ctx.transpose else outer).to(m.dtype)
     if ctx.has_init and ctx.needs_input_grad[2]:
-        group = _comm.resolve_group(ctx.group_name)
-        head = dist.get_world_size(group) - 1 if ctx.reverse else 0
-        if dist.get_rank(group) == head:
+        if is_chain_head(ctx.group_name, ctx.reverse):
             dinit = combine(m, r, dy, not ctx.transpose)  # M_head^T r_head + dy_head
         else:
             dinit = torch.zeros_like(dy)
@@ -258,10 +212,6 @@ matrix_scan_op.register_autograd(_backward, setup_context=_setup_context)
 # ------------------------------------------------------------------------------------------------
 # The public function
 # ------------------------------------------------------------------------------------------------
-def _needs_grad(*ts) -> bool:
-    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in ts)
-
-
 def _scan_impl(x, m, init, name, reverse, inclusive, num_blocks, method, group=None):
     needs_grad = _needs_grad(x, m, init)
     if inclusive and needs_grad:
@@ -274,20 +224,11 @@ def _scan_impl(x, m, init, name, reverse, inclusive, num_blocks, method, group=N
     return matrix_scan_op(x, m, init, name, reverse, inclusive, False, num_blocks, method)
 
 
-def matrix_scan(
-    tensor: torch.Tensor,
-    transition: torch.Tensor,
-    group=None,
-    *,
-    reverse: bool = False,
-    inclusive: bool = False,
-    init: Optional[torch.Tensor] = None,
-    num_blocks: Optional[int] = None,
-    method: str = "pipelined",
-    async_op: bool = False,
-):
-    """The matrix All-Scan over the ranks of ``group`` (default: the default group); what
-    ``allscan.scan(tensor, transition=M, ...)`` runs. See the module docstring for the contract.
+def matrix_scan(tensor: torch.Tensor, transition: torch.Tensor, group, *, reverse: bool, inclusive: bool,
+                init: Optional[torch.Tensor], num_blocks: Optional[int], method: str, async_op: bool):
+    """The matrix All-Scan over the ranks of ``group`` (None: the default group); what
+    ``allscan.scan(tensor, transition=M, ...)`` runs, with every option as ``allscan.scan`` passes it
+    (the defaults are ``allscan.scan``'s). See the module docstring for the contract.
 
     ``tensor`` ``[..., K, V]`` (float32, bfloat16, float16, float64), ``transition`` ``[..., K, K]``
     (float32 or the tensor's dtype) with the same leading dims. Arithmetic fp32 (fp64 for fp64),
@@ -295,13 +236,7 @@ def matrix_scan(
     leading-dim entries, V columns split only when more blocks than entries are asked), "serial" or
     "allgather" (fla's context-parallel pattern). Differentiable in all three tensors. With
     ``async_op=True`` returns an :class:`allscan.ScanHandle`."""
-    group = _comm.normalize_group(group)
-    try:
-        _validate(tensor, transition, init, method, num_blocks)
-    except (TypeError, ValueError):
-        if isinstance(tensor, torch.Tensor):
-            announce_invalid(group, _announce_device(group), _OP)
-        raise
+    group = validated_group(group, tensor, _OP, lambda: _validate(tensor, transition, init, method, num_blocks))
     name = group.group_name
     x = tensor.contiguous()
     m = transition.contiguous()
@@ -309,19 +244,5 @@ def matrix_scan(
     k = 0 if num_blocks is None else int(num_blocks)
     if not async_op:
         return _scan_impl(x, m, i0, name, reverse, inclusive, k, method, group)
-    from .scan import ScanHandle, _side_stream  # the diagonal scan's handle and side stream
-
-    if not (x.is_cuda and _comm.uses_nccl(group, x)):
-        return ScanHandle(_scan_impl(x, m, i0, name, reverse, inclusive, k, method, group))
-    cur = torch.cuda.current_stream(x.device)
-    side = _side_stream(x.device)
-    side.wait_stream(cur)
-    with torch.cuda.stream(side):
-        out = _scan_impl(x, m, i0, name, reverse, inclusive, k, method, group)
-        ev = torch.cuda.Event()
-        ev.record(side)
-    for t in (x, m, i0):
-        if t is not None:
-            t.record_stream(side)  # inputs stay valid until the side stream is done with them
-    return ScanHandle(out, ev)
+    return async_handle(group, x, (x, m, i0), lambda: _scan_impl(x, m, i0, name, reverse, inclusive, k, method, group))
 

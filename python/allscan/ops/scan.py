@@ -15,11 +15,11 @@ import torch
 import torch.distributed as dist
 
 from .. import _C, _comm
-from .._contract import (DTYPE_CODES, announce_invalid, check_across_ranks, clear_checked_signatures, dtype_code,
-                         settings)
+from .._contract import DTYPE_CODES, check_across_ranks, clear_checked_signatures, dtype_code, settings
 from ..reference import acc_dtype, expand_decay
 from . import _scan_dist
-from ._launch import _raw_stream, announce_device, nccl_preflight, stream_ptr
+from ._launch import (_raw_stream, forget_plans, nccl_preflight, plan_cache, plan_is_current, stream_ptr,
+                      validated_group)
 
 __all__ = ["scan", "ScanHandle", "set_check_every_call", "destroy_communicators", "ScanLaunchPlan", "plan_for",
            "launch", "run", "METHODS"]
@@ -98,8 +98,9 @@ def _signature(x, g, init, reverse, inclusive, num_blocks, method) -> List[Tuple
 # Plan: what one argument signature needs, prepared once so that later calls only launch
 # ------------------------------------------------------------------------------------------------
 class ScanLaunchPlan:
-    """The NCCL launch of one signature: communicator, dtype codes, method index, workspace size
-    (``comm`` is None on the torch.distributed path). Belongs to one group object."""
+    """The NCCL launch of one signature: communicator, dtype codes (the state's, and the decay's or,
+    for the matrix scan, the transition's), method index, workspace size (``comm`` is None on the
+    torch.distributed path). Belongs to one group object."""
 
     __slots__ = ("group_ref", "comm", "dt", "gdt", "midx", "ws_bytes")
 
@@ -112,7 +113,7 @@ class ScanLaunchPlan:
         self.ws_bytes = ws_bytes
 
 
-_plans: Dict[tuple, ScanLaunchPlan] = {}
+_plans: Dict[tuple, ScanLaunchPlan] = plan_cache()
 
 
 def _prepare(x, g, init, group, reverse, inclusive, num_blocks, method) -> ScanLaunchPlan:
@@ -136,7 +137,7 @@ def plan_for(x, g, init, group, reverse, inclusive, num_blocks, method) -> ScanL
     key = (group.group_name, id(group), x.device, x.shape, x.dtype, None if g is None else (g.shape, g.dtype),
            init is None, reverse, inclusive, num_blocks, method)
     plan = _plans.get(key)
-    if plan is None or plan.comm is None or settings.check == "always" or plan.group_ref() is not group:
+    if not plan_is_current(plan, group):
         plan = _prepare(x, g, init, group, reverse, inclusive, num_blocks, method)
         _plans[key] = plan
     return plan
@@ -178,8 +179,9 @@ def launch(plan: ScanLaunchPlan, x, g, init, reverse, inclusive, num_blocks, str
 
 def destroy_communicators() -> None:
     """Destroy the NCCL communicators allscan owns, forget the borrowed ones (never destroyed) and
-    every prepared plan and checked signature; the next call prepares them again."""
-    _plans.clear()
+    every prepared plan (of every collective) and checked signature; the next call prepares them
+    again."""
+    forget_plans()
     clear_checked_signatures()
     _comm.destroy_communicators()
 
@@ -207,14 +209,26 @@ def _scan_fake(x, g, init, group_name, reverse, inclusive, num_blocks, method):
     return x.new_empty(x.shape)
 
 
-def _setup_context(ctx, inputs, output):
-    x, g, init, group_name, reverse, inclusive, num_blocks, method = inputs
+def save_call_options(ctx, init, group_name, reverse, inclusive, num_blocks, method) -> None:
+    """What a scan op's backward needs of its call (this op's and the matrix scan's): the options
+    and whether an init was given."""
     ctx.group_name = group_name
     ctx.reverse = reverse
     ctx.inclusive = inclusive
     ctx.num_blocks = num_blocks
     ctx.method = method
     ctx.has_init = init is not None
+
+
+def is_chain_head(group_name: str, reverse: bool) -> bool:
+    """Whether this rank starts the chain (the one rank whose init is read)."""
+    group = _comm.resolve_group(group_name)
+    return dist.get_rank(group) == (dist.get_world_size(group) - 1 if reverse else 0)
+
+
+def _setup_context(ctx, inputs, output):
+    x, g, init, group_name, reverse, inclusive, num_blocks, method = inputs
+    save_call_options(ctx, init, group_name, reverse, inclusive, num_blocks, method)
     ctx.g_shape = None if g is None else tuple(g.shape)
     ctx.g_dtype = None if g is None else g.dtype
     need_y = g is not None and ctx.needs_input_grad[1]
@@ -238,10 +252,7 @@ def _backward(ctx, dy):
         prod = y.to(acc) * dx.to(acc)
         dg = prod.reshape(tuple(ctx.g_shape) + (-1,)).sum(-1).to(ctx.g_dtype)
     if ctx.has_init and ctx.needs_input_grad[2]:
-        group = _comm.resolve_group(ctx.group_name)
-        P = dist.get_world_size(group)
-        head = P - 1 if ctx.reverse else 0
-        if dist.get_rank(group) == head:
+        if is_chain_head(ctx.group_name, ctx.reverse):
             # d/d init of y_head = init (its own output) and of y_next = g_head*init + x_head.
             acc = acc_dtype(dy.dtype)
             gb = 1.0 if g is None else expand_decay(g, dy.dim()).to(acc)
@@ -315,6 +326,27 @@ def _side_stream(device: torch.device) -> "torch.cuda.Stream":
     return s
 
 
+def async_handle(group, x: torch.Tensor, inputs, impl) -> ScanHandle:
+    """``impl()`` (the scan of ``x`` on the current stream) as a handle. Off NCCL the
+    torch.distributed path computes on the host thread: the handle is complete at once. On NCCL it
+    runs on the side stream after the current stream's work, and the tensors in ``inputs`` (None
+    allowed) stay valid until the side stream is done with them."""
+    if not (x.is_cuda and _comm.uses_nccl(group, x)):
+        return ScanHandle(impl())
+    device = x.device
+    cur = torch.cuda.current_stream(device)
+    side = _side_stream(device)
+    side.wait_stream(cur)
+    with torch.cuda.stream(side):
+        out = impl()
+        ev = torch.cuda.Event()
+        ev.record(side)
+    for t in inputs:
+        if t is not None:
+            t.record_stream(side)
+    return ScanHandle(out, ev)
+
+
 def _needs_grad(*ts) -> bool:
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in ts)
 
@@ -375,13 +407,7 @@ def scan(
         from .matrix_scan import matrix_scan
         return matrix_scan(tensor, transition, group, reverse=reverse, inclusive=inclusive, init=init,
                            num_blocks=num_blocks, method=method, async_op=async_op)
-    group = _comm.normalize_group(group)
-    try:
-        _validate(tensor, gamma, init, method, num_blocks)
-    except (TypeError, ValueError):
-        if isinstance(tensor, torch.Tensor):
-            announce_invalid(group, announce_device(group), _OP)
-        raise
+    group = validated_group(group, tensor, _OP, lambda: _validate(tensor, gamma, init, method, num_blocks))
     name = group.group_name
     x = tensor.contiguous()
     g = None if gamma is None else gamma.contiguous()
@@ -389,11 +415,8 @@ def scan(
     k = 0 if num_blocks is None else int(num_blocks)
     if not async_op:
         return _scan_impl(x, g, i0, name, reverse, inclusive, k, method, group)
-    if not (x.is_cuda and _comm.uses_nccl(group, x)):
-        # The torch.distributed path computes on the host thread; the handle is complete at once.
-        return ScanHandle(_scan_impl(x, g, i0, name, reverse, inclusive, k, method, group))
-    if (_raw_stream is not None and not torch.compiler.is_compiling() and x.device.index == torch.cuda.current_device()
-            and not _needs_grad(x, g, i0)):
+    if (x.is_cuda and _comm.uses_nccl(group, x) and _raw_stream is not None and not torch.compiler.is_compiling()
+            and x.device.index == torch.cuda.current_device() and not _needs_grad(x, g, i0)):
         # Nothing to differentiate, eager: the scan goes to the side stream by handle, without
         # switching torch's current stream (tens of microseconds of Python per call otherwise).
         side = _side_stream(x.device)
@@ -405,14 +428,4 @@ def scan(
             if t is not None:
                 t.record_stream(side)  # freed only after the side stream is done with them
         return ScanHandle(out, raw=raw, caller_stream=caller)
-    cur = torch.cuda.current_stream(x.device)
-    side = _side_stream(x.device)
-    side.wait_stream(cur)
-    with torch.cuda.stream(side):
-        out = _scan_impl(x, g, i0, name, reverse, inclusive, k, method, group)
-        ev = torch.cuda.Event()
-        ev.record(side)
-    for t in (x, g, i0):
-        if t is not None:
-            t.record_stream(side)  # inputs stay valid until the side stream is done with them
-    return ScanHandle(out, ev)
+    return async_handle(group, x, (x, g, i0), lambda: _scan_impl(x, g, i0, name, reverse, inclusive, k, method, group))
