@@ -3,6 +3,7 @@ chain for every method, direction, init and block count; gradients of x, M and i
 through a float64 chain; the custom op; errors naming the argument; the block partition of both paths."""
 import itertools
 import os
+import sys
 
 import pytest
 import torch
@@ -10,7 +11,7 @@ import torch.distributed as dist
 
 import allscan
 from allscan import _C
-from allscan.ops import matrix_scan as _matrix_scan_module  # noqa: F401  (registers allscan::matrix_scan)
+from allscan.ops import matrix_scan as _matrix_scan_module  # registers allscan::matrix_scan
 from allscan.ops._matrix_dist import matrix_blocks
 from allscan.ops._matrix_math import matrix_scan_reference
 from distributed import run_distributed
@@ -217,6 +218,17 @@ def test_async_handle_on_cpu(single_rank):
     assert isinstance(h, allscan.ScanHandle) and h.is_completed()
     expect = matrix_scan_reference([x], [m], init, inclusive=True)[0]
     assert torch.equal(h.wait(), expect)
+
+
+def test_destroy_communicators_forgets_both_scans_plans(single_rank):
+    diagonal = sys.modules["allscan.ops.scan"]  # the module (allscan.ops.scan is the function)
+    x, m = torch.randn(2, 3, 4), torch.randn(2, 3, 3)
+    y0 = allscan.scan(x, transition=m, inclusive=True)
+    allscan.scan(torch.randn(3))
+    assert _matrix_scan_module._plans and diagonal._plans  # off NCCL a plan is kept too (and re-checked)
+    allscan.destroy_communicators()
+    assert not _matrix_scan_module._plans and not diagonal._plans
+    assert torch.equal(allscan.scan(x, transition=m, inclusive=True), y0)
 
 
 def _opcheck_and_compile(rank, P):
