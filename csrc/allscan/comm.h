@@ -1,6 +1,7 @@
 // The All-Scan communicator and what every scan flavour of the core shares (internal, not
-// installed): dtype helpers, the pipeline's block partition, the chain head's zeroed buffer and
-// the communicator's environment settings.
+// installed): dtype helpers, the argument checks every flavour makes, the pipeline's block
+// partition, chain positions, the chain head's zeroed buffer and the communicator's environment
+// settings. The head's own result and the NCCL steps of the pipeline: head_result.h, pipeline.h.
 #pragma once
 
 #include <cuda_runtime.h>
