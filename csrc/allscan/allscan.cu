@@ -202,11 +202,6 @@ allscanResult_t checkArgs(const allscanComm* comm, const allscanScanArgs_t* a) {
   return allscanSuccess;
 }
 
-int scanBlocks(const allscanComm* comm, const allscanScanArgs_t* a) {
-  if (a->method == allscanSerial || a->method == allscanAllGather) return 1;
-  return effectiveBlocks(comm, a->num_blocks, a->count * dtypeSize(a->dtype));
-}
-
 size_t workspaceBytes(const allscanComm* comm, const allscanScanArgs_t* a) {
   const int P = comm->nranks;
   if (P == 1 || a->count == 0) return 0;
@@ -475,7 +470,8 @@ allscanResult_t allscanScan(allscanComm_t comm, const allscanScanArgs_t* a, void
   if (comm->nranks == 1) return scanOneRank(a, stream);
   ALLSCAN_CHECK(checkAttached(comm));
   if (a->method == allscanAllGather) return scanAllGather(comm, a, workspace, stream);
-  const Blocks blocks(a->count, scanBlocks(comm, a), dtypeSize(a->dtype));
+  const Blocks blocks(a->count, methodBlocks(comm, a->method, a->num_blocks, a->count * dtypeSize(a->dtype)),
+                      dtypeSize(a->dtype));
   if (chainPos(comm, a->reverse).head) return scanHead(comm, a, blocks, workspace, stream);
   return scanLink(comm, a, blocks, workspace, stream);
 }

@@ -109,6 +109,12 @@ inline size_t blockElems(size_t count, int K, size_t esize) {
 // choice (allscanChooseNumBlocks), at most allscanMaxBlocks.
 int effectiveBlocks(const allscanComm* comm, int numBlocks, size_t bytes);
 
+// The blocks a scan of `bytes` bytes is sent in: effectiveBlocks for the pipelined method, one for
+// the serial and all-gather methods.
+inline int methodBlocks(const allscanComm* comm, allscanMethod_t method, int numBlocks, size_t bytes) {
+  return method == allscanPipelined ? effectiveBlocks(comm, numBlocks, bytes) : 1;
+}
+
 // This rank's place in the chain of a forward (rank p-1 -> p) or reverse (p+1 -> p) scan.
 struct ChainPos {
   bool head;     // the chain starts here (rank 0 forward, P-1 reverse)

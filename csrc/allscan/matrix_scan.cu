@@ -84,8 +84,7 @@ Blocks makeBlocks(size_t batch, size_t k, size_t v, size_t es, int requested) {
 size_t stateCount(const allscanMatrixScanArgs_t* a) { return a->batch * a->k * a->v; }
 
 int matrixBlockCount(const allscanComm* comm, const allscanMatrixScanArgs_t* a) {
-  if (a->method != allscanPipelined) return 1;
-  return effectiveBlocks(comm, a->num_blocks, stateCount(a) * dtypeSize(a->dtype));
+  return methodBlocks(comm, a->method, a->num_blocks, stateCount(a) * dtypeSize(a->dtype));
 }
 
 bool mulOverflows(size_t a, size_t b, size_t* out) { return __builtin_mul_overflow(a, b, out); }
