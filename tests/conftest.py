@@ -7,6 +7,20 @@ import pytest
 sys.path.insert(0, os.path.dirname(__file__))
 
 
+@pytest.fixture(scope="module")
+def single_rank():
+    """A one-rank gloo group in this process (the default group; made once, kept for later modules)."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        from distributed import _free_port
+
+        os.environ["MASTER_PORT"] = str(_free_port())
+        dist.init_process_group("gloo", rank=0, world_size=1)
+    yield dist.group.WORLD
+
+
 def _cuda_count() -> int:
     try:
         import torch

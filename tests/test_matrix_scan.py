@@ -2,7 +2,6 @@
 chain for every method, direction, init and block count; gradients of x, M and init against autograd
 through a float64 chain; the custom op; errors naming the argument; the block partition of both paths."""
 import itertools
-import os
 import sys
 
 import pytest
@@ -15,6 +14,7 @@ from allscan.ops import matrix_scan as _matrix_scan_module  # registers allscan:
 from allscan.ops._matrix_dist import matrix_blocks
 from allscan.ops._matrix_math import matrix_scan_reference
 from distributed import run_distributed
+from grad_check import check_compiled, check_grads
 
 STATE = (2, 3, 5, 7)  # batch 6 (two leading dims), K = 5, V = 7
 # (method, num_blocks): auto, one block, fewer blocks than batch entries (uneven), as many, more
@@ -127,29 +127,11 @@ def _grads(rank, P, dtype):
         ms = [_transition(mshape, gen, dtype) for _ in range(P)]
         init = torch.randn(shape, generator=gen, dtype=dtype)
         ws = [torch.randn(shape, generator=gen, dtype=dtype) for _ in range(P)]
-        # Reference: autograd through the float64 chain of every rank's inputs.
-        rx = [t.to(torch.float64, copy=True).requires_grad_() for t in xs]
-        rm = [t.to(torch.float64, copy=True).requires_grad_() for t in ms]
-        ri = init.to(torch.float64, copy=True).requires_grad_()
-        outs = matrix_scan_reference(rx, rm, ri, reverse=reverse, inclusive=inclusive, exact=True)
-        sum((o * w.double()).sum() for o, w in zip(outs, ws)).backward()
-        # Distributed: each rank its own inputs.
-        x = xs[rank].clone().requires_grad_()
-        m = ms[rank].clone().requires_grad_()
-        i0 = init.clone().requires_grad_()
-        y = allscan.scan(x, transition=m, reverse=reverse, inclusive=inclusive, init=i0, method=method, num_blocks=k)
-        (y * ws[rank]).sum().backward()
-
-        def grad(t):  # None where the output does not depend on t (P = 1, exclusive)
-            return torch.zeros_like(t) if t.grad is None else t.grad
-
-        tol = dict(rtol=1e-10, atol=1e-12) if dtype == torch.float64 else dict(rtol=1e-5, atol=1e-6)
-        where = f"rank={rank} reverse={reverse} inclusive={inclusive} method={method} K={k}"
-        torch.testing.assert_close(grad(x), grad(rx[rank]).to(dtype), **tol, msg=where + " dx")
-        torch.testing.assert_close(grad(m), grad(rm[rank]).to(dtype), **tol, msg=where + " dM")
-        head = P - 1 if reverse else 0
-        expect = grad(ri).to(dtype) if rank == head else torch.zeros_like(init)
-        torch.testing.assert_close(grad(i0), expect, **tol, msg=where + " dinit")
+        check_grads(rank, P, xs, ms, init, ws, matrix_scan_reference,
+                    lambda x, m, i0: allscan.scan(x, transition=m, reverse=reverse, inclusive=inclusive, init=i0,
+                                                  method=method, num_blocks=k),
+                    reverse=reverse, inclusive=inclusive, op_name="M",
+                    where=f"rank={rank} reverse={reverse} inclusive={inclusive} method={method} K={k}")
 
 
 @pytest.mark.parametrize("P", [1, 2, 3, 4, 5])
@@ -187,18 +169,6 @@ def test_gradcheck(P):
 # ------------------------------------------------------------------------------------------------
 # The custom op, errors, the partition
 # ------------------------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def single_rank():
-    """A one-rank gloo group in this process."""
-    if not dist.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        from distributed import _free_port
-
-        os.environ["MASTER_PORT"] = str(_free_port())
-        dist.init_process_group("gloo", rank=0, world_size=1)
-    yield dist.group.WORLD
-
-
 def test_opcheck_single_rank(single_rank):
     name = single_rank.group_name
     x = torch.randn(2, 3, 4, dtype=torch.float64, requires_grad=True)
@@ -244,16 +214,8 @@ def _opcheck_and_compile(rank, P):
     def f(x, m):
         return allscan.scan(x * 2, transition=m, reverse=True, inclusive=True).sin()
 
-    compiled = torch.compile(f, backend="aot_eager", fullgraph=True)
-    out = compiled(x, m)
     ref = matrix_scan_reference([2 * t for t in xs], ms, reverse=True, inclusive=True)[rank].sin()
-    torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
-    out.sum().backward()
-    x2 = xs[rank].clone().requires_grad_()
-    m2 = ms[rank].clone().requires_grad_()
-    f(x2, m2).sum().backward()
-    torch.testing.assert_close(x.grad, x2.grad)
-    torch.testing.assert_close(m.grad, m2.grad)
+    check_compiled(f, x, m, ref, 1e-12)
 
 
 def test_opcheck_and_compile_two_ranks():

@@ -8,6 +8,7 @@ import torch.distributed as dist
 import allscan
 from allscan.reference import scan_reference
 from distributed import run_distributed
+from grad_check import check_grads
 
 DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
 STATE = (2, 3, 5, 7)  # 210 elements: no block count divides it evenly
@@ -89,28 +90,10 @@ def _grads(rank, P, dtype):
         gs = [0.5 + 0.5 * torch.rand(gshape, generator=gen, dtype=dtype) for _ in range(P)]
         init = torch.randn(shape, generator=gen, dtype=dtype)
         ws = [torch.randn(shape, generator=gen, dtype=dtype) for _ in range(P)]
-        # Reference: autograd through the sequential recurrence on every rank's inputs.
-        rx = [t.clone().requires_grad_() for t in xs]
-        rg = [t.clone().requires_grad_() for t in gs]
-        ri = init.clone().requires_grad_()
-        outs = scan_reference(rx, rg, ri, reverse=reverse, inclusive=inclusive, exact=True)
-        sum((o * w).sum() for o, w in zip(outs, ws)).backward()
-        # Distributed: each rank its own inputs.
-        x = xs[rank].clone().requires_grad_()
-        g = gs[rank].clone().requires_grad_()
-        i0 = init.clone().requires_grad_()
-        y = allscan.scan(x, g, reverse=reverse, inclusive=inclusive, init=i0, method=method)
-        (y * ws[rank]).sum().backward()
-        def grad(t):
-            return torch.zeros_like(t) if t.grad is None else t.grad
-
-        tol = dict(rtol=1e-10, atol=1e-12) if dtype == torch.float64 else dict(rtol=1e-5, atol=1e-6)
-        where = f"rank={rank} reverse={reverse} inclusive={inclusive} method={method}"
-        torch.testing.assert_close(grad(x), grad(rx[rank]).to(dtype), **tol, msg=where + " dx")
-        torch.testing.assert_close(grad(g), grad(rg[rank]).to(dtype), **tol, msg=where + " dg")
-        head = P - 1 if reverse else 0
-        expect_init = grad(ri).to(dtype) if rank == head else torch.zeros_like(init)
-        torch.testing.assert_close(grad(i0), expect_init, **tol, msg=where + " dinit")
+        check_grads(rank, P, xs, gs, init, ws, scan_reference,
+                    lambda x, g, i0: allscan.scan(x, g, reverse=reverse, inclusive=inclusive, init=i0, method=method),
+                    reverse=reverse, inclusive=inclusive, op_name="g",
+                    where=f"rank={rank} reverse={reverse} inclusive={inclusive} method={method}")
 
 
 @pytest.mark.parametrize("P", [1, 2, 3, 4])

@@ -14,18 +14,7 @@ from allscan import _C as C
 from allscan.ops import _scan_dist as _dist
 from allscan.reference import scan_reference
 from distributed import run_distributed
-
-
-@pytest.fixture(scope="module")
-def single_rank():
-    """A one-rank gloo group in this process."""
-    if not dist.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        from distributed import _free_port
-
-        os.environ["MASTER_PORT"] = str(_free_port())
-        dist.init_process_group("gloo", rank=0, world_size=1)
-    yield dist.group.WORLD
+from grad_check import check_compiled
 
 
 X = torch.randn(2, 3, 4)
@@ -107,16 +96,7 @@ def _opcheck_and_compile(rank, P):
     def f(x, g):
         return allscan.scan(x * 2, g, reverse=True, inclusive=True).sin()
 
-    compiled = torch.compile(f, backend="aot_eager", fullgraph=True)
-    out = compiled(x, g)
-    ref = scan_reference([2 * t for t in xs], gs, reverse=True, inclusive=True)[rank].sin()
-    torch.testing.assert_close(out, ref, rtol=0, atol=0)
-    out.sum().backward()
-    x2 = xs[rank].clone().requires_grad_()
-    g2 = gs[rank].clone().requires_grad_()
-    f(x2, g2).sum().backward()
-    torch.testing.assert_close(x.grad, x2.grad)
-    torch.testing.assert_close(g.grad, g2.grad)
+    check_compiled(f, x, g, scan_reference([2 * t for t in xs], gs, reverse=True, inclusive=True)[rank].sin(), 0)
 
 
 def test_opcheck_and_compile_two_ranks():
