@@ -208,6 +208,39 @@ def test_gradients_and_async(P):
     run_distributed(_grads_and_async, P, backend="nccl", timeout=600)
 
 
+def _head_fill(rank, P):
+    dev = _dev()
+    n = 0
+    # fp32 [entries, 128, 128]: 8 MiB (auto: the self copy), 8 MiB + 64 KiB and 32 MiB (auto: the
+    # side kernel beside the send).
+    for entries in (128, 129, 512):
+        xs, ms, init = _random(P, (entries,), 128, 128, torch.float32, torch.float32, entries)
+        xs, ms, init = [t.to(dev) for t in xs], [t.to(dev) for t in ms], init.to(dev)
+        for use_init, inclusive in ((False, False), (True, False), (False, True)):
+            i0 = init if use_init else None
+            y = allscan.scan(xs[rank], transition=ms[rank], init=i0, inclusive=inclusive)
+            where = f"entries={entries} init={use_init} inclusive={inclusive}"
+            if rank == 0:  # the head's own result: x itself, init or zeros
+                expect = xs[0] if inclusive else (init if use_init else torch.zeros_like(init))
+                assert torch.equal(y, expect), where
+            else:
+                exact = matrix_scan_reference([t.double() for t in xs], [m.double() for m in ms],
+                                              None if i0 is None else i0.double(), inclusive=inclusive, exact=True)
+                assert _rel(y, exact[rank]) < 1e-6, where
+            n += 1
+    torch.cuda.synchronize()
+    return n
+
+
+# How the chain head writes its own result (ALLSCAN_HEAD_FILL, read when the communicator is made),
+# the diagonal scan's rule (head_result.h): every mode gives the same result on both sides of 8 MiB.
+@pytest.mark.parametrize("fill", ["auto", "self", "side", "series"])
+def test_head_fill_modes(fill, monkeypatch):
+    _need(2)
+    monkeypatch.setenv("ALLSCAN_HEAD_FILL", fill)
+    assert run_distributed(_head_fill, 2, backend="nccl", timeout=600) == [9, 9]
+
+
 @pytest.mark.parametrize("extra", [[], ["-r1", "-K", "2,16", "-d", "bfloat16"], ["-G", "2", "-V", "64", "-d", "double"]],
                          ids=["default", "reverse-blocks-bf16", "graph-k64-fp64"])
 def test_two_gpu_perf_matrix_run_is_exact(tmp_path, extra):
