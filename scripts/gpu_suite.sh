@@ -53,7 +53,7 @@ for s in $STAGES; do
       ;;
     tests)
       # The GLA GPU tests compile fla's kernels: their own stage (glatest), not this one.
-      run_stage tests python3 -m pytest -q -rP -m gpu ${TESTS:-tests --ignore=tests/test_gla_gpu.py} -p no:cacheprovider --timeout 600 ;;
+      run_stage tests python3 -m pytest -q -rsP -m gpu ${TESTS:-tests --ignore=tests/test_gla_gpu.py} -p no:cacheprovider --timeout 600 ;;
     perf)
       PERF=$(ls build/*/bench/allscan_perf 2>/dev/null | head -1)
       [ -n "$PERF" ] || { note "perf: allscan_perf not built"; continue; }
