@@ -18,7 +18,7 @@ reverse scan with the transposed transitions), so the gradients of q, k, v, g, b
 ``initial_state`` cross ranks with one state per boundary.
 
 Packed sequences (``cu_seqlens`` over the GLOBAL sequence, B = 1, equal shard lengths) are cut as
-``zeco_gla`` cuts them (:class:`allscan.ops.gla.zeco.ShardSegments`): only the first local segment
+``zeco_gla`` cuts them (:class:`allscan.ops._shards.ShardSegments`): only the first local segment
 receives the incoming state; a segment that starts inside the shard starts from its own initial
 state. The state a rank passes on is the one of the sequence crossing its end: with a sequence
 starting inside the shard the transition is cut (``M_p = 0``, ``h_p`` that sequence's final state);
@@ -40,7 +40,7 @@ import torch
 
 from allscan._contract import DTYPE_CODES, check_across_ranks
 
-from ..gla.zeco import ShardSegments, _sequence_parallel_group
+from .._shards import ShardSegments, sequence_parallel_group
 from . import gates
 from .chunk import TorchDelta, compute_dtype
 
@@ -61,14 +61,6 @@ def select_backend(q: torch.Tensor):
         warnings.warn("allscan.ops.delta: no fla-core backend yet; using the torch chunked delta rule on CUDA "
                       "(correct, but slow and memory-hungry)")
     return TorchDelta
-
-
-def _renamed(op: str, fn, *args):
-    """Call a helper shared with zeco_gla, its errors naming ``op`` instead."""
-    try:
-        return fn(*args)
-    except (ValueError, RuntimeError) as e:
-        raise type(e)(str(e).replace("zeco_gla", op)) from None
 
 
 def _zero_in_graph(t: torch.Tensor) -> torch.Tensor:
@@ -194,8 +186,8 @@ def _delta_rule(op, per_key, q, k, v, g, beta, group, scale, initial_state, outp
     _check_gate_options(op, per_key, HV, K, use_gate_in_kernel, A_log, dt_bias, use_beta_sigmoid_in_kernel,
                         allow_neg_eigval, safe_gate, lower_bound)
     scale = K ** -0.5 if scale is None else float(scale)
-    group = _renamed(op, _sequence_parallel_group, group)
-    segs = _renamed(op, ShardSegments, group, T, B, cu_seqlens)
+    group = sequence_parallel_group(group, op)
+    segs = ShardSegments(group, T, B, cu_seqlens, op)
     h0 = initial_state
     if segs.world > 1:
         flags = (int(bool(use_qk_l2norm_in_kernel)) | int(bool(use_gate_in_kernel)) << 1
@@ -271,7 +263,7 @@ def zeco_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: 
         beta: ``[B, T_local, HV]`` (or raw logits with ``use_beta_sigmoid_in_kernel``: ``sigmoid(beta)``,
             ``2 * sigmoid(beta)`` with ``allow_neg_eigval``).
         group: the sequence-parallel process group (rank order = sequence order); None: the default
-            group (one process when torch.distributed is not initialised); ``allscan.ops.gla.LOCAL``:
+            group (one process when torch.distributed is not initialised); ``allscan.ops.LOCAL``:
             this process alone.
         scale: default ``K ** -0.5``. use_qk_l2norm_in_kernel: l2-normalise q and k first (as fla).
         initial_state, output_final_state, cu_seqlens: as :func:`allscan.ops.gla.zeco_gla` (states

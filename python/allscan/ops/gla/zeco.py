@@ -47,16 +47,14 @@ fla-core, :class:`~allscan.ops.gla.chunk.TorchGLA` otherwise; ``ALLSCAN_GLA_BACK
 """
 from __future__ import annotations
 
-import bisect
 import warnings
 from typing import List, Optional
 
 import torch
-import torch.distributed as dist
 
-from allscan._comm import normalize_group
 from allscan._contract import settings
 
+from .._shards import LOCAL, ShardSegments, sequence_parallel_group
 from .chunk import TorchGLA
 from .fla import FlaGLA, fla_available
 from .stage_times import timed_body, timed_scan
@@ -65,16 +63,6 @@ __all__ = ["zeco_gla", "LOCAL", "METHODS"]
 
 _SCAN_METHOD = {"zeco": "pipelined", "lasp1": "serial", "lasp2": "allgather"}
 METHODS = tuple(_SCAN_METHOD)  # the ``method=`` values of zeco_gla
-
-
-class _Local:
-    def __repr__(self):
-        return "allscan.ops.gla.LOCAL"
-
-
-LOCAL = _Local()
-"""``group=LOCAL``: no sequence parallelism, even inside an initialised process group: this process
-holds the whole sequence (what ``group=None`` meant before it became the default group)."""
 
 
 _WARNED: list = []
@@ -100,59 +88,6 @@ def select_backend(q):
 def _scan(x, gamma, group, **kwargs):
     from allscan import scan
     return timed_scan(scan, x, gamma, group, **kwargs)
-
-
-# ---------------------------------------------------------------------------------------------------
-# how this rank's shard is cut into local segments
-# ---------------------------------------------------------------------------------------------------
-class ShardSegments:
-    """This rank's shard of the global sequence, cut into local segments at the sequence boundaries
-    (``cu_seqlens``) that fall inside it: the segment bounds, which global sequence each belongs to,
-    which ones end here, whether the first continues a sequence from the previous rank."""
-
-    def __init__(self, group, T: int, B: int, cu_seqlens):
-        if group is None:
-            self.world, self.rank = 1, 0
-        else:
-            self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
-        self.group = group
-        self.T = T
-        self.varlen = cu_seqlens is not None
-        if not self.varlen:
-            self.bounds = [0, T]
-            self.seq_ids = [None]
-            self.ends_here = [True]
-            self.continued = self.rank > 0
-            self.starts_inside = False
-            self.num_seqs = B
-            return
-        if B != 1:
-            raise ValueError(f"zeco_gla: with cu_seqlens the batch size must be 1 (packed sequences), got B={B}")
-        if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
-            raise ValueError("zeco_gla: cu_seqlens must be a 1-D tensor [N+1] of cumulative sequence lengths "
-                             "over the GLOBAL packed sequence")
-        if cu_seqlens.dtype.is_floating_point:
-            raise ValueError(f"zeco_gla: cu_seqlens must be an integer tensor, got {cu_seqlens.dtype}")
-        cu = [int(c) for c in cu_seqlens.tolist()]
-        total = self.world * T
-        if cu[0] != 0 or cu[-1] != total:
-            raise ValueError(f"zeco_gla: cu_seqlens must start at 0 and end at world_size * T_local = "
-                             f"{self.world} * {T} = {total} (the global packed length), got {cu[0]} .. {cu[-1]}")
-        if any(b <= a for a, b in zip(cu, cu[1:])):
-            raise ValueError("zeco_gla: cu_seqlens must be strictly increasing (empty sequences are not supported)")
-        off = self.rank * T
-        cuset = set(cu)
-        cut = sorted(set([0, T] + [c - off for c in cu if off < c < off + T]))
-        self.bounds = cut
-        self.seq_ids = [bisect.bisect_right(cu, off + s) - 1 for s in cut[:-1]]
-        self.ends_here = [(off + e) in cuset for e in cut[1:]]
-        self.continued = off not in cuset
-        self.starts_inside = (not self.continued) or len(cut) > 2
-        self.num_seqs = len(cu) - 1
-
-    @property
-    def nseg(self):
-        return len(self.bounds) - 1
 
 
 def _full_decay(g, q):
@@ -346,18 +281,6 @@ class ZecoGLAFunction(torch.autograd.Function):
         return dq, dk, dv, dg, dh0, None, None, None, None
 
 
-def _sequence_parallel_group(group):
-    """``group`` as zeco_gla takes it -> the process group to scan over, or None for one process."""
-    if group is LOCAL:
-        return None
-    initialised = dist.is_available() and dist.is_initialized()
-    if group is None:  # the default group, as in torch.distributed; one process when there is none
-        return normalize_group(None) if initialised else None
-    if not initialised:
-        raise RuntimeError("zeco_gla: group given but torch.distributed is not initialised")
-    return normalize_group(group)
-
-
 def zeco_gla(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: Optional[torch.Tensor] = None, group=None, *,
              scale: Optional[float] = None, initial_state: Optional[torch.Tensor] = None,
              output_final_state: bool = False, cu_seqlens: Optional[torch.Tensor] = None, method: str = "zeco"):
@@ -416,6 +339,6 @@ def zeco_gla(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: Optional[torc
         if initial_state.dtype != torch.float32:
             raise ValueError(f"zeco_gla: initial_state must be float32, got {initial_state.dtype}")
     scale = K ** -0.5 if scale is None else float(scale)
-    segs = ShardSegments(_sequence_parallel_group(group), T, B, cu_seqlens)
+    segs = ShardSegments(sequence_parallel_group(group, "zeco_gla"), T, B, cu_seqlens, "zeco_gla")
     o, final = ZecoGLAFunction.apply(q, k, v, g, initial_state, scale, segs, method, bool(output_final_state))
     return o, (final if output_final_state else None)
