@@ -69,6 +69,8 @@ for s in $STAGES; do
         run_stage "perfbase_before_$i" /tmp/allscan_base/bench/allscan_perf -b 4K -e 256M -f 2 -g "$NGPU" -K auto,4 -j "$OUT/perfbase_before_$i.json" > /dev/null
         run_stage "perfbase_after_$i" "$PERF" -b 4K -e 256M -f 2 -g "$NGPU" -K auto,4 -j "$OUT/perfbase_after_$i.json" > /dev/null
       done
+      run_stage perfbase_compare python3 bench/compare_perf.py --before "$OUT"/perfbase_before_*.json --after "$OUT"/perfbase_after_*.json
+      grep '^# largest' "$OUT/perfbase_compare.log" >> "$SUMMARY"
       ;;
     perfmatrix)  # the matrix-transition All-Scan against the bare send and the all-gather method
       PERF=$(ls build/*/bench/allscan_perf 2>/dev/null | head -1)
