@@ -316,7 +316,7 @@ def test_errors():
         gdn(q, q, torch.randn(1, 8, H + 1, V), g3, beta)
     with pytest.raises(ValueError, match="q must be a 4-D tensor"):
         gdn(q[0], q, v, g3, beta)
-    with pytest.raises(TypeError, match="q must be float32, bfloat16, float16 or float64"):
+    with pytest.raises(TypeError, match="zeco_gated_delta_rule: q must be float32, float16, bfloat16 or float64, got torch.int32"):
         gdn(q.int(), q, v, g3, beta)
     with pytest.raises(TypeError, match="q, k and v must have one dtype"):
         gdn(q, q, v.double(), g3, beta)

@@ -11,7 +11,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "python"))
 from distributed import run_distributed  # noqa: E402
 
 from allscan.layers import UlyssesAttention  # noqa: E402
-from allscan.layers import ulysses as U  # noqa: E402
+from allscan.ops import ulysses as U  # noqa: E402
 
 
 def _inputs(B, S, Hq, Hkv, D, dtype, seed=0):

@@ -91,7 +91,7 @@ def _auto_measures(rank, world):
     training uses are measured separately (the model is forced to propose C = 4 here, so the
     measurement runs whatever the hardware)."""
     from allscan.layers import UlyssesAttention
-    from allscan.layers import ulysses as U
+    from allscan.ops import ulysses as U
 
     dev = torch.device("cuda", torch.cuda.current_device())
     U.clear_auto_cache()

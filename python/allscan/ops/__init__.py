@@ -3,6 +3,7 @@ torch.distributed, with their custom ops, autograd and fake kernels. Layers use 
 
 - :mod:`allscan.ops.scan`: the All-Scan (``allscan.scan``).
 - :mod:`allscan.ops.a2a`: the chunked all-to-all (``allscan.a2a``), scatter-heads and gather-heads.
+- :mod:`allscan.ops.ulysses`: Ulysses attention over the chunked all-to-all (``ulysses_attention``).
 - :mod:`allscan.ops.gla`, :mod:`allscan.ops.delta`: the sequence-parallel linear-attention ops
   (``zeco_gla``; ``zeco_gated_delta_rule``, ``zeco_kda``), loaded on first use; :data:`LOCAL` is their
   ``group=`` for one process inside an initialised process group.

@@ -38,7 +38,7 @@ from typing import Optional
 
 import torch
 
-from allscan._contract import DTYPE_CODES, check_across_ranks
+from allscan._contract import DTYPE_CODES, check_across_ranks, dtype_code
 
 from .._shards import ShardSegments, sequence_parallel_group
 from . import gates
@@ -48,7 +48,6 @@ __all__ = ["zeco_gated_delta_rule", "zeco_kda", "METHODS"]
 
 _SCAN_METHOD = {"zeco": "pipelined", "allgather": "allgather", "fla_cp": None}
 METHODS = tuple(_SCAN_METHOD)  # the ``method=`` values of zeco_gated_delta_rule and zeco_kda
-_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 _WARNED: list = []
 
@@ -87,8 +86,7 @@ def _validate(op, q, k, v, g, beta, per_key, initial_state, cu_seqlens, method):
             raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(t).__name__}")
         if t.dim() != 4:
             raise ValueError(f"{op}: {name} must be a 4-D tensor [B, T_local, heads, dim], got {list(t.shape)}")
-        if t.dtype not in _DTYPES:
-            raise TypeError(f"{op}: {name} must be float32, bfloat16, float16 or float64, got {t.dtype}")
+        dtype_code(t.dtype, f"{op}: {name}")
     B, T, H, K = q.shape
     if k.shape != q.shape:
         raise ValueError(f"{op}: k must have q's shape {list(q.shape)}, got {list(k.shape)}")
