@@ -40,6 +40,7 @@ import torch
 
 from allscan._contract import DTYPE_CODES, check_across_ranks, dtype_code
 
+from .._launch import validated_group
 from .._shards import ShardSegments, sequence_parallel_group
 from . import gates
 from .chunk import TorchDelta, compute_dtype
@@ -178,14 +179,23 @@ def _activate(per_key, q, k, g, beta, HV, use_qk_l2norm_in_kernel, use_gate_in_k
 def _delta_rule(op, per_key, q, k, v, g, beta, group, scale, initial_state, output_final_state, cu_seqlens,
                 use_qk_l2norm_in_kernel, method, use_gate_in_kernel, A_log, dt_bias, use_beta_sigmoid_in_kernel,
                 allow_neg_eigval, safe_gate=False, lower_bound=None):
-    _validate(op, q, k, v, g, beta, per_key, initial_state, cu_seqlens, method)
+    group = sequence_parallel_group(group, op)
+    segs = None
+
+    def validate():  # every local check, the packed sequences' cut of this shard included
+        nonlocal segs
+        _validate(op, q, k, v, g, beta, per_key, initial_state, cu_seqlens, method)
+        _check_gate_options(op, per_key, v.shape[2], q.shape[-1], use_gate_in_kernel, A_log, dt_bias,
+                            use_beta_sigmoid_in_kernel, allow_neg_eigval, safe_gate, lower_bound)
+        segs = ShardSegments(group, q.shape[1], q.shape[0], cu_seqlens, op)
+
+    if group is None:
+        validate()
+    else:  # a rank whose arguments fail tells its peers, whose signature exchange then fails too
+        validated_group(group, q, op, validate)
     B, T, H, K = q.shape
     HV = v.shape[2]
-    _check_gate_options(op, per_key, HV, K, use_gate_in_kernel, A_log, dt_bias, use_beta_sigmoid_in_kernel,
-                        allow_neg_eigval, safe_gate, lower_bound)
     scale = K ** -0.5 if scale is None else float(scale)
-    group = sequence_parallel_group(group, op)
-    segs = ShardSegments(group, T, B, cu_seqlens, op)
     h0 = initial_state
     if segs.world > 1:
         flags = (int(bool(use_qk_l2norm_in_kernel)) | int(bool(use_gate_in_kernel)) << 1
