@@ -9,6 +9,7 @@ _LAZY = {
     "zeco_gla": "gla",
     "GatedLinearAttention": "gla",
     "UlyssesAttention": "ulysses",
+    "GatedDeltaNet": "gated_deltanet",
     "zeco_gated_delta_rule": ".ops.delta",  # the ops themselves: allscan.ops.delta
     "zeco_kda": ".ops.delta",
 }

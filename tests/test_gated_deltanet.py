@@ -1,0 +1,117 @@
+"""GatedDeltaNet (fla's parameters) and its halo exchange: sharded over 2 and 3 gloo ranks it equals the same
+module on one process over the whole sequence (outputs, every gradient), with and without packed sequences."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from distributed import run_distributed
+
+CFG = dict(hidden_size=16, head_dim=8, num_heads=2, num_v_heads=4, expand_v=2, conv_size=4, conv_bias=True)
+
+# fla 0.6.0 fla/layers/gated_deltanet.py with CFG (key_dim 16, value_dim 4 * 16 = 64, head_v_dim 16):
+# names and shapes written out by hand from its source (fla is not installed here).
+FLA_STATE = {
+    "q_proj.weight": (16, 16), "k_proj.weight": (16, 16), "v_proj.weight": (64, 16),
+    "a_proj.weight": (4, 16), "b_proj.weight": (4, 16), "A_log": (4,), "dt_bias": (4,),
+    "q_conv1d.weight": (16, 1, 4), "q_conv1d.bias": (16,), "k_conv1d.weight": (16, 1, 4), "k_conv1d.bias": (16,),
+    "v_conv1d.weight": (64, 1, 4), "v_conv1d.bias": (64,),
+    "g_proj.weight": (64, 16), "o_norm.weight": (16,), "o_proj.weight": (16, 64),
+}
+
+
+def _module(group):
+    from allscan.layers import GatedDeltaNet
+    torch.manual_seed(0)
+    m = GatedDeltaNet(**CFG, group=group).double()
+    with torch.no_grad():  # norm weights away from 1, so their gradients are checked as well
+        m.o_norm.weight.uniform_(0.5, 1.5)
+    return m
+
+
+def test_fla_state_dict_loads():
+    from allscan.layers import GatedDeltaNet
+    m = GatedDeltaNet(**CFG)
+    assert {k: tuple(v.shape) for k, v in m.state_dict().items()} == FLA_STATE
+    sd = {k: torch.randn(s) for k, s in FLA_STATE.items()}
+    m.load_state_dict(sd, strict=True)
+    assert all(torch.equal(m.state_dict()[k], v) for k, v in sd.items())
+
+
+def test_short_conv_is_fla_conv_cut_at_sequence_starts():
+    from allscan.ops import LOCAL
+    m = _module(LOCAL)
+    x = torch.randn(1, 11, 64 + 32, dtype=torch.float64)
+    cu = torch.tensor([0, 2, 7, 11])
+    convs = (m.q_conv1d, m.k_conv1d, m.v_conv1d)
+    w = torch.cat([c.weight for c in convs])
+    b = torch.cat([c.bias for c in convs])
+    want = torch.cat([F.silu(F.conv1d(x[:, s:e].transpose(1, 2), w, b, padding=3, groups=96)[..., :e - s])
+                      for s, e in zip(cu[:-1].tolist(), cu[1:].tolist())], dim=2).transpose(1, 2)
+    torch.testing.assert_close(m._short_conv(x, cu), want)
+    whole = F.silu(F.conv1d(x.transpose(1, 2), w, b, padding=3, groups=96)[..., :11]).transpose(1, 2)
+    torch.testing.assert_close(m._short_conv(x, None), whole)
+
+
+def _check_ranks(rank, world):
+    import torch.distributed as dist
+
+    from allscan.ops import LOCAL
+    from allscan.ops.halo import halo_exchange
+
+    T = 4 if world == 3 else 6
+    N = world * T
+    sl = slice(rank * T, (rank + 1) * T)
+
+    # the halo alone: rank p receives rank p-1's last 3 tokens; gradients flow back to the sender
+    torch.manual_seed(1)
+    xg = torch.randn(2, N, 5, dtype=torch.float64)
+    gg = torch.randn(2, 3, 5, dtype=torch.float64)
+    xl = xg[:, sl].clone().requires_grad_()
+    h = halo_exchange(xl, 3)
+    want = xg[:, rank * T - 3:rank * T] if rank else torch.zeros(2, 3, 5, dtype=torch.float64)
+    torch.testing.assert_close(h, want)
+    (h * gg[:, :, :] * (rank + 1)).sum().backward()
+    want_grad = torch.zeros(2, T, 5, dtype=torch.float64)
+    if rank < world - 1:
+        want_grad[:, T - 3:] = gg * (rank + 2)
+    torch.testing.assert_close(xl.grad, want_grad)
+
+    ref = _module(LOCAL)
+    mods = {"default": _module(None), "world": _module(dist.group.WORLD)}
+    cases = [None, torch.tensor([0, T, T + 2, N])]  # a cut on a rank boundary, one inside rank 1's shard
+    for cu in cases:
+        torch.manual_seed(2)
+        x = torch.randn(1, N, CFG["hidden_size"], dtype=torch.float64)
+        dy = torch.randn(1, N, CFG["hidden_size"], dtype=torch.float64)
+        xr = x.clone().requires_grad_()
+        ref.zero_grad()
+        yr, _, _ = ref(xr, cu_seqlens=cu)
+        (yr * dy).sum().backward()
+        for name, m in mods.items():
+            m.zero_grad()
+            xs = x[:, sl].clone().requires_grad_()
+            y, _, _ = m(xs, cu_seqlens=cu)
+            (y * dy[:, sl]).sum().backward()
+            torch.testing.assert_close(y, yr[:, sl], msg=lambda s: f"{name} cu={cu} output: {s}")
+            torch.testing.assert_close(xs.grad, xr.grad[:, sl], msg=lambda s: f"{name} cu={cu} dx: {s}")
+            for (pn, p), (_, pr) in zip(m.named_parameters(), ref.named_parameters()):
+                g = p.grad.clone()
+                dist.all_reduce(g)  # each rank holds its shard's part of a parameter's gradient
+                torch.testing.assert_close(g, pr.grad, msg=lambda s: f"{name} cu={cu} d{pn}: {s}")
+    return True
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_sharded_equals_one_process(world):
+    assert run_distributed(_check_ranks, world, timeout=120) == [True] * world
+
+
+def test_halo_one_process_is_zeros():
+    from allscan.ops.halo import halo_exchange
+    x = torch.randn(2, 5, 3, requires_grad=True)
+    h = halo_exchange(x, 3)
+    assert torch.equal(h, torch.zeros(2, 3, 3))
+    h.sum().backward()
+    assert torch.equal(x.grad, torch.zeros_like(x))
+    with pytest.raises(ValueError, match="w must be"):
+        halo_exchange(x, -1)
