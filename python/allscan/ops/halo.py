@@ -22,12 +22,12 @@ def _shift(send: torch.Tensor, pg, to_next: bool) -> torch.Tensor:
     world, rank = dist.get_world_size(pg), dist.get_rank(pg)
     dst, src = (rank + 1, rank - 1) if to_next else (rank - 1, rank + 1)
     recv = torch.zeros_like(send)
-    reqs = []
+    ops = []  # one batch: on NCCL, separate isend/irecv calls along a chain can wait on each other
     if 0 <= dst < world:
-        reqs.append(dist.isend(send.contiguous(), dist.get_global_rank(pg, dst), group=pg))
+        ops.append(dist.P2POp(dist.isend, send.contiguous(), dist.get_global_rank(pg, dst), pg))
     if 0 <= src < world:
-        reqs.append(dist.irecv(recv, dist.get_global_rank(pg, src), group=pg))
-    for r in reqs:
+        ops.append(dist.P2POp(dist.irecv, recv, dist.get_global_rank(pg, src), pg))
+    for r in dist.batch_isend_irecv(ops):
         r.wait()
     return recv
 
