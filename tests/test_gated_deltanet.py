@@ -19,10 +19,10 @@ FLA_STATE = {
 }
 
 
-def _module(group):
+def _module(group, device="cpu"):
     from allscan.layers import GatedDeltaNet
     torch.manual_seed(0)
-    m = GatedDeltaNet(**CFG, group=group).double()
+    m = GatedDeltaNet(**CFG, group=group).double().to(device)
     with torch.no_grad():  # norm weights away from 1, so their gradients are checked as well
         m.o_norm.weight.uniform_(0.5, 1.5)
     return m
@@ -52,7 +52,8 @@ def test_short_conv_is_fla_conv_cut_at_sequence_starts():
     torch.testing.assert_close(m._short_conv(x, None), whole)
 
 
-def _check_ranks(rank, world):
+def _check_ranks(rank, world, device="cpu"):
+    """gloo on CPU; with device="cuda", NCCL: the halo's point-to-point and the matrix scan's C++ core."""
     import torch.distributed as dist
 
     from allscan.ops import LOCAL
@@ -64,25 +65,25 @@ def _check_ranks(rank, world):
 
     # the halo alone: rank p receives rank p-1's last 3 tokens; gradients flow back to the sender
     torch.manual_seed(1)
-    xg = torch.randn(2, N, 5, dtype=torch.float64)
-    gg = torch.randn(2, 3, 5, dtype=torch.float64)
+    xg = torch.randn(2, N, 5, dtype=torch.float64).to(device)
+    gg = torch.randn(2, 3, 5, dtype=torch.float64).to(device)
     xl = xg[:, sl].clone().requires_grad_()
     h = halo_exchange(xl, 3)
-    want = xg[:, rank * T - 3:rank * T] if rank else torch.zeros(2, 3, 5, dtype=torch.float64)
+    want = xg[:, rank * T - 3:rank * T] if rank else torch.zeros(2, 3, 5, dtype=torch.float64, device=device)
     torch.testing.assert_close(h, want)
     (h * gg[:, :, :] * (rank + 1)).sum().backward()
-    want_grad = torch.zeros(2, T, 5, dtype=torch.float64)
+    want_grad = torch.zeros(2, T, 5, dtype=torch.float64, device=device)
     if rank < world - 1:
         want_grad[:, T - 3:] = gg * (rank + 2)
     torch.testing.assert_close(xl.grad, want_grad)
 
-    ref = _module(LOCAL)
-    mods = {"default": _module(None), "world": _module(dist.group.WORLD)}
+    ref = _module(LOCAL, device)
+    mods = {"default": _module(None, device), "world": _module(dist.group.WORLD, device)}
     cases = [None, torch.tensor([0, T, T + 2, N])]  # a cut on a rank boundary, one inside rank 1's shard
     for cu in cases:
         torch.manual_seed(2)
-        x = torch.randn(1, N, CFG["hidden_size"], dtype=torch.float64)
-        dy = torch.randn(1, N, CFG["hidden_size"], dtype=torch.float64)
+        x = torch.randn(1, N, CFG["hidden_size"], dtype=torch.float64).to(device)
+        dy = torch.randn(1, N, CFG["hidden_size"], dtype=torch.float64).to(device)
         xr = x.clone().requires_grad_()
         ref.zero_grad()
         yr, _, _ = ref(xr, cu_seqlens=cu)
@@ -104,6 +105,15 @@ def _check_ranks(rank, world):
 @pytest.mark.parametrize("world", [2, 3])
 def test_sharded_equals_one_process(world):
     assert run_distributed(_check_ranks, world, timeout=120) == [True] * world
+
+
+@pytest.mark.gpu
+def test_sharded_equals_one_process_on_two_gpus():
+    """The same check on CUDA tensors over NCCL (the halo's batched point-to-point, the matrix scan's
+    C++ core, fp64 states); the local work is the torch path (no fla-core backend yet)."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    assert run_distributed(_check_ranks, 2, "cuda", timeout=300, backend="nccl") == [True, True]
 
 
 def test_halo_one_process_is_zeros():

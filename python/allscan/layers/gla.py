@@ -34,8 +34,9 @@ class _RMSNormGated(nn.Module):
         self._act = _gate_act(activation)
 
     def forward(self, x, g):
-        y = F.rms_norm(x.float(), (self.hidden_size,), None if self.weight is None else self.weight.float(), self.eps)
-        return (y * self._act(g.float())).to(x.dtype)
+        acc = torch.promote_types(x.dtype, torch.float32)  # fp32 for 16-bit inputs, fp64 stays fp64
+        y = F.rms_norm(x.to(acc), (self.hidden_size,), None if self.weight is None else self.weight.to(acc), self.eps)
+        return (y * self._act(g.to(acc))).to(x.dtype)
 
 
 class _RMSNorm(nn.Module):
