@@ -15,10 +15,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from allscan.ops.delta import METHODS, zeco_gated_delta_rule
-from allscan.ops._shards import sequence_parallel_group
+from allscan.ops import sequence_parallel_group
 from allscan.ops.halo import halo_exchange
 
-from .gla import _RMSNorm, _RMSNormGated
+from .norms import RMSNorm, RMSNormGated
 
 __all__ = ["GatedDeltaNet"]
 
@@ -114,9 +114,9 @@ class GatedDeltaNet(nn.Module):
                           "the performance)")
         if use_gate:
             self.g_proj = nn.Linear(hidden_size, self.value_dim, bias=False)
-            self.o_norm = _RMSNormGated(self.head_v_dim, eps=norm_eps, activation=output_gate_activation)
+            self.o_norm = RMSNormGated(self.head_v_dim, eps=norm_eps, activation=output_gate_activation)
         else:
-            self.o_norm = _RMSNorm(self.head_v_dim, eps=norm_eps, dtype=torch.float32)
+            self.o_norm = RMSNorm(self.head_v_dim, eps=norm_eps, dtype=torch.float32)
         self.o_proj = nn.Linear(self.value_dim, hidden_size, bias=False)
 
     def _short_conv(self, qkv: torch.Tensor, cu_seqlens: Optional[torch.Tensor]) -> torch.Tensor:

@@ -13,43 +13,9 @@ import torch.nn.functional as F
 
 from allscan.ops.gla import LOCAL, METHODS, recurrent_gla_reference, zeco_gla
 
+from .norms import RMSNorm, RMSNormGated, gate_activation
+
 __all__ = ["zeco_gla", "GatedLinearAttention", "recurrent_gla_reference", "LOCAL"]
-
-
-def _gate_act(name):
-    if name in ("swish", "silu"):
-        return F.silu
-    if name == "sigmoid":
-        return torch.sigmoid
-    raise NotImplementedError(f"GatedLinearAttention: gate_fn {name!r} is not supported (swish, silu, sigmoid)")
-
-
-class _RMSNormGated(nn.Module):
-    """fla's ``FusedRMSNormGated``: ``rmsnorm(x) * weight * act(g)`` (parameter ``weight`` only)."""
-
-    def __init__(self, hidden_size, elementwise_affine=True, eps=1e-5, activation="swish"):
-        super().__init__()
-        self.hidden_size, self.eps, self.activation = hidden_size, eps, activation
-        self.weight = nn.Parameter(torch.ones(hidden_size)) if elementwise_affine else None
-        self._act = _gate_act(activation)
-
-    def forward(self, x, g):
-        acc = torch.promote_types(x.dtype, torch.float32)  # fp32 for 16-bit inputs, fp64 stays fp64
-        y = F.rms_norm(x.to(acc), (self.hidden_size,), None if self.weight is None else self.weight.to(acc), self.eps)
-        return (y * self._act(g.to(acc))).to(x.dtype)
-
-
-class _RMSNorm(nn.Module):
-    """fla's ``RMSNorm`` (``weight``; ``bias`` only if asked)."""
-
-    def __init__(self, hidden_size, elementwise_affine=True, eps=1e-5, dtype=None):
-        super().__init__()
-        self.hidden_size, self.eps = hidden_size, eps
-        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype)) if elementwise_affine else None
-
-    def forward(self, x):
-        w = None if self.weight is None else self.weight.float()
-        return F.rms_norm(x.float(), (self.hidden_size,), w, self.eps).to(x.dtype)
 
 
 class GatedLinearAttention(nn.Module):
@@ -115,14 +81,14 @@ class GatedLinearAttention(nn.Module):
                                      nn.Linear(gate_low_rank_dim, self.key_dim_per_group, bias=True))
         self.o_proj = nn.Linear(self.value_dim, hidden_size, bias=False)
         if gate_fn == "swish" and fuse_norm and use_output_gate:
-            self.g_norm_swish_gate = _RMSNormGated(self.head_v_dim, elementwise_affine=bool(elementwise_affine),
+            self.g_norm_swish_gate = RMSNormGated(self.head_v_dim, elementwise_affine=bool(elementwise_affine),
                                                    eps=norm_eps)
             self.fuse_norm_and_gate = True
         else:
             self.fuse_norm_and_gate = False
-            self.g_norm = _RMSNorm(self.head_v_dim, elementwise_affine=bool(elementwise_affine), eps=norm_eps,
+            self.g_norm = RMSNorm(self.head_v_dim, elementwise_affine=bool(elementwise_affine), eps=norm_eps,
                                    dtype=torch.float32)
-            self.gate_fn = _gate_act(gate_fn)
+            self.gate_fn = gate_activation(gate_fn)
         self.gate_logit_normalizer = gate_logit_normalizer
         self.group = group
         self.method = method

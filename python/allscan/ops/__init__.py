@@ -9,10 +9,10 @@ torch.distributed, with their custom ops, autograd and fake kernels. Layers use 
   ``group=`` for one process inside an initialised process group.
 """
 from .._comm import normalize_group
-from ._shards import LOCAL
+from ._shards import LOCAL, sequence_parallel_group
 from . import a2a
 from .a2a import (GATHER, SCATTER, a2a_multi, chunk_head_ranges, gather_heads, gather_heads_multi, kv_head_ranges,
                   scatter_heads, scatter_heads_multi, split_heads)
 from .scan import ScanHandle, destroy_communicators, scan, set_check_every_call
 
-__all__ = ["normalize_group", "LOCAL", "scan", "ScanHandle", "set_check_every_call", "destroy_communicators", *a2a.__all__]
+__all__ = ["normalize_group", "LOCAL", "sequence_parallel_group", "scan", "ScanHandle", "set_check_every_call", "destroy_communicators", *a2a.__all__]
