@@ -18,6 +18,7 @@ from allscan.ops.delta import METHODS, zeco_gated_delta_rule
 from allscan.ops import sequence_parallel_group
 from allscan.ops.halo import halo_exchange
 
+from ._inputs import check_layer_inputs
 from .norms import RMSNorm, RMSNormGated
 
 __all__ = ["GatedDeltaNet"]
@@ -137,14 +138,7 @@ class GatedDeltaNet(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, attention_mask=None, past_key_values=None, use_cache=False,
                 output_attentions=False, cu_seqlens=None, **kwargs):
-        if attention_mask is not None:
-            raise NotImplementedError("GatedDeltaNet: attention_mask is not supported; pack sequences "
-                                      "and pass cu_seqlens (over the global sequence)")
-        if past_key_values is not None or use_cache:
-            raise NotImplementedError("GatedDeltaNet: caching (past_key_values/use_cache) is not supported")
-        if hidden_states.dim() != 3 or hidden_states.shape[-1] != self.hidden_size:
-            raise ValueError(f"GatedDeltaNet: hidden_states must be [B, T_local, {self.hidden_size}], "
-                             f"got {tuple(hidden_states.shape)}")
+        check_layer_inputs("GatedDeltaNet", hidden_states, self.hidden_size, attention_mask, past_key_values, use_cache)
         if cu_seqlens is not None and hidden_states.shape[0] != 1:
             raise ValueError(f"GatedDeltaNet: with cu_seqlens the batch size must be 1, got {hidden_states.shape[0]}")
         B, T, _ = hidden_states.shape

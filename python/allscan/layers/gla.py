@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from allscan.ops.gla import LOCAL, METHODS, recurrent_gla_reference, zeco_gla
 
+from ._inputs import check_layer_inputs
 from .norms import RMSNorm, RMSNormGated, gate_activation
 
 __all__ = ["zeco_gla", "GatedLinearAttention", "recurrent_gla_reference", "LOCAL"]
@@ -95,14 +96,7 @@ class GatedLinearAttention(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, attention_mask=None, past_key_values=None, use_cache=False,
                 output_attentions=False, cu_seqlens=None, **kwargs):
-        if attention_mask is not None:
-            raise NotImplementedError("GatedLinearAttention: attention_mask is not supported; pack sequences "
-                                      "and pass cu_seqlens (over the global sequence)")
-        if past_key_values is not None or use_cache:
-            raise NotImplementedError("GatedLinearAttention: caching (past_key_values/use_cache) is not supported")
-        if hidden_states.dim() != 3 or hidden_states.shape[-1] != self.hidden_size:
-            raise ValueError(f"GatedLinearAttention: hidden_states must be [B, T_local, {self.hidden_size}], "
-                             f"got {tuple(hidden_states.shape)}")
+        check_layer_inputs("GatedLinearAttention", hidden_states, self.hidden_size, attention_mask, past_key_values, use_cache)
         B, T, _ = hidden_states.shape
         q = self.q_proj(hidden_states).view(B, T, self.num_heads, self.head_k_dim)
         k = self.k_proj(hidden_states)
