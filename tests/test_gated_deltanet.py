@@ -125,3 +125,18 @@ def test_halo_one_process_is_zeros():
     assert torch.equal(x.grad, torch.zeros_like(x))
     with pytest.raises(ValueError, match="w must be"):
         halo_exchange(x, -1)
+
+
+@pytest.mark.parametrize("layer", ["GatedDeltaNet", "GatedLinearAttention"])
+def test_unsupported_inputs_are_clear_errors(layer):
+    import allscan.layers as L
+    from allscan.ops import LOCAL
+    m = (L.GatedDeltaNet(**CFG, group=LOCAL) if layer == "GatedDeltaNet"
+         else L.GatedLinearAttention(hidden_size=16, num_heads=2, group=LOCAL))
+    x = torch.randn(1, 8, 16)
+    with pytest.raises(NotImplementedError, match=f"{layer}: attention_mask is not supported"):
+        m(x, attention_mask=torch.ones(1, 8))
+    with pytest.raises(NotImplementedError, match=f"{layer}: caching"):
+        m(x, use_cache=True)
+    with pytest.raises(ValueError, match=rf"{layer}: hidden_states must be \[B, T_local, 16\], got \(1, 8, 15\)"):
+        m(torch.randn(1, 8, 15))
