@@ -354,3 +354,54 @@ def test_errors():
         kda(q, q, v, g4, beta, use_gate_in_kernel=True, A_log=torch.zeros(H), safe_gate=True)
     with pytest.raises(RuntimeError, match="zeco_kda: group given but torch.distributed is not initialised"):
         kda(q, q, v, g4, beta, object())
+
+
+def test_fla_backend_stages_with_a_reference_kernel(monkeypatch):
+    """FlaDelta's algebra on CPU: fla's chunk function replaced by the float64 token-by-token reference
+    (same call convention), the widened call ``[v | 0]`` from ``[h0 | I]`` must give the local outputs,
+    Q', the final state and the transition, so that folding an incoming state in equals running the
+    shard from it; packed sequences after the first run in the one varlen call."""
+    import allscan.ops.delta.fla as fla_backend
+    from allscan.ops.delta.gates import DeltaOptions
+
+    calls = []
+
+    def kernel(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
+               cu_seqlens_cpu=None):
+        calls.append(v.shape[-1])
+        return recurrent_delta_rule_reference(q, k, v, g, beta, scale, initial_state, cu_seqlens)
+
+    monkeypatch.setattr(fla_backend, "fla_kernel", lambda opts: (kernel, {}))
+    for layer in ("gdn", "kda"):
+        d, _ = _data(11, layer, 1, 40, H, 3, gated=False)
+        S_in = torch.randn(1, H, K, V, dtype=torch.float64)
+        bounds = [0, 15, 31, 40]
+        h0s = [None, d["h0"][1:2], None]
+        calls.clear()
+        be = fla_backend.FlaDelta
+        sp = be.summarize(d["q"], d["k"], d["v"], d["g"], d["beta"], DeltaOptions(per_key=layer == "kda"),
+                          K ** -0.5, bounds, h0s, need_transition=True)
+        assert calls == [V + K, V], f"{layer}: one widened call, one varlen call; got value widths {calls}"
+        o, finals = be.add_incoming(sp, be.local_outputs(sp), S_in)
+        inits = torch.cat([S_in, d["h0"][1:2], torch.zeros(1, H, K, V, dtype=torch.float64)])
+        want_o, want_f = recurrent_delta_rule_reference(d["q"], d["k"], d["v"], d["g"], d["beta"],
+                                                        initial_state=inits, cu_seqlens=torch.tensor(bounds))
+        assert _rel(o, want_o) < TOL, layer
+        for j, f in enumerate(finals):
+            assert _rel(f[0], want_f[j]) < TOL, f"{layer}: final state of segment {j}"
+
+
+def test_fla_cp_refuses_what_fla_refuses(monkeypatch):
+    """``method="fla_cp"`` takes only what fla's CP supports; the rest raises naming the argument before
+    any collective (fla would assert deep inside). The capability check is forced on (no GPU here)."""
+    import allscan.ops.delta.zeco as zeco
+
+    monkeypatch.setattr(zeco, "fla_usable", lambda q: True)
+    d, _ = _data(3, "gdn", 2, 8, H, 2, gated=False)
+    args = (d["q"], d["k"], d["v"], d["g"], d["beta"])
+    with pytest.raises(ValueError, match="zeco_gated_delta_rule: method='fla_cp' does not take initial_state"):
+        zeco_gated_delta_rule(*(t[:1] for t in args), initial_state=d["h0"][:1], method="fla_cp")
+    with pytest.raises(ValueError, match="zeco_gated_delta_rule: method='fla_cp' does not return a final state"):
+        zeco_gated_delta_rule(*(t[:1] for t in args), output_final_state=True, method="fla_cp")
+    with pytest.raises(ValueError, match=r"zeco_gated_delta_rule: method='fla_cp' needs B = 1.*B = 2"):
+        zeco_gated_delta_rule(*args, method="fla_cp")

@@ -5,7 +5,8 @@ Files, in the layout of flash-linear-attention's ``ops/<op>/``:
 
 - :mod:`.naive`: :func:`recurrent_delta_rule_reference`, token by token in float64 (the tests' reference).
 - :mod:`.chunk`: the chunked delta rule in torch ops and its staged local backend ``TorchDelta``.
-- :mod:`.gates`: the q/k l2norm and gate activations fla's kernels apply first, in torch ops.
+- :mod:`.fla`: ``FlaDelta``, the same three stages with fla-core's kernels (GPU), and the ``fla_cp`` call.
+- :mod:`.gates`: the q/k l2norm and gate activations fla's kernels apply first, in torch ops; the options.
 - :mod:`.zeco`: :func:`zeco_gated_delta_rule` and :func:`zeco_kda`, the sequence-parallel ops.
 """
 from .chunk import TorchDelta, chunk_delta_rule

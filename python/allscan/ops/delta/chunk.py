@@ -1,4 +1,4 @@
-"""Chunked delta rule in torch ops: the local kernels on CPU (and on CUDA until fla-core's are wired in).
+"""Chunked delta rule in torch ops: the local kernels on CPU (and on CUDA without fla-core, or in fp64).
 
 The math of one sequence of C-token chunks (flash-linear-attention's WY / UT-transform form). With
 ``G_i`` the within-chunk cumulative log decay (a vector over K; Gated DeltaNet's scalar broadcasts),
@@ -29,6 +29,8 @@ from types import SimpleNamespace
 from typing import List, Optional, Sequence
 
 import torch
+
+from . import gates
 
 CHUNK = 64
 
@@ -122,8 +124,7 @@ def _unblocks(x: torch.Tensor, T: int) -> torch.Tensor:
 
 class TorchDelta:
     """The local work of one shard in torch ops, in the three stages :mod:`allscan.ops.delta.zeco`
-    drives; a GPU backend implements the same three (fla-core's chunk kernels for the states and
-    outputs, its CP pre-pass for the transition) and returns the same ``finals`` and ``transition``.
+    drives; :class:`allscan.ops.delta.fla.FlaDelta` implements the same three with fla-core's kernels.
 
     The shard is cut into segments (``bounds``: local sequence boundaries ``[0, ..., T]``), each an
     independent sequence from its own initial state (``h0s``, None = zeros); only the first segment
@@ -133,14 +134,18 @@ class TorchDelta:
     name = "torch"
 
     @staticmethod
-    def summarize(q, k, v, g, beta, scale: float, bounds: Sequence[int], h0s: List[Optional[torch.Tensor]]):
-        """Stage 1, before the scan: what the scan needs. Returns an object with ``finals`` (each
-        segment's final state from its local initial state, ``[B, H, K, V]``) and ``transition`` (the
-        first segment's, ``[B, H, K, K]``), and whatever stages 2 and 3 need."""
+    def summarize(q, k, v, g, beta, opts, scale: float, bounds: Sequence[int], h0s: List[Optional[torch.Tensor]],
+                  need_transition: bool):
+        """Stage 1, before the scan: what the scan needs. q, k, g, beta raw (``opts``, a
+        :class:`~allscan.ops.delta.gates.DeltaOptions`, says what fla would apply to them first).
+        Returns an object with ``finals`` (each segment's final state from its local initial state,
+        ``[B, HV, K, V]``) and ``transition`` (the first segment's, ``[B, HV, K, K]``, when
+        ``need_transition``, else None), and whatever stages 2 and 3 need."""
+        q, k, g, beta = gates.activate(opts, q, k, g, beta, v.shape[2], compute_dtype(v))
         segs = []
         for j, (a, e) in enumerate(zip(bounds, bounds[1:])):
             segs.append(chunk_delta_rule(q[:, a:e], k[:, a:e], v[:, a:e], g[:, a:e], beta[:, a:e], scale, h0s[j],
-                                         with_transition=j == 0))
+                                         with_transition=j == 0 and need_transition))
         return SimpleNamespace(segments=segs, finals=[cp.final for cp in segs], transition=segs[0].transition)
 
     @staticmethod

@@ -3,6 +3,7 @@ differentiates them, ``A_log`` and ``dt_bias`` included): the q/k l2 normalisati
 activations of ``chunk_gated_delta_rule`` / ``chunk_kda`` (fla-core 0.6.0's formulas)."""
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -38,3 +39,42 @@ def kda_gate(g: torch.Tensor, A_log: Optional[torch.Tensor], dt_bias: Optional[t
     if lower_bound is None:
         return -a * F.softplus(g)
     return lower_bound * torch.sigmoid(g if a is None else a * g)
+
+
+@dataclass(frozen=True)
+class DeltaOptions:
+    """The input options of fla's ``chunk_gated_delta_rule`` (``per_key=False``) and ``chunk_kda``
+    (``per_key=True``), as the user gave them: fla's kernels apply them inside, the torch backend with
+    :func:`activate`."""
+
+    per_key: bool
+    use_qk_l2norm_in_kernel: bool = False
+    use_gate_in_kernel: bool = False
+    A_log: Optional[torch.Tensor] = None
+    dt_bias: Optional[torch.Tensor] = None
+    use_beta_sigmoid_in_kernel: bool = False
+    allow_neg_eigval: bool = False
+    safe_gate: bool = False
+    lower_bound: Optional[float] = None
+
+    def flags(self) -> int:
+        """The boolean options as one integer (for the cross-rank signature)."""
+        return (int(bool(self.use_qk_l2norm_in_kernel)) | int(bool(self.use_gate_in_kernel)) << 1
+                | int(bool(self.use_beta_sigmoid_in_kernel)) << 2 | int(bool(self.allow_neg_eigval)) << 3)
+
+
+def activate(opts: DeltaOptions, q, k, g, beta, HV: int, dt: torch.dtype):
+    """What fla's kernels apply before the recurrence, in torch ops in the compute dtype ``dt``; q and k
+    repeated over grouped value heads, g ``[B, T, HV, 1 or K]``."""
+    q, k, g, beta = (t.to(dt) for t in (q, k, g, beta))
+    if opts.use_qk_l2norm_in_kernel:
+        q, k = l2norm(q), l2norm(k)
+    if opts.use_beta_sigmoid_in_kernel:
+        beta = beta_gate(beta, opts.allow_neg_eigval)
+    if opts.use_gate_in_kernel:
+        g = (kda_gate(g, opts.A_log, opts.dt_bias, opts.lower_bound) if opts.per_key
+             else gdn_gate(g, opts.A_log, opts.dt_bias))
+    H = q.shape[2]
+    if HV != H:  # grouped values: HV / H value heads share each q/k head
+        q, k = (t.repeat_interleave(HV // H, dim=2) for t in (q, k))
+    return q, k, (g if opts.per_key else g.unsqueeze(-1)), beta

@@ -42,8 +42,9 @@ from allscan._contract import DTYPE_CODES, check_across_ranks, dtype_code
 
 from .._launch import validated_group
 from .._shards import ShardSegments, sequence_parallel_group
-from . import gates
 from .chunk import TorchDelta, compute_dtype
+from .fla import FlaDelta, fla_context_parallel, fla_delta_available, fla_kernel
+from .gates import DeltaOptions
 
 __all__ = ["zeco_gated_delta_rule", "zeco_kda", "METHODS"]
 
@@ -53,13 +54,22 @@ METHODS = tuple(_SCAN_METHOD)  # the ``method=`` values of zeco_gated_delta_rule
 _WARNED: list = []
 
 
+def fla_usable(q: torch.Tensor) -> bool:
+    """Whether fla-core's kernels take these inputs: CUDA, bf16 / fp16 / fp32, fla-core importable."""
+    return q.is_cuda and q.dtype != torch.float64 and fla_delta_available()
+
+
 def select_backend(q: torch.Tensor):
-    """The local backend. Only the torch one exists yet; fla-core's chunk kernels (and its CP pre-pass
-    for ``[h_local | M]``) are to implement the same three stages (:class:`TorchDelta`) on CUDA."""
-    if q.is_cuda and not _WARNED:
-        _WARNED.append(True)
-        warnings.warn("allscan.ops.delta: no fla-core backend yet; using the torch chunked delta rule on CUDA "
-                      "(correct, but slow and memory-hungry)")
+    """The local backend: fla-core's kernels (:class:`FlaDelta`) for CUDA tensors in bf16 / fp16 / fp32
+    when fla-core imports, else the torch chunked delta rule (CPU, fp64, or CUDA without fla-core,
+    with a warning once: correct but slow and memory-hungry)."""
+    if fla_usable(q):
+        return FlaDelta
+    if q.is_cuda and q.dtype != torch.float64:
+        if not _WARNED:
+            _WARNED.append(True)
+            warnings.warn("allscan.ops.delta: fla-core is not importable; using the torch chunked delta rule on "
+                          "CUDA (correct, but slow and memory-hungry). Install fla-core for its kernels.")
     return TorchDelta
 
 
@@ -79,7 +89,7 @@ def _check_tensor(op, name, t, shape, what):
         raise TypeError(f"{op}: {name} must be a floating-point tensor, got {t.dtype}")
 
 
-def _validate(op, q, k, v, g, beta, per_key, initial_state, cu_seqlens, method):
+def _validate(op, q, k, v, g, beta, per_key, initial_state, output_final_state, cu_seqlens, method):
     if method not in _SCAN_METHOD:
         raise ValueError(f"{op}: method must be one of {list(METHODS)}, got {method!r}")
     for name, t in (("q", q), ("k", k), ("v", v)):
@@ -117,9 +127,25 @@ def _validate(op, q, k, v, g, beta, per_key, initial_state, cu_seqlens, method):
             raise TypeError(f"{op}: initial_state must be {compute_dtype(v)} (the states' dtype for {v.dtype} "
                             f"inputs), got {initial_state.dtype}")
     if method == "fla_cp":
+        _check_fla_cp(op, q, initial_state, output_final_state)
+
+
+def _check_fla_cp(op, q, initial_state, output_final_state):
+    """What fla's own context parallelism supports (fla-core 0.6.0 asserts these deep inside)."""
+    if not fla_usable(q):
         raise NotImplementedError(
             f"{op}: method='fla_cp' (flash-linear-attention's own context parallelism) needs fla-core's GPU "
-            "kernels (fla.ops.cp, CUDA tensors and an NCCL group); it is not available on the torch (CPU) path")
+            f"kernels: CUDA tensors in bf16, fp16 or fp32 and fla-core installed; got {q.dtype} on {q.device}"
+            + ("" if not q.is_cuda or fla_delta_available() else " (fla-core does not import)"))
+    if initial_state is not None:
+        raise ValueError(f"{op}: method='fla_cp' does not take initial_state (fla's CP refuses it); "
+                         "use method='zeco'")
+    if output_final_state:
+        raise ValueError(f"{op}: method='fla_cp' does not return a final state (fla's CP refuses "
+                         "output_final_state); use method='zeco'")
+    if q.shape[0] != 1:
+        raise ValueError(f"{op}: method='fla_cp' needs B = 1 (fla's CP runs one packed batch), got q with "
+                         f"B = {q.shape[0]}; use method='zeco'")
 
 
 def _check_gate_options(op, per_key, HV, K, use_gate_in_kernel, A_log, dt_bias, use_beta_sigmoid_in_kernel,
@@ -151,29 +177,12 @@ def _signature(q, v, segs, method, h0, flags):
         ("HV (v heads)", v.shape[2]),
         ("K", K),
         ("V", v.shape[3]),
-        ("T_local (packed sequences)", T if segs.varlen else 0),
+        ("T_local (packed sequences, fla_cp)", T if segs.varlen or method == "fla_cp" else 0),
         ("number of packed sequences", segs.num_seqs if segs.varlen else 0),
         ("method", METHODS.index(method)),
         ("initial_state given", int(h0 is not None)),
         ("options (l2norm, gate, beta sigmoid, negative eigenvalues)", flags),
     ]
-
-
-def _activate(per_key, q, k, g, beta, HV, use_qk_l2norm_in_kernel, use_gate_in_kernel, A_log, dt_bias,
-              use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound, dt):
-    """What fla's kernels apply before the recurrence, in the compute dtype ``dt``; q and k repeated
-    over grouped value heads, g ``[B, T, HV, 1 or K]``."""
-    q, k, g, beta = (t.to(dt) for t in (q, k, g, beta))
-    if use_qk_l2norm_in_kernel:
-        q, k = gates.l2norm(q), gates.l2norm(k)
-    if use_beta_sigmoid_in_kernel:
-        beta = gates.beta_gate(beta, allow_neg_eigval)
-    if use_gate_in_kernel:
-        g = gates.kda_gate(g, A_log, dt_bias, lower_bound) if per_key else gates.gdn_gate(g, A_log, dt_bias)
-    H = q.shape[2]
-    if HV != H:  # grouped values: HV / H value heads share each q/k head
-        q, k = (t.repeat_interleave(HV // H, dim=2) for t in (q, k))
-    return q, k, (g if per_key else g.unsqueeze(-1)), beta
 
 
 def _delta_rule(op, per_key, q, k, v, g, beta, group, scale, initial_state, output_final_state, cu_seqlens,
@@ -184,7 +193,7 @@ def _delta_rule(op, per_key, q, k, v, g, beta, group, scale, initial_state, outp
 
     def validate():  # every local check, the packed sequences' cut of this shard included
         nonlocal segs
-        _validate(op, q, k, v, g, beta, per_key, initial_state, cu_seqlens, method)
+        _validate(op, q, k, v, g, beta, per_key, initial_state, output_final_state, cu_seqlens, method)
         _check_gate_options(op, per_key, v.shape[2], q.shape[-1], use_gate_in_kernel, A_log, dt_bias,
                             use_beta_sigmoid_in_kernel, allow_neg_eigval, safe_gate, lower_bound)
         segs = ShardSegments(group, q.shape[1], q.shape[0], cu_seqlens, op)
@@ -194,13 +203,18 @@ def _delta_rule(op, per_key, q, k, v, g, beta, group, scale, initial_state, outp
     else:  # a rank whose arguments fail tells its peers, whose signature exchange then fails too
         validated_group(group, q, op, validate)
     B, T, H, K = q.shape
-    HV = v.shape[2]
     scale = K ** -0.5 if scale is None else float(scale)
+    opts = DeltaOptions(per_key, bool(use_qk_l2norm_in_kernel), bool(use_gate_in_kernel), A_log, dt_bias,
+                        bool(use_beta_sigmoid_in_kernel), bool(allow_neg_eigval), bool(safe_gate), lower_bound)
     h0 = initial_state
     if segs.world > 1:
-        flags = (int(bool(use_qk_l2norm_in_kernel)) | int(bool(use_gate_in_kernel)) << 1
-                 | int(bool(use_beta_sigmoid_in_kernel)) << 2 | int(bool(allow_neg_eigval)) << 3)
-        check_across_ranks(group, q.device, op, _signature(q, v, segs, method, h0, flags))
+        check_across_ranks(group, q.device, op, _signature(q, v, segs, method, h0, opts.flags()))
+
+    if method == "fla_cp":
+        fn, kw = fla_kernel(opts)
+        o = fla_context_parallel(fn, kw, q, k, v, g, beta, scale, group if segs.world > 1 else None, cu_seqlens,
+                                 T * segs.world)
+        return o, None
 
     # the initial state of every local segment (None = zeros). Rank 0's first segment gets
     # initial_state through the scan's init; a sequence starting exactly at a later rank's start
@@ -211,19 +225,19 @@ def _delta_rule(op, per_key, q, k, v, g, beta, group, scale, initial_state, outp
             if j > 0 or (segs.rank > 0 and not segs.continued):
                 h0s[j] = h0[segs.seq_ids[j]:segs.seq_ids[j] + 1]
     init = None if h0 is None else (h0[:1] if segs.varlen else h0)
+    if segs.world == 1:  # no scan: the initial state is the first segment's own
+        h0s[0], init = init, None
 
     with torch.autocast(device_type=q.device.type, enabled=False):  # the compute dtype is ours
-        q, k, g, beta = _activate(per_key, q, k, g, beta, HV, use_qk_l2norm_in_kernel, use_gate_in_kernel, A_log,
-                                  dt_bias, use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound, compute_dtype(v))
-        return _sharded(q, k, v, g, beta, scale, segs, group, h0s, init, method, output_final_state)
+        return _sharded(q, k, v, g, beta, opts, scale, segs, group, h0s, init, method, output_final_state)
 
 
-def _sharded(q, k, v, g, beta, scale, segs, group, h0s, init, method, output_final_state):
+def _sharded(q, k, v, g, beta, opts, scale, segs, group, h0s, init, method, output_final_state):
     """The three backend stages around the one scan; finals gathered as zeco_gla returns them."""
     B, T, HV, V = v.shape
     K = q.shape[-1]
     be = select_backend(q)
-    sp = be.summarize(q, k, v, g, beta, scale, segs.bounds, h0s)
+    sp = be.summarize(q, k, v, g, beta, opts, scale, segs.bounds, h0s, need_transition=segs.world > 1)
     handle = None
     S_in = init
     if segs.world > 1:
@@ -244,7 +258,7 @@ def _sharded(q, k, v, g, beta, scale, segs, group, h0s, init, method, output_fin
     final = None
     if output_final_state:
         if segs.varlen:
-            rows = [o.new_zeros(HV, K, V)] * segs.num_seqs
+            rows = [o.new_zeros(HV, K, V, dtype=finals[0].dtype)] * segs.num_seqs
             for j in range(segs.nseg):
                 if segs.ends_here[j]:
                     rows[segs.seq_ids[j]] = finals[j][0]
@@ -281,7 +295,8 @@ def zeco_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: 
             ``cu_seqlens``) or the rows of the sequences ending on this rank (zeros elsewhere).
         method: ``"zeco"`` (the pipelined matrix All-Scan), ``"allgather"`` (every rank's state and
             transition all-gathered, predecessors folded locally: fla's CP pattern, same code) or
-            ``"fla_cp"`` (fla's own CP: needs fla-core's GPU kernels, not available here yet).
+            ``"fla_cp"`` (fla's own CP, the baseline: CUDA and fla-core only, and what fla supports:
+            B = 1, no ``initial_state``, no final state).
 
     Returns:
         ``(o [B, T_local, HV, V] in v's dtype, final_state or None)``.

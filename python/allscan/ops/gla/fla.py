@@ -100,7 +100,7 @@ def limit_fla_autotune(mode: str = "one") -> int:
     """Set how fla-core's Triton kernels autotune in this process: ``"one"`` (one fixed config per
     kernel, chosen after fla's own pruning: no benchmarking, one compile per specialisation) or
     ``"full"`` (fla's default). Applies to every autotuned kernel of the fla modules imported so far
-    (it imports the ones the GLA layer uses first). Returns the number of kernels set. Needs fla-core
+    (it imports the ones the GLA and delta-rule layers use first). Returns the number of kernels set. Needs fla-core
     and Triton (CUDA); changes fla for the whole process, so the library never calls it by itself
     unless ``ALLSCAN_FLA_AUTOTUNE`` is set (the tests and benchmarks call it)."""
     if mode not in FLA_AUTOTUNE_MODES:
@@ -108,6 +108,8 @@ def limit_fla_autotune(mode: str = "one") -> int:
     import fla.ops.common.chunk_h  # noqa: F401 - the modules whose kernels the GLA layer runs
     import fla.ops.gla.chunk  # noqa: F401
     import fla.ops.utils.cumsum  # noqa: F401
+    import fla.ops.gated_delta_rule  # noqa: F401 - and the delta-rule layers
+    import fla.ops.kda  # noqa: F401
     from triton.runtime.autotuner import Autotuner
     from triton.runtime.jit import KernelInterface
 
