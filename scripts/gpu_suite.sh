@@ -4,7 +4,7 @@
 #   scripts/gpu_suite.sh [stage ...]      (default: every stage)
 #
 # Stages: build tests perf perffill perfab perfhead perfbase perfmatrix perfa2a scanhost scanbench glakern glatest glabench
-#         glatrain glatrain32 ulysses ulysses_host (default: all but perfab, perfhead, perfbase, scanhost and glakern, the
+#         deltatest deltabench glatrain glatrain32 ulysses ulysses_host (default: all but perfab, perfhead, perfbase, scanhost and glakern, the
 #         investigations)
 # perfbase: the standard sweep of an earlier tree's allscan_perf (BASE=<source dir>, default .base) and of this one,
 #         alternated three times (a refactor's before/after, side by side in one run).
@@ -19,7 +19,7 @@ mkdir -p "$OUT"
 # Never turn NVLink multicast on (shared machines).
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=4
-STAGES=${*:-build tests perf perffill perfmatrix perfa2a scanbench glatest glabench glatrain glatrain32 ulysses ulysses_host}
+STAGES=${*:-build tests perf perffill perfmatrix perfa2a scanbench glatest glabench deltatest deltabench glatrain glatrain32 ulysses ulysses_host}
 NGPU=$(python3 -c 'import torch; print(torch.cuda.device_count())')
 SUMMARY="$OUT/summary.txt"
 : > "$SUMMARY"
@@ -113,6 +113,10 @@ for s in $STAGES; do
       run_stage scanbench torchrun --nproc-per-node "$NGPU" bench/scan_bench.py --out "$OUT" ;;
     glatest)
       run_stage glatest python3 -m pytest -s -x -q -m gpu tests/test_gla_gpu.py -p no:cacheprovider ;;
+    deltatest)  # the delta-rule layers on fla's kernels against fla and the exact answer (needs tilelang on Hopper)
+      run_stage deltatest python3 -m pytest -s -q -rsP -m gpu ${DELTA_TESTS:-tests/test_delta_gpu.py} -p no:cacheprovider ;;
+    deltabench)
+      run_stage deltabench torchrun --nproc-per-node "$NGPU" bench/delta_bench.py --out "$OUT" ${DELTABENCH_ARGS:-} ;;
     glabench)
       run_stage glabench torchrun --nproc-per-node "$NGPU" bench/gla_bench.py --out "$OUT" ${GLABENCH_ARGS:-} ;;
     glatrain)

@@ -1,0 +1,250 @@
+#!/usr/bin/env python3
+"""Sequence-parallel Gated DeltaNet and KDA operator benchmark: allscan against fla's own CP.
+
+    torchrun --nproc-per-node 2 bench/delta_bench.py --out DIR          # on the GPU machine
+    python3 bench/delta_bench.py --model                                # the per-rank cost model only (CPU)
+
+Forward + backward time of one operator (B = 1, H = 16, K = V = 128, bf16 by default), the sequence
+cut over the ranks, T_local tokens per rank, for each layer in --layers and each T_local in --tlocal.
+Rows, side by side in one process, interleaved (each repeat runs every row once; odd repeats in
+reverse order), CUDA events around --inner back-to-back fwd+bwd calls after warm-up, the slowest
+rank's time per call, median of the repeats:
+
+    ideal       fla's chunk function on the local shard alone, no communication (the floor)
+    wide        the same on the widened shard allscan's fla backend runs (``v' = [v | 0]`` from
+                ``[0 | I]``: local outputs, Q', final state and transition in one call), no
+                communication: the local part of ``zeco``
+    zeco        ``zeco_*(method="zeco")``: the pipelined matrix All-Scan
+    allgather   ``zeco_*(method="allgather")``: every rank's state and transition all-gathered
+    fla_cp      ``zeco_*(method="fla_cp")``: fla's own context parallelism (``build_cp_context``)
+
+Peak memory above the inputs for one fwd+bwd, per row (max over ranks). The agreement of the
+sequence-parallel rows is checked first (relative error of output and gradients against ``fla_cp``).
+Writes DIR/delta_bench.json and prints a table with the ratios to ``ideal``; ``--model`` prints the
+model of bytes received and combine FLOPs per rank for ``zeco`` and ``fla_cp`` at P = 2..256 (a model,
+not a measurement). ``--fla-autotune one`` (default) gives every fla kernel one fixed config, the
+same for every row. fla's delta-rule backward needs tilelang on Hopper with Triton 3.6
+(``../shared/tools/device_tilelang.sh``).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import sys
+import time
+
+from gla_common import add_fla_autotune_option, progress
+
+ROWS = ["ideal", "wide", "zeco", "allgather", "fla_cp"]
+_say = progress("delta_bench")
+
+
+def _inputs(layer, T, H, K, V, dtype, dev, seed):
+    import torch
+    import torch.nn.functional as F
+
+    gen = torch.Generator(device=dev).manual_seed(seed)
+    q = torch.randn(1, T, H, K, device=dev, generator=gen, dtype=dtype)
+    k = F.normalize(torch.randn(1, T, H, K, device=dev, generator=gen), dim=-1).to(dtype)
+    v = torch.randn(1, T, H, V, device=dev, generator=gen, dtype=dtype)
+    gshape = (1, T, H, K) if layer == "kda" else (1, T, H)
+    g = (F.logsigmoid(torch.randn(*gshape, device=dev, generator=gen) + 3.0) / 4).to(torch.float32)
+    beta = torch.rand(1, T, H, device=dev, generator=gen).to(dtype)
+    do = torch.randn(1, T, H, V, device=dev, generator=gen, dtype=dtype)
+    ins = [t.requires_grad_(True) for t in (q, k, v, g, beta)]
+    return ins, do
+
+
+def run(args):
+    import torch
+    import torch.distributed as dist
+
+    from allscan.layers import zeco_gated_delta_rule, zeco_kda
+    from allscan.ops.delta.fla import _with_transition, fla_kernel
+    from allscan.ops.delta.gates import DeltaOptions
+    from allscan.ops.gla import limit_fla_autotune
+
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    torch.cuda.set_device(local)
+    dev = torch.device("cuda", local)
+    dist.init_process_group("nccl", device_id=dev)
+    group = dist.group.WORLD
+    rank, world = dist.get_rank(), dist.get_world_size()
+    nk = limit_fla_autotune(args.fla_autotune)
+    _say(f"P={world}, layers {args.layers}, T_local {args.tlocal}, fla autotune {args.fla_autotune!r} ({nk} kernels)",
+         rank)
+    dtype = getattr(torch, args.dtype)
+    H, K, V = args.heads, args.head_dim, args.head_dim
+    results, checks = [], {}
+    for layer in args.layers:
+        op = zeco_kda if layer == "kda" else zeco_gated_delta_rule
+        fn, kw = fla_kernel(DeltaOptions(per_key=layer == "kda"))
+        for T in args.tlocal:
+            ins, do = _inputs(layer, T, H, K, V, dtype, dev, 1000 + rank)
+            q, k, v, g, beta = ins
+
+            def fwd_bwd(name):
+                if name == "ideal":
+                    o, _ = fn(q, k, v, g, beta, **kw)
+                    return o, torch.autograd.grad(o, ins, do)
+                if name == "wide":
+                    o, q_eff, h, M = _with_transition(fn, kw, q, k, v, g, beta, K ** -0.5, None)
+                    return o, torch.autograd.grad((o, q_eff, h, M), ins, (do, torch.ones_like(q_eff),
+                                                                          torch.ones_like(h), torch.ones_like(M)))
+                o, _ = op(q, k, v, g, beta, group, method=name)
+                return o, torch.autograd.grad(o, ins, do)
+
+            tag = f"{layer} T_local={T}"
+            _say(f"{tag}: first fwd+bwd of every row (compiles kernels the first time)", rank, True)
+            outs = {}
+            for n in ROWS:
+                outs[n] = fwd_bwd(n)
+                torch.cuda.synchronize()
+                _say(f"{tag}: {n} ran", rank)
+            ref_o, ref_g = outs["fla_cp"]
+            for n in ("zeco", "allgather"):
+                o, gr = outs[n]
+                err = max([((o.float() - ref_o.float()).norm() / ref_o.float().norm()).item()] +
+                          [((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
+                           for a, b in zip(gr, ref_g)])
+                checks[f"{layer}/{T}/{n}"] = err
+            del outs, ref_o, ref_g
+            for _ in range(args.warmup):
+                for n in ROWS:
+                    fwd_bwd(n)
+            torch.cuda.synchronize()
+            _say(f"{tag}: timing {args.repeats} repeats x {len(ROWS)} rows x {args.inner} calls", rank, True)
+            times = {n: [] for n in ROWS}
+            for r in range(args.repeats):
+                for n in (ROWS if r % 2 == 0 else ROWS[::-1]):
+                    dist.barrier()
+                    torch.cuda.synchronize()
+                    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    e0.record()
+                    for _ in range(args.inner):
+                        fwd_bwd(n)
+                    e1.record()
+                    torch.cuda.synchronize()
+                    t = torch.tensor([e0.elapsed_time(e1) / args.inner], device=dev)
+                    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+                    times[n].append(t.item())
+            peaks = {}
+            for n in ROWS:
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+                base = torch.cuda.memory_allocated()
+                fwd_bwd(n)
+                torch.cuda.synchronize()
+                p = torch.tensor([(torch.cuda.max_memory_allocated() - base) / 2 ** 20], device=dev)
+                dist.all_reduce(p, op=dist.ReduceOp.MAX)
+                peaks[n] = p.item()
+            if args.profile:
+                _profile(fwd_bwd, f"{layer}_{T}", rank, args.out)
+            for n in ROWS:
+                results.append(dict(layer=layer, T_local=T, row=n, ms=statistics.median(times[n]), ms_all=times[n],
+                                    peak_mib=peaks[n]))
+            _say(f"{tag}: " + ", ".join(f"{n} {statistics.median(times[n]):.2f} ms" for n in ROWS), rank)
+            torch.cuda.empty_cache()
+    out = dict(bench="delta_bench", world=world, B=1, H=H, K=K, V=V, dtype=args.dtype, repeats=args.repeats,
+               inner=args.inner, warmup=args.warmup, fla_autotune=args.fla_autotune, host=socket.gethostname(),
+               device=torch.cuda.get_device_name(dev), torch=torch.__version__, fla=_version("fla-core"),
+               time=time.strftime("%Y-%m-%d %H:%M:%S"),
+               command="torchrun --nproc-per-node %d bench/delta_bench.py %s" % (world, " ".join(sys.argv[1:])),
+               agreement_rel_err_vs_fla_cp=checks, results=results)
+    if rank == 0:
+        os.makedirs(args.out, exist_ok=True)
+        path = os.path.join(args.out, "delta_bench.json")
+        with open(path, "w") as f:
+            json.dump(out, f, indent=1)
+        report(out)
+        print(model_table(H, K, V, [2, 8, 32, 128, 256]))
+        print(f"wrote {path}")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _profile(fwd_bwd, tag, rank, outdir, calls=3):
+    """``--profile``: torch.profiler tables (GPU kernels by total time, and host time per call) of
+    ``wide`` and ``zeco``, per rank, into DIR/delta_profile_<layer>_<T>_rank<r>.txt."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    os.makedirs(outdir, exist_ok=True)
+    with open(os.path.join(outdir, f"delta_profile_{tag}_rank{rank}.txt"), "w") as f:
+        for name in ("wide", "zeco"):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                for _ in range(calls):
+                    fwd_bwd(name)
+                host = (time.perf_counter() - t0) / calls
+                torch.cuda.synchronize()
+            f.write(f"== {name}: {calls} calls, host issue time {host * 1e3:.2f} ms per call (profiler on)\n")
+            f.write(prof.key_averages().table(sort_by="cuda_time_total", row_limit=40) + "\n")
+
+
+def _version(pkg):
+    try:
+        from importlib.metadata import version
+        return version(pkg)
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def report(out):
+    print(f"\n{out['bench']}: P={out['world']}, H={out['H']}, K={out['K']}, V={out['V']}, {out['dtype']}, fwd+bwd, "
+          f"slowest rank, median of {out['repeats']} (ms; x = ratio to ideal; peak MiB above the inputs)")
+    by = {(r["layer"], r["T_local"], r["row"]): r for r in out["results"]}
+    keys = sorted({(r["layer"], r["T_local"]) for r in out["results"]})
+    print(f"{'layer':6s} {'T_local':>7s} " + " ".join(f"{n:>17s}" for n in ROWS))
+    for layer, T in keys:
+        ideal = by[(layer, T, "ideal")]["ms"]
+        cells = []
+        for n in ROWS:
+            r = by.get((layer, T, n))
+            cells.append(f"{r['ms']:6.2f} {r['ms'] / ideal:4.2f}x {r['peak_mib']:4.0f}" if r else f"{'-':>17s}")
+        print(f"{layer:6s} {T:7d} " + " ".join(cells))
+    for key, err in sorted(out.get("agreement_rel_err_vs_fla_cp", {}).items()):
+        print(f"  agreement {key}: max relative error against fla_cp {err:.2e}")
+
+
+def model_table(H, K, V, worlds):
+    """Per rank, per fwd (the bwd is the same with transposed transitions), all heads: what crosses
+    into a rank and the combine work, by the algorithms' structure (not measured)."""
+    lines = [f"\nmodel (not measured), per rank per forward, H={H}, K={K}, V={V}, fp32 states:",
+             f"{'P':>5s} {'zeco recv':>12s} {'zeco combine':>14s} {'fla_cp recv':>13s} {'fla_cp merge':>14s}"]
+    state = H * K * V * 4
+    pair = H * K * (V + K) * 4
+    combine = 2 * H * K * K * V
+    for P in worlds:
+        lines.append(f"{P:5d} {state / 2 ** 20:9.2f} MiB {combine / 1e9:10.3f} GF {(P - 1) * pair / 2 ** 20:10.2f} MiB "
+                     f"{(P - 1) * combine / 1e9:10.3f} GF")
+    return "\n".join(lines)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default="delta_bench_out")
+    ap.add_argument("--layers", nargs="+", default=["gdn", "kda"], choices=["gdn", "kda"])
+    ap.add_argument("--tlocal", type=int, nargs="+", default=[8192, 16384, 32768])
+    ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--inner", type=int, default=3)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--profile", action="store_true", help="also write torch.profiler tables of wide and zeco")
+    ap.add_argument("--model", action="store_true", help="print the per-rank cost model and exit (no GPU)")
+    add_fla_autotune_option(ap)
+    args = ap.parse_args()
+    if args.model:
+        print(model_table(args.heads, args.head_dim, args.head_dim, [2, 8, 32, 128, 256]))
+        return
+    run(args)
+
+
+if __name__ == "__main__":
+    main()
