@@ -39,6 +39,8 @@ X = torch.randn(2, 3, 4)
         (dict(num_blocks=-2), ValueError, "num_blocks must be None"),
         (dict(num_blocks=True), ValueError, "num_blocks must be None"),
         (dict(num_blocks=2.0), ValueError, "num_blocks must be None"),
+        (dict(num_blocks=2 ** 63), ValueError, r"num_blocks must be at most 2147483647 .*got 9223372036854775808"),
+        (dict(transition=torch.ones(2, 3, 3), num_blocks=2 ** 31), ValueError, "num_blocks must be at most"),
         (dict(group=42), TypeError, "group must be a torch.distributed ProcessGroup"),
     ],
 )
@@ -360,3 +362,57 @@ def test_a_local_error_on_one_rank_raises_everywhere_on_gloo():
 
 def test_explicit_block_count_is_capped():
     assert _dist.effective_blocks(None, 10**6, 4, 10**6, "pipelined") == _dist.MAX_BLOCKS
+
+
+def _edge_cases(rank, world):
+    """What the issue-13 probe found: the head's inclusive result with an inf decay must not depend on
+    whether autograd is on; a rank outside a group is told so."""
+    out = {}
+    x = torch.tensor([1.0, 2.0]) * (rank + 1)
+    g = torch.tensor([float("inf"), 1.0]) if rank == 0 else torch.tensor([0.5, 0.5])
+    for method in ("pipelined", "serial", "allgather"):
+        plain = allscan.scan(x, g, inclusive=True, method=method)
+        xr = x.clone().requires_grad_(True)
+        graded = allscan.scan(xr, g, inclusive=True, method=method)
+        graded.sum().backward()
+        out[method] = (plain.tolist(), graded.tolist(), xr.grad.tolist())
+    sub = dist.new_group([0])
+    if rank == 1:
+        try:
+            allscan.scan(x, group=sub)
+            out["outside"] = "no error"
+        except ValueError as e:
+            out["outside"] = str(e)
+    return out
+
+
+def test_head_inclusive_with_inf_decay_and_a_rank_outside_the_group():
+    r0, r1 = run_distributed(_edge_cases, 2, timeout=90)
+    for method in ("pipelined", "serial", "allgather"):
+        assert r0[method][0] == r0[method][1] == [1.0, 2.0], (method, r0[method])
+        assert r1[method][0] == r1[method][1] == [2.5, 5.0], (method, r1[method])
+        # d(sum of every rank's inclusive result)/dx on the head: 1 + 0.5 (through rank 1)
+        assert r0[method][2] == [1.5, 1.5] and r1[method][2] == [1.0, 1.0], (method, r0[method], r1[method])
+    assert "is not a member of the group it was given" in r1["outside"], r1["outside"]
+
+
+def test_plan_caches_are_bounded(single_rank, monkeypatch):
+    """Every shape a process ever scans leaves a plan; the caches evict the least recently used past
+    MAX_PLANS instead of growing for ever (the issue-13 probe: 3,000 shapes, +7 MB, never evicted)."""
+    import importlib
+
+    from allscan.ops import _launch
+
+    scan_mod = importlib.import_module("allscan.ops.scan")  # the module (allscan.ops.scan is the function)
+
+    monkeypatch.setattr(_launch, "MAX_PLANS", 16)
+    for n in range(1, 41):
+        allscan.scan(torch.ones(n))
+        assert len(scan_mod._plans) <= 16
+    recent = next(reversed(scan_mod._plans))
+    assert recent[3] == torch.Size([40]), "the most recent signature is kept"
+    cache = _launch.PlanCache()
+    for i in range(20):
+        cache[i] = i
+        cache.get(0)  # used every time: never evicted
+    assert len(cache) == 16 and 0 in cache and 1 not in cache

@@ -52,6 +52,12 @@ def normalize_group(group):
         return _default_group()
     if isinstance(group, str):
         return resolve_group(group)
+    if group is dist.GroupMember.NON_GROUP_MEMBER or (isinstance(group, int) and not isinstance(group, bool)
+                                                       and group == dist.GroupMember.NON_GROUP_MEMBER):
+        raise ValueError(
+            f"allscan: this process (global rank {dist.get_rank()}) is not a member of the group it was given: "
+            "torch.distributed.new_group returns GroupMember.NON_GROUP_MEMBER on ranks outside the group; call the "
+            "collective only on the group's own ranks")
     if not isinstance(group, dist.ProcessGroup):
         raise TypeError(f"allscan: group must be a torch.distributed ProcessGroup, a group name or None, got {type(group).__name__}")
     return group

@@ -4,6 +4,7 @@ current stream's raw handle, and the caches of prepared plans (one per collectiv
 together by ``allscan.destroy_communicators``)."""
 from __future__ import annotations
 
+from collections import OrderedDict
 from typing import List
 
 import torch
@@ -12,7 +13,21 @@ from .. import _comm
 from .._contract import announce_invalid, settings
 
 __all__ = ["validated_group", "nccl_preflight", "announce_device", "stream_ptr", "plan_cache", "plan_is_current",
-           "forget_plans"]
+           "forget_plans", "PlanCache", "MAX_PLANS", "check_num_blocks", "MAX_NUM_BLOCKS"]
+
+
+MAX_NUM_BLOCKS = 2 ** 31 - 1  # the core's block count is a C int
+
+
+def check_num_blocks(what: str, num_blocks) -> None:
+    """``num_blocks`` of a scan: None (auto) or an int in [1, MAX_NUM_BLOCKS]."""
+    if num_blocks is None:
+        return
+    if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 1:
+        raise ValueError(f"{what}: num_blocks must be None (auto) or a positive int, got {num_blocks!r}")
+    if num_blocks > MAX_NUM_BLOCKS:
+        raise ValueError(f"{what}: num_blocks must be at most {MAX_NUM_BLOCKS} (larger counts are capped to the "
+                         f"state's elements anyway), got {num_blocks}")
 
 
 def validated_group(group, tensor, op: str, validate):
@@ -68,9 +83,29 @@ def stream_ptr(device: torch.device) -> int:
 _plan_caches: List[dict] = []
 
 
-def plan_cache() -> dict:
-    """A collective's cache of plans (signature key -> plan), emptied by :func:`forget_plans`."""
-    cache: dict = {}
+MAX_PLANS = 1024  # per cache; an evicted signature is prepared (and checked across ranks) again when next used
+
+
+class PlanCache(OrderedDict):
+    """A bounded LRU map (signature key -> plan): at most :data:`MAX_PLANS` entries, the least
+    recently used evicted first, so a process that sees ever new shapes does not grow without bound."""
+
+    def get(self, key, default=None):
+        value = super().get(key, default)
+        if key in self:
+            self.move_to_end(key)
+        return value
+
+    def __setitem__(self, key, value):
+        super().__setitem__(key, value)
+        self.move_to_end(key)
+        while len(self) > MAX_PLANS:
+            self.popitem(last=False)
+
+
+def plan_cache() -> PlanCache:
+    """A collective's cache of plans, emptied by :func:`forget_plans`."""
+    cache = PlanCache()
     _plan_caches.append(cache)
     return cache
 

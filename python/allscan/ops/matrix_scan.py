@@ -25,7 +25,7 @@ from .. import _C, _comm
 from .._contract import DTYPE_CODES, check_across_ranks, dtype_code
 from ..reference import acc_dtype
 from . import _matrix_dist
-from ._launch import nccl_preflight, plan_cache, plan_is_current, stream_ptr, validated_group
+from ._launch import check_num_blocks, nccl_preflight, plan_cache, plan_is_current, stream_ptr, validated_group
 from ._matrix_math import combine
 from .scan import ScanLaunchPlan, _needs_grad, async_handle, is_chain_head, save_call_options
 
@@ -70,8 +70,7 @@ def _validate(tensor, transition, init, method, num_blocks) -> None:
             raise ValueError(f"{_WHAT}: init is on {init.device}, the tensor on {tensor.device}")
     if method not in METHODS:
         raise ValueError(f"{_WHAT}: method must be one of {METHODS}, got {method!r}")
-    if num_blocks is not None and (isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 1):
-        raise ValueError(f"{_WHAT}: num_blocks must be None (auto) or a positive int, got {num_blocks!r}")
+    check_num_blocks(_WHAT, num_blocks)
 
 
 def _dims(x: torch.Tensor) -> Tuple[int, int, int]:

@@ -18,8 +18,8 @@ from .. import _C, _comm
 from .._contract import DTYPE_CODES, check_across_ranks, clear_checked_signatures, dtype_code, settings
 from ..reference import acc_dtype, expand_decay
 from . import _scan_dist
-from ._launch import (_raw_stream, forget_plans, nccl_preflight, plan_cache, plan_is_current, stream_ptr,
-                      validated_group)
+from ._launch import (_raw_stream, check_num_blocks, forget_plans, nccl_preflight, plan_cache, plan_is_current,
+                      stream_ptr, validated_group)
 
 __all__ = ["scan", "ScanHandle", "set_check_every_call", "destroy_communicators", "ScanLaunchPlan", "plan_for",
            "launch", "run", "METHODS"]
@@ -70,10 +70,7 @@ def _validate(tensor, gamma, init, method, num_blocks) -> None:
             )
     if method not in METHODS:
         raise ValueError(f"allscan.scan: method must be one of {METHODS}, got {method!r}")
-    if num_blocks is not None and (
-        isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 1
-    ):
-        raise ValueError(f"allscan.scan: num_blocks must be None (auto) or a positive int, got {num_blocks!r}")
+    check_num_blocks("allscan.scan", num_blocks)
 
 
 def _signature(x, g, init, reverse, inclusive, num_blocks, method) -> List[Tuple[str, int]]:
@@ -351,12 +348,21 @@ def _needs_grad(*ts) -> bool:
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in ts)
 
 
+def _is_chain_head(group, reverse: bool) -> bool:
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    return rank == (world - 1 if reverse else 0)
+
+
 def _scan_impl(x, g, init, name, reverse, inclusive, num_blocks, method, group=None):
     needs_grad = _needs_grad(x, g, init)
     if inclusive and needs_grad:
         # Differentiable composite: the exclusive scan, then the rank's own combine.
         y = scan_op(x, g, init, name, reverse, False, num_blocks, method)
         acc = acc_dtype(x.dtype)
+        if init is None and _is_chain_head(group if group is not None else _comm.resolve_group(name), reverse):
+            # nothing enters the head: its inclusive result is its own x, whatever its decay (an inf
+            # decay times the zero it receives would be nan); y stays in the graph with zero gradient
+            return (y.to(acc) * 0 + x.to(acc)).to(x.dtype)
         if g is None:
             return (y.to(acc) + x.to(acc)).to(x.dtype)
         return (expand_decay(g, x.dim()).to(acc) * y.to(acc) + x.to(acc)).to(x.dtype)

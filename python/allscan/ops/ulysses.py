@@ -32,6 +32,7 @@ import torch.nn.functional as F
 
 from .._contract import DTYPE_CODES, announce_invalid, check_across_ranks, dtype_code, settings
 from .._comm import normalize_group
+from ._launch import PlanCache
 from .a2a import GATHER, SCATTER, a2a_multi, chunk_head_ranges, kv_head_ranges, split_heads
 
 __all__ = ["ulysses_attention", "choose_num_chunks", "pick_measured", "clear_auto_cache"]
@@ -390,8 +391,8 @@ def _backward(plan: _ChunkPlan, graphs, dout, needs):
 # Choosing the number of chunks
 # ------------------------------------------------------------------------------------------------
 
-_AUTO_CACHE: Dict[tuple, Tuple[int, dict]] = {}
-_PLANS: Dict[tuple, "_ChunkPlan"] = {}
+_AUTO_CACHE = PlanCache()  # key -> (chosen chunk count, timings); bounded LRU
+_PLANS = PlanCache()  # key -> _ChunkPlan; bounded LRU
 
 
 def clear_auto_cache() -> None:
@@ -638,8 +639,6 @@ def ulysses_attention(q, k, v, group=None, *, causal: bool = False, scale: Optio
     plan = _PLANS.get(pkey)
     if plan is None:
         plan = _ChunkPlan(group, world, me, B, Sl, Hq, Hkv, D, int(num_chunks), chunk_weights, causal, scale)
-        if len(_PLANS) > 256:
-            _PLANS.clear()
         _PLANS[pkey] = plan
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
         out = _UlyssesFn.apply(q, k, v, plan)
