@@ -416,3 +416,32 @@ def test_plan_caches_are_bounded(single_rank, monkeypatch):
         cache[i] = i
         cache.get(0)  # used every time: never evicted
     assert len(cache) == 16 and 0 in cache and 1 not in cache
+
+
+def test_a_second_thread_in_a_busy_group_raises(single_rank):
+    """While one thread is inside a collective on a group, another thread's call on that group raises
+    (it would pair with the wrong calls of the other ranks); the same thread may nest; the group is
+    usable again once the first call is done."""
+    import threading
+
+    from allscan._threads import one_thread
+
+    inside, release, seen = threading.Event(), threading.Event(), {}
+
+    def holder():
+        with one_thread(None, "scan"):  # the default group, as the call below
+            seen["nested"] = allscan.scan(torch.ones(3), inclusive=True).tolist()  # the same thread nests
+            inside.set()
+            release.wait(30)
+
+    t = threading.Thread(target=holder)
+    t.start()
+    assert inside.wait(30)
+    try:
+        with pytest.raises(RuntimeError, match=r"allscan.scan: group .* is in allscan.scan on another host thread"):
+            allscan.scan(torch.ones(3))
+    finally:
+        release.set()
+        t.join(30)
+    assert seen["nested"] == [1.0, 1.0, 1.0]
+    assert allscan.scan(torch.ones(3), inclusive=True).tolist() == [1.0, 1.0, 1.0]

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from .. import _C, _comm
+from .._threads import one_thread
 from .._contract import DTYPE_CODES, check_across_ranks, clear_checked_signatures, dtype_code, settings
 from ..reference import acc_dtype, expand_decay
 from . import _scan_dist
@@ -407,6 +408,13 @@ def scan(
     With ``transition`` (``[..., K, K]``, instead of ``gamma``) the combine is ``M_p @ y_p + x_p`` on
     states ``[..., K, V]``: :func:`allscan.ops.matrix_scan.matrix_scan`.
     """
+    if torch.compiler.is_compiling():  # traced into a graph: no host-thread bookkeeping there
+        return _scan(tensor, gamma, group, transition, reverse, inclusive, init, num_blocks, method, async_op)
+    with one_thread(group, _OP):
+        return _scan(tensor, gamma, group, transition, reverse, inclusive, init, num_blocks, method, async_op)
+
+
+def _scan(tensor, gamma, group, transition, reverse, inclusive, init, num_blocks, method, async_op):
     if transition is not None:
         if gamma is not None:
             raise ValueError("allscan.scan: gamma and transition are mutually exclusive (pass one of them)")
