@@ -24,7 +24,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _child(fn, rank, world_size, backend, init_file, q, args):
+def _child(fn, rank, world_size, backend, init_file, q, args, teardown=True):
     try:
         os.environ.setdefault("OMP_NUM_THREADS", "1")
         import torch
@@ -46,6 +46,11 @@ def _child(fn, rank, world_size, backend, init_file, q, args):
             q.close()
             q.join_thread()
             os._exit(1)
+        if not teardown:  # a rank may be dead: no collective on the default group, report and leave
+            q.put((rank, "ok", result))
+            q.close()
+            q.join_thread()
+            os._exit(0)
         dist.barrier()
         dist.destroy_process_group()
         q.put((rank, "ok", result))
@@ -53,14 +58,16 @@ def _child(fn, rank, world_size, backend, init_file, q, args):
         q.put((rank, "error", traceback.format_exc()))
 
 
-def run_distributed(fn, world_size, *args, timeout=120, backend="gloo"):
-    """Returns the list of every rank's return value (rank order)."""
+def run_distributed(fn, world_size, *args, timeout=120, backend="gloo", may_exit=()):
+    """Returns the list of every rank's return value (rank order). A rank in ``may_exit`` may leave
+    without reporting (a fault test killing it): its value is None."""
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     fd, init_file = tempfile.mkstemp(prefix="allscan_pg_")
     os.close(fd)
     os.unlink(init_file)
-    procs = [ctx.Process(target=_child, args=(fn, r, world_size, backend, init_file, q, args), daemon=True)
+    procs = [ctx.Process(target=_child, args=(fn, r, world_size, backend, init_file, q, args, not may_exit),
+                         daemon=True)
              for r in range(world_size)]
     for p in procs:
         p.start()
@@ -79,6 +86,9 @@ def run_distributed(fn, world_size, *args, timeout=120, backend="gloo"):
             try:
                 rank, status, payload = q.get(timeout=min(left, 1.0))
             except queue.Empty:
+                for i in may_exit:
+                    if not procs[i].is_alive() and i not in results and i not in [r for r, _ in errors]:
+                        results[i] = None
                 if errors and all(not p.is_alive() or i in results or i in [r for r, _ in errors]
                                   for i, p in enumerate(procs)):
                     break
