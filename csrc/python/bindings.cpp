@@ -102,6 +102,8 @@ PYBIND11_MODULE(_C, m) {
   m.attr("MIN_BLOCK_BYTES") = static_cast<int>(allscanMinBlockBytes);
 
   m.def("version", &allscanGetVersion);
+  // The NCCL headers this module was compiled against; the library loaded at run time may differ.
+  m.attr("NCCL_VERSION_COMPILED") = static_cast<int>(NCCL_VERSION_CODE);
   m.def("nccl_version", []() {
     int v = 0;
     checkNccl(ncclGetVersion(&v), "ncclGetVersion");

@@ -1,0 +1,143 @@
+"""What allscan sees on this machine: ``python -m allscan.info``.
+
+allscan, torch, CUDA, NCCL (the version the extension was compiled against, the one loaded and the
+library file it came from), the GPUs and which pairs can reach each other (peer access), the
+optional packages found, every ``ALLSCAN_*`` setting in force, and the path a CUDA and a CPU tensor
+take on the default group. :func:`report` returns the same as a dict.
+"""
+from __future__ import annotations
+
+import importlib.metadata
+import os
+from typing import Dict, List, Optional
+
+import torch
+
+OPTIONAL = {  # package -> what allscan uses it for, and the extra that installs it
+    "fla-core": "GLA / Gated DeltaNet / KDA kernels on GPU (allscan[gla])",
+    "flash-linear-attention": "fla's layers and models, for the integrations (allscan[gla])",
+    "triton": "fla's and allscan's Triton kernels",
+    "tilelang": "fla's gated delta-rule backward on Hopper with Triton < 3.7.1",
+    "yunchang": "the Ulysses benchmark's comparison (allscan[bench])",
+    "transformers": "the Hugging Face integration",
+    "matplotlib": "benchmark plots (allscan[bench])",
+}
+
+
+def nccl_version_text(code: int) -> str:
+    """NCCL's integer version (``NCCL_VERSION_CODE`` / ``ncclGetVersion``) as ``major.minor.patch``."""
+    if code >= 10000:  # since 2.9: major * 10000 + minor * 100 + patch
+        return f"{code // 10000}.{code // 100 % 100}.{code % 100}"
+    return f"{code // 1000}.{code // 100 % 10}.{code % 100}"
+
+
+def nccl_match(compiled: int, loaded: Optional[int]) -> str:
+    """Whether the NCCL loaded is the one compiled against: what version-sensitive paths (the NCCL
+    device API, whose structs change between releases) must check before they run."""
+    if loaded is None:
+        return "no NCCL loaded"
+    if compiled == loaded:
+        return "match"
+    return (f"differ: compiled against {nccl_version_text(compiled)}, loaded {nccl_version_text(loaded)}; "
+            "version-sensitive paths stay off")
+
+
+def _loaded_library(fragment: str) -> Optional[str]:
+    """The file of a shared library mapped into this process whose name contains ``fragment``."""
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                path = line.split()[-1]
+                if fragment in os.path.basename(path) and os.path.exists(path):
+                    return path
+    except OSError:
+        pass
+    return None
+
+
+def _version(pkg: str) -> Optional[str]:
+    try:
+        return importlib.metadata.version(pkg)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _gpus() -> List[Dict]:
+    if not torch.cuda.is_available():
+        return []
+    n = torch.cuda.device_count()
+    out = []
+    for i in range(n):
+        p = torch.cuda.get_device_properties(i)
+        peers = [j for j in range(n) if j != i and torch.cuda.can_device_access_peer(i, j)]
+        out.append(dict(index=i, name=p.name, memory_gib=round(p.total_memory / 2 ** 30, 1),
+                        capability=f"{p.major}.{p.minor}", peer_access=peers))
+    return out
+
+
+def _paths() -> Dict[str, str]:
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return {"default group": "torch.distributed is not initialised (a zeco_* op then runs on this process "
+                                 "alone; allscan.scan raises)",
+                "CUDA tensor": "the C++ core over NCCL on an NCCL group, else torch.distributed",
+                "CPU tensor": "torch.distributed (gloo)"}
+    backend = str(dist.get_backend()).lower()
+    nccl = "nccl" in backend
+    return {"default group": f"{dist.get_world_size()} ranks, backend {backend}",
+            "CUDA tensor": "the C++ core over NCCL" if nccl else f"torch.distributed ({backend})",
+            "CPU tensor": f"torch.distributed ({backend})" if not nccl or "gloo" in backend
+            else "no CPU backend in the default group"}
+
+
+def report() -> Dict:
+    import allscan
+    from allscan import _C
+    from allscan._contract import VARIABLES, settings
+
+    loaded = None
+    try:
+        loaded = int(_C.nccl_version())
+    except Exception:  # noqa: BLE001 - reported as not loaded
+        pass
+    compiled = int(_C.NCCL_VERSION_COMPILED)
+    return {
+        "allscan": allscan.__version__,
+        "allscan module": os.path.dirname(allscan.__file__),
+        "torch": torch.__version__,
+        "CUDA (torch built with)": torch.version.cuda or "none (CPU build)",
+        "CUDA available": torch.cuda.is_available(),
+        "NCCL compiled against": nccl_version_text(compiled),
+        "NCCL loaded": nccl_version_text(loaded) if loaded else "none",
+        "NCCL library file": _loaded_library("libnccl") or "not mapped",
+        "NCCL versions": nccl_match(compiled, loaded),
+        "NCCL that torch reports": (".".join(map(str, torch.cuda.nccl.version())) if torch.cuda.is_available()
+                                    else "n/a (no CUDA)"),
+        "GPUs": _gpus(),
+        "optional packages": {pkg: _version(pkg) or "not installed" for pkg in OPTIONAL},
+        "settings": {v.name: os.environ.get(v.name) or f"(unset: {getattr(settings, v.attr)!r})"
+                     for v in VARIABLES if v.attr},
+        "paths": _paths(),
+    }
+
+
+def main() -> None:
+    info = report()
+    width = max(len(k) for k in info)
+    for key, value in info.items():
+        if isinstance(value, dict):
+            print(f"{key}:")
+            for k, v in value.items():
+                print(f"  {k}: {v}" + (f"   ({OPTIONAL[k]})" if key == "optional packages" else ""))
+        elif isinstance(value, list):
+            print(f"{key}:" + (" none" if not value else ""))
+            for gpu in value:
+                print(f"  cuda:{gpu['index']} {gpu['name']}, {gpu['memory_gib']} GiB, sm {gpu['capability']}, "
+                      f"peer access to {gpu['peer_access'] or 'none'}")
+        else:
+            print(f"{key:{width}s}  {value}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,31 @@
+"""``python -m allscan.info``: runs on a fresh interpreter and reports what the issue asks for; the NCCL
+version comparison that version-sensitive paths use."""
+import subprocess
+import sys
+
+from allscan.info import nccl_match, nccl_version_text, report
+
+
+def test_info_runs_and_reports_everything():
+    out = subprocess.run([sys.executable, "-m", "allscan.info"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    for needle in ("allscan ", "torch ", "NCCL compiled against", "NCCL loaded", "NCCL library file", "NCCL versions",
+                   "GPUs:", "optional packages:", "fla-core:", "settings:", "ALLSCAN_CHECK:", "paths:", "CUDA tensor:"):
+        assert needle in out.stdout, f"{needle!r} missing from:\n{out.stdout}"
+
+
+def test_report_reads_the_settings_and_the_loaded_nccl(monkeypatch):
+    monkeypatch.setenv("ALLSCAN_CHECK", "always")
+    info = report()
+    assert info["settings"]["ALLSCAN_CHECK"] == "always"
+    assert info["NCCL versions"] in ("match", "no NCCL loaded") or info["NCCL versions"].startswith("differ")
+
+
+def test_nccl_versions():
+    assert nccl_version_text(22809) == "2.28.9"
+    assert nccl_version_text(23203) == "2.32.3"
+    assert nccl_version_text(2708) == "2.7.8"
+    assert nccl_match(22809, 22809) == "match"
+    assert nccl_match(23203, 22809) == ("differ: compiled against 2.32.3, loaded 2.28.9; "
+                                        "version-sensitive paths stay off")
+    assert nccl_match(22809, None) == "no NCCL loaded"
