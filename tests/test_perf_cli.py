@@ -1,38 +1,24 @@
 """The allscan_perf binary's command line (CPU: -h and argument errors, parsed before any CUDA call),
 and one short 2-GPU run (marked gpu).
 
-The binary is found through $ALLSCAN_PERF, else build/*/bench/allscan_perf (scikit-build and CMake
-build trees under the repo), else <site-packages>/allscan/bin/allscan_perf; the tests skip when none
-is built.
+The binary is found as the ``allscan_perf`` console command finds it (:func:`allscan.perf.find_binary`:
+$ALLSCAN_PERF, else <package>/bin/allscan_perf, else the checkout's build trees); the tests skip when
+none is built.
 """
-import glob
 import importlib.util
 import json
 import os
 import subprocess
+import sys
 
 import pytest
+
+from allscan.perf import find_binary
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _find_binary():
-    env = os.environ.get("ALLSCAN_PERF")
-    if env:
-        return env if os.access(env, os.X_OK) else None
-    cands = sorted(glob.glob(os.path.join(ROOT, "build", "*", "bench", "allscan_perf")))
-    cands += sorted(glob.glob(os.path.join(ROOT, "build", "bench", "allscan_perf")))
-    spec = importlib.util.find_spec("allscan")
-    if spec is not None and spec.submodule_search_locations:
-        for d in spec.submodule_search_locations:
-            cands.append(os.path.join(d, "bin", "allscan_perf"))
-    for c in cands:
-        if os.path.isfile(c) and os.access(c, os.X_OK):
-            return c
-    return None
-
-
-BINARY = _find_binary()
+BINARY = find_binary()
 pytestmark = pytest.mark.skipif(BINARY is None, reason="allscan_perf is not built (set ALLSCAN_PERF or build bench/)")
 
 
@@ -197,3 +183,9 @@ def test_two_gpu_a2a_run_is_exact(tmp_path, extra):
             continue
         assert r["wrong"] == 0, r
         assert r["time_us"] > 0 and r["vs_floor"] is not None
+
+
+def test_console_entry_point_runs_the_binary():
+    out = subprocess.run([sys.executable, "-m", "allscan.perf", "-h"], capture_output=True, text=True, timeout=60,
+                         env=_env())
+    assert out.returncode == 0 and "-o" in out.stdout + out.stderr, out.stdout + out.stderr

@@ -69,7 +69,7 @@ def select_backend(q: torch.Tensor):
         if not _WARNED:
             _WARNED.append(True)
             warnings.warn("allscan.ops.delta: fla-core is not importable; using the torch chunked delta rule on "
-                          "CUDA (correct, but slow and memory-hungry). Install fla-core for its kernels.")
+                          "CUDA (correct, but slow and memory-hungry). pip install allscan[gla] for fla-core's kernels.")
     return TorchDelta
 
 
@@ -136,7 +136,7 @@ def _check_fla_cp(op, q, initial_state, output_final_state):
         raise NotImplementedError(
             f"{op}: method='fla_cp' (flash-linear-attention's own context parallelism) needs fla-core's GPU "
             f"kernels: CUDA tensors in bf16, fp16 or fp32 and fla-core installed; got {q.dtype} on {q.device}"
-            + ("" if not q.is_cuda or fla_delta_available() else " (fla-core does not import)"))
+            + ("" if not q.is_cuda or fla_delta_available() else " (fla-core does not import: pip install allscan[gla])"))
     if initial_state is not None:
         raise ValueError(f"{op}: method='fla_cp' does not take initial_state (fla's CP refuses it); "
                          "use method='zeco'")
