@@ -1,7 +1,7 @@
 # FindNCCL: NCCL headers and the shared library by its SONAME (libnccl.so.2).
 #
-# Search order: NCCL_HOME / NCCL_ROOT (CMake or environment), the nvidia-nccl-cu13 / -cu12 wheel of
-# the Python interpreter on PATH (site-packages/nvidia/nccl/{include,lib}), then the system.
+# Search order: NCCL_HOME / NCCL_ROOT (CMake or environment; then only there), else the nvidia-nccl-cu13
+# / -cu12 wheel of the Python interpreter on PATH (site-packages/nvidia/nccl/{include,lib}), then the system.
 # Defines NCCL_FOUND, NCCL_INCLUDE_DIR, NCCL_LIBRARY, NCCL_VERSION and the target NCCL::nccl.
 #
 # The target links the SONAME libnccl.so.2 (not a versioned file), so that at run time the dynamic
@@ -34,9 +34,14 @@ if(NOT _nccl_hints)
   endif()
 endif()
 
-find_path(NCCL_INCLUDE_DIR nccl.h HINTS ${_nccl_hints} PATH_SUFFIXES include)
+# NCCL_HOME / NCCL_ROOT given: that NCCL or none (not a system copy found instead).
+set(_nccl_only)
+if(_nccl_hints AND NOT _nccl_wheel)
+  set(_nccl_only NO_DEFAULT_PATH)
+endif()
+find_path(NCCL_INCLUDE_DIR nccl.h HINTS ${_nccl_hints} PATH_SUFFIXES include ${_nccl_only})
 # Prefer the SONAME file; fall back to the unversioned development link.
-find_library(NCCL_LIBRARY NAMES libnccl.so.2 nccl HINTS ${_nccl_hints} PATH_SUFFIXES lib lib64)
+find_library(NCCL_LIBRARY NAMES libnccl.so.2 nccl HINTS ${_nccl_hints} PATH_SUFFIXES lib lib64 ${_nccl_only})
 
 if(NCCL_INCLUDE_DIR AND EXISTS "${NCCL_INCLUDE_DIR}/nccl.h")
   file(STRINGS "${NCCL_INCLUDE_DIR}/nccl.h" _nccl_maj REGEX "^#define NCCL_MAJOR +[0-9]+")
@@ -49,7 +54,8 @@ if(NCCL_INCLUDE_DIR AND EXISTS "${NCCL_INCLUDE_DIR}/nccl.h")
 endif()
 
 include(FindPackageHandleStandardArgs)
-find_package_handle_standard_args(NCCL REQUIRED_VARS NCCL_INCLUDE_DIR NCCL_LIBRARY VERSION_VAR NCCL_VERSION)
+find_package_handle_standard_args(NCCL REQUIRED_VARS NCCL_INCLUDE_DIR NCCL_LIBRARY VERSION_VAR NCCL_VERSION
+  REASON_FAILURE_MESSAGE "set NCCL_HOME (a CMake variable or the environment) to an NCCL install with include/nccl.h and lib/libnccl.so.2, e.g. <site-packages>/nvidia/nccl of the nvidia-nccl-cu13 wheel")
 
 if(NCCL_FOUND AND NOT TARGET NCCL::nccl)
   add_library(NCCL::nccl SHARED IMPORTED)

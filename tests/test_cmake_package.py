@@ -39,3 +39,11 @@ def test_find_package_consumer(tmp_path):
     out = _run([str(exe)], env=env)
     assert "consumer ok" in out.stdout and "g_count" in out.stdout
     assert "a2a last error: allscanA2ASplitHeads: nranks must be >= 1" in out.stdout
+    # Without the build's Python (the consumer's own, or none): the package's recorded NCCL is used.
+    _run(["cmake", "-S", os.path.join(ROOT, "examples", "cpp_consumer"), "-B", str(tmp_path / "nopy"), *gen,
+          f"-DCMAKE_PREFIX_PATH={prefix}", "-DPython_EXECUTABLE=/nonexistent/python3"])
+    # An NCCL_HOME that holds no NCCL: the error says what to set.
+    bad = subprocess.run(["cmake", "-S", os.path.join(ROOT, "examples", "cpp_consumer"), "-B", str(tmp_path / "bad"),
+                          *gen, f"-DCMAKE_PREFIX_PATH={prefix}", f"-DNCCL_HOME={tmp_path / 'no_nccl'}",
+                          "-DPython_EXECUTABLE=/nonexistent/python3"], capture_output=True, text=True)
+    assert bad.returncode != 0 and "set NCCL_HOME" in bad.stdout + bad.stderr, bad.stdout + bad.stderr
