@@ -36,7 +36,21 @@ def main() -> None:
     if binary is None:
         sys.exit("allscan_perf: the benchmark binary is not built or installed; looked at:\n  "
                  + "\n  ".join(candidates()) + "\nBuild it with the package (pip install .) or set ALLSCAN_PERF.")
-    os.execv(binary, [binary] + sys.argv[1:])
+    os.execve(binary, [binary] + sys.argv[1:], _env_with_nccl())
+
+
+def _env_with_nccl() -> dict:
+    """The environment with the nvidia-nccl wheel's lib/ (the NCCL this Python's torch loads) first on
+    the loader's path: the binary's own rpath finds it only when that wheel sits beside allscan."""
+    import importlib.util
+
+    env = dict(os.environ)
+    spec = importlib.util.find_spec("nvidia.nccl") if importlib.util.find_spec("nvidia") else None
+    if spec is not None and spec.submodule_search_locations:
+        lib = os.path.join(list(spec.submodule_search_locations)[0], "lib")
+        if os.path.isdir(lib):
+            env["LD_LIBRARY_PATH"] = lib + (":" + env["LD_LIBRARY_PATH"] if env.get("LD_LIBRARY_PATH") else "")
+    return env
 
 
 if __name__ == "__main__":
