@@ -12,5 +12,8 @@ pkgs=(numpy "pybind11>=2.12" "scikit-build-core>=0.10" pytest pytest-timeout mat
 $PY -c "import torch" 2>/dev/null || pkgs+=("torch==2.13.0")
 $PY -c "import nvidia.nccl" 2>/dev/null || pkgs+=("nvidia-nccl-cu13")
 $PY -m pip install -q "${pkgs[@]}"
+# Optional: the Hugging Face integration's tests and examples/train_sp.py (they skip without it).
+$PY -c "import transformers" 2>/dev/null || $PY -m pip install -q "transformers>=5,<6" \
+  || echo "setup.sh: transformers not installed; its integration tests will skip"
 command -v nvcc >/dev/null || export PATH=/usr/local/cuda/bin:$PATH
 $PY -m pip install -q --no-build-isolation --no-deps -e .

@@ -1,0 +1,22 @@
+"""examples/train_sp.py trains with sequence parallelism over 2 gloo ranks and its fp32 loss equals one
+process's at every step (``--compare`` exits 1 above 1e-4 relative). Skips without transformers 5.x."""
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("transformers", minversion="5.0")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_train_sp_matches_one_process():
+    env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                          os.path.join(ROOT, "examples", "train_sp.py"), "--steps", "8", "--seq", "64", "--compare"],
+                         capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    m = re.search(r"largest relative loss difference against one process: ([0-9.e+-]+)", out.stdout)
+    assert m and float(m.group(1)) <= 1e-4, out.stdout[-2000:]
+    assert "step 8/8" in out.stdout
