@@ -165,6 +165,16 @@ def test_a2a_is_reachable_right_after_import():
     assert out.stdout.strip() == "allscan.ops.a2a [(0, 3), (3, 5)]", out.stdout + out.stderr
 
 
+def test_every_public_submodule_is_reachable_right_after_import():
+    names = ("a2a", "ops", "layers", "integrations", "info", "perf", "reference")
+    code = ("import allscan\n"
+            f"print(' '.join(getattr(allscan, n).__name__ for n in {names!r}))\n"
+            "print(allscan.layers.GatedDeltaNet.__name__, allscan.integrations.__name__)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.stdout.split("\n")[0] == " ".join(f"allscan.{n}" for n in names), out.stdout + out.stderr
+    assert "GatedDeltaNet allscan.integrations" in out.stdout, out.stdout + out.stderr
+
+
 # ------------------------------------------------------------------------------------------------
 # The cross-rank check (gloo ranks; NCCL's caching is reached by marking the group as NCCL)
 # ------------------------------------------------------------------------------------------------

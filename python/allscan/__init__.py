@@ -41,6 +41,18 @@ from .reference import scan_reference  # noqa: E402
 
 __version__ = "0.1.0"
 
+# Submodules that pull in more (nn.Modules, optional libraries) load on first access:
+# ``import allscan; allscan.layers.GatedLinearAttention`` works without importing them all up front.
+_LAZY = ("layers", "integrations", "info", "perf", "demo")
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        import importlib
+
+        return importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 __all__ = [
     "scan",
     "ScanHandle",
