@@ -419,7 +419,8 @@ def test_plan_caches_are_bounded(single_rank, monkeypatch):
 
 
 def test_a_second_thread_in_a_busy_group_raises(single_rank):
-    """While one thread is inside a collective on a group, another thread's call on that group raises
+    """While one thread is inside a collective on a group, another thread's call on that group (a scan,
+    an all-to-all) raises
     (it would pair with the wrong calls of the other ranks); the same thread may nest; the group is
     usable again once the first call is done."""
     import threading
@@ -440,6 +441,8 @@ def test_a_second_thread_in_a_busy_group_raises(single_rank):
     try:
         with pytest.raises(RuntimeError, match=r"allscan.scan: group .* is in allscan.scan on another host thread"):
             allscan.scan(torch.ones(3))
+        with pytest.raises(RuntimeError, match=r"allscan.a2a: group .* is in allscan.scan on another host thread"):
+            allscan.a2a.scatter_heads(torch.ones(1, 2, 1, 4))
     finally:
         release.set()
         t.join(30)

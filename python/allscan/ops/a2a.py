@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from .. import _C, _comm
 from .._contract import DTYPE_CODES, announce_invalid, check_across_ranks, dtype_code, settings
+from .._threads import one_thread
 from . import _a2a_dist
 from ._a2a_dist import GATHER, SCATTER, HeadMap, Range, overlaps
 
@@ -255,6 +256,14 @@ def a2a_multi(direction: int, xs: Sequence[torch.Tensor], maps: Sequence[Sequenc
     ``accumulate[t]`` added to). ``stream`` (CUDA only): enqueue there instead of on the current
     stream; ``event`` is then recorded on it after the call. No autograd (see :func:`scatter_heads`).
     """
+    args = (direction, xs, maps, num_heads, group, outs, accumulate, names, stream, event, check)
+    if torch.compiler.is_compiling():  # traced into a graph: no host-thread bookkeeping there
+        return _a2a_multi(*args)
+    with one_thread(group, "a2a"):
+        return _a2a_multi(*args)
+
+
+def _a2a_multi(direction, xs, maps, num_heads, group, outs, accumulate, names, stream, event, check):
     group = _comm.normalize_group(group)
     names = list(names) if names is not None else [f"tensors[{i}]" for i in range(len(xs))]
     accumulate = list(accumulate) if accumulate is not None else [False] * len(xs)
