@@ -38,9 +38,9 @@ def fla_delta_available() -> bool:
 
 def fla_kernel(opts):
     """fla's chunk function for these options and the keyword arguments that carry them."""
-    from allscan.ops.gla.fla import _apply_autotune_setting
+    from allscan.ops.gla.fla import apply_autotune_setting
 
-    _apply_autotune_setting()
+    apply_autotune_setting()
     kw = dict(use_qk_l2norm_in_kernel=opts.use_qk_l2norm_in_kernel,
               use_beta_sigmoid_in_kernel=opts.use_beta_sigmoid_in_kernel, allow_neg_eigval=opts.allow_neg_eigval)
     if opts.use_gate_in_kernel:

@@ -130,7 +130,7 @@ def limit_fla_autotune(mode: str = "one") -> int:
 
 
 @functools.lru_cache(maxsize=None)
-def _apply_autotune_setting() -> None:
+def apply_autotune_setting() -> None:
     """``ALLSCAN_FLA_AUTOTUNE=one|full`` applies :func:`limit_fla_autotune` on the first fla call."""
     if settings.fla_autotune is not None:
         limit_fla_autotune(settings.fla_autotune)
@@ -153,7 +153,7 @@ class FlaGLA:
 
     @staticmethod
     def _mods():
-        _apply_autotune_setting()
+        apply_autotune_setting()
         from fla.ops.common.chunk_h import chunk_bwd_dh, chunk_fwd_h
         from fla.ops.gla import chunk as gc
         from fla.ops.utils import prepare_chunk_indices
