@@ -4,7 +4,7 @@
 #   scripts/gpu_suite.sh [stage ...]      (default: every stage)
 #
 # Stages: build tests perf perffill perfab perfhead perfbase perfmatrix perfa2a scanhost scanbench glakern glatest glabench
-#         deltatest deltabench glatrain glatrain32 ulysses ulysses_host (default: all but perfab, perfhead, perfbase, scanhost and glakern, the
+#         deltatest deltabench soak glatrain glatrain32 ulysses ulysses_host (default: all but perfab, perfhead, perfbase, scanhost and glakern, the
 #         investigations)
 # perfbase: the standard sweep of an earlier tree's allscan_perf (BASE=<source dir>, default .base) and of this one,
 #         alternated three times (a refactor's before/after, side by side in one run).
@@ -115,6 +115,8 @@ for s in $STAGES; do
       run_stage glatest python3 -m pytest -s -x -q -m gpu tests/test_gla_gpu.py -p no:cacheprovider ;;
     deltatest)  # the delta-rule layers on fla's kernels against fla and the exact answer (needs tilelang on Hopper)
       run_stage deltatest python3 -m pytest -s -q -rsP -m gpu ${DELTA_TESTS:-tests/test_delta_gpu.py} -p no:cacheprovider ;;
+    soak)  # 10^5 scans and 10^4 fwd+bwd of each layer over NCCL: wrong results, memory and time per call
+      run_stage soak torchrun --nproc-per-node "$NGPU" bench/soak.py --device cuda --check --out "$OUT" ${SOAK_ARGS:-} ;;
     deltabench)
       run_stage deltabench torchrun --nproc-per-node "$NGPU" bench/delta_bench.py --out "$OUT" ${DELTABENCH_ARGS:-} ;;
     glabench)
