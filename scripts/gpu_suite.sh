@@ -4,7 +4,7 @@
 #   scripts/gpu_suite.sh [stage ...]      (default: every stage)
 #
 # Stages: build tests perf perffill perfab perfhead perfbase perfmatrix perfa2a scanhost scanbench glakern glatest glabench
-#         deltatest deltabench soak glatrain glatrain32 ulysses ulysses_host (default: all but perfab, perfhead, perfbase, scanhost and glakern, the
+#         deltatest deltabench soak glatrain glatrain32 ulysses ulysses_host (default: all but soak, perfab, perfhead, perfbase, scanhost and glakern, the
 #         investigations)
 # perfbase: the standard sweep of an earlier tree's allscan_perf (BASE=<source dir>, default .base) and of this one,
 #         alternated three times (a refactor's before/after, side by side in one run).
