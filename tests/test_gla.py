@@ -442,3 +442,15 @@ def test_fla_autotune_one_config_choice():
     assert best.num_warps == 4
     with pytest.raises(ValueError, match="mode must be one of"):
         G.limit_fla_autotune("fast")
+
+
+def test_limit_fla_autotune_without_fla_names_the_extra():
+    try:
+        import fla  # noqa: F401
+        pytest.skip("fla-core is installed here")
+    except ImportError:
+        pass
+    from allscan.ops.gla import limit_fla_autotune
+
+    with pytest.raises(ImportError, match=r"limit_fla_autotune needs fla-core >= 0.6 \(pip install allscan\[gla\]\)"):
+        limit_fla_autotune("one")

@@ -105,11 +105,14 @@ def limit_fla_autotune(mode: str = "one") -> int:
     unless ``ALLSCAN_FLA_AUTOTUNE`` is set (the tests and benchmarks call it)."""
     if mode not in FLA_AUTOTUNE_MODES:
         raise ValueError(f"limit_fla_autotune: mode must be one of {FLA_AUTOTUNE_MODES}, got {mode!r}")
-    import fla.ops.common.chunk_h  # noqa: F401 - the modules whose kernels the GLA layer runs
-    import fla.ops.gla.chunk  # noqa: F401
-    import fla.ops.utils.cumsum  # noqa: F401
-    import fla.ops.gated_delta_rule  # noqa: F401 - and the delta-rule layers
-    import fla.ops.kda  # noqa: F401
+    try:
+        import fla.ops.common.chunk_h  # noqa: F401 - the modules whose kernels the GLA layer runs
+        import fla.ops.gla.chunk  # noqa: F401
+        import fla.ops.utils.cumsum  # noqa: F401
+        import fla.ops.gated_delta_rule  # noqa: F401 - and the delta-rule layers
+        import fla.ops.kda  # noqa: F401
+    except ImportError as e:
+        raise ImportError(f"limit_fla_autotune needs fla-core >= 0.6 (pip install allscan[gla]): {e}") from e
     from triton.runtime.autotuner import Autotuner
     from triton.runtime.jit import KernelInterface
 

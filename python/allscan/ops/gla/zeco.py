@@ -77,11 +77,11 @@ def select_backend(q):
     if q.is_cuda and (want == "fla" or fla_available()):
         return FlaGLA
     if want == "fla":
-        raise RuntimeError("ALLSCAN_GLA_BACKEND=fla needs CUDA tensors and fla-core (flash-linear-attention)")
+        raise RuntimeError("ALLSCAN_GLA_BACKEND=fla needs CUDA tensors and fla-core (pip install allscan[gla])")
     if q.is_cuda and not _WARNED:
         _WARNED.append(True)
         warnings.warn("allscan.ops.gla: fla-core (flash-linear-attention) is not importable; using the torch "
-                      "chunked GLA on CUDA (correct, but slow and memory-hungry: install fla-core)")
+                      "chunked GLA on CUDA (correct, but slow and memory-hungry: pip install allscan[gla])")
     return TorchGLA
 
 
