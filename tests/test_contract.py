@@ -258,3 +258,22 @@ def _check_modes(rank, P):
 
 def test_check_across_ranks_modes_cache_and_messages():
     assert run_distributed(_check_modes, 2, timeout=120) == [True, True]
+
+
+def test_one_version_everywhere():
+    """The C API header's ALLSCAN_VERSION_* macros are the one place the version is written: the
+    package metadata (pyproject's dynamic version), allscan.__version__ (from the core) and CMake's
+    project version (read from the header) all come from them."""
+    import importlib.metadata
+    import re
+
+    import allscan
+
+    header = os.path.join(os.path.dirname(__file__), "..", "csrc", "allscan", "include", "allscan", "allscan.h")
+    with open(header) as f:
+        parts = dict(re.findall(r"^#define ALLSCAN_VERSION_(MAJOR|MINOR|PATCH) +(\d+)", f.read(), re.M))
+    want = f"{parts['MAJOR']}.{parts['MINOR']}.{parts['PATCH']}"
+    assert allscan.__version__ == want
+    assert importlib.metadata.version("allscan") == want
+    with open(os.path.join(os.path.dirname(__file__), "..", "pyproject.toml")) as f:
+        assert not re.search(r'^version *=', f.read(), re.M), "pyproject.toml must not write the version itself"

@@ -34,12 +34,13 @@ def _preload_nccl() -> None:
 
 _preload_nccl()
 
-from . import a2a  # noqa: E402
+from . import _C, a2a  # noqa: E402
 from ._contract import settings  # noqa: E402
 from .ops.scan import ScanHandle, destroy_communicators, scan, set_check_every_call  # noqa: E402
 from .reference import scan_reference  # noqa: E402
 
-__version__ = "0.1.0"
+# The one version: the C API header's ALLSCAN_VERSION_* macros (the wheel's metadata reads them too).
+__version__ = "{}.{}.{}".format(_C.version() // 10000, _C.version() // 100 % 100, _C.version() % 100)
 
 # Submodules that pull in more (nn.Modules, optional libraries) load on first access:
 # ``import allscan; allscan.layers.GatedLinearAttention`` works without importing them all up front.
