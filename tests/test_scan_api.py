@@ -353,6 +353,9 @@ def _invalid_local_args_default_mode_on_gloo(rank, P):
     else:
         with pytest_raises(ValueError, "rank(s) [1] rejected their own arguments"):
             allscan.scan(x)
+    # every rank saw the error: the group is in step, the next call works
+    y = allscan.scan(torch.ones(4), inclusive=True)
+    assert torch.equal(y, torch.full((4,), float(rank + 1))), y
     return True
 
 
