@@ -63,7 +63,7 @@ def run(args):
     import torch.distributed as dist
 
     from allscan.layers import zeco_gated_delta_rule, zeco_kda
-    from allscan.ops.delta.fla import _with_transition, fla_kernel
+    from allscan.ops.delta.fla import widened_call, fla_kernel
     from allscan.ops.delta.gates import DeltaOptions
     from allscan.ops.gla import limit_fla_autotune
 
@@ -91,7 +91,7 @@ def run(args):
                     o, _ = fn(q, k, v, g, beta, **kw)
                     return o, torch.autograd.grad(o, ins, do)
                 if name == "wide":
-                    o, q_eff, h, M = _with_transition(fn, kw, q, k, v, g, beta, K ** -0.5, None)
+                    o, q_eff, h, M = widened_call(fn, kw, q, k, v, g, beta, K ** -0.5, None)
                     return o, torch.autograd.grad((o, q_eff, h, M), ins, (do, torch.ones_like(q_eff),
                                                                           torch.ones_like(h), torch.ones_like(M)))
                 o, _ = op(q, k, v, g, beta, group, method=name)

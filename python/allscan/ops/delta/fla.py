@@ -55,8 +55,9 @@ def fla_kernel(opts):
     return chunk_gated_delta_rule, kw
 
 
-def _with_transition(fn, kw, q, k, v, g, beta, scale, h0):
-    """One fla call on ``[v | 0]`` from ``[h0 | I]``: ``(o_local, Q', h_local, M)``."""
+def widened_call(fn, kw, q, k, v, g, beta, scale, h0):
+    """One fla call on ``[v | 0]`` from ``[h0 | I]``: ``(o_local, Q', h_local, M)``. The local part of
+    ``method="zeco"`` (``bench/delta_bench.py`` times it alone as the ``wide`` row)."""
     B, T, HV, V = v.shape
     K = q.shape[-1]
     v_wide = torch.cat([v, v.new_zeros(B, T, HV, K)], -1)
@@ -80,7 +81,7 @@ class FlaDelta:
         T0 = bounds[1]
         seg = lambda t: t[:, :T0]  # noqa: E731 - the first segment
         if need_transition:
-            o0, q_eff, h0_local, M = _with_transition(fn, kw, seg(q), seg(k), seg(v), seg(g), seg(beta), scale, h0s[0])
+            o0, q_eff, h0_local, M = widened_call(fn, kw, seg(q), seg(k), seg(v), seg(g), seg(beta), scale, h0s[0])
         else:
             o0, h0_local = fn(seg(q), seg(k), seg(v), seg(g), seg(beta), scale=scale, initial_state=h0s[0],
                               output_final_state=True, **kw)
