@@ -375,20 +375,22 @@ def test_fla_backend_stages_with_a_reference_kernel(monkeypatch):
     for layer in ("gdn", "kda"):
         d, _ = _data(11, layer, 1, 40, H, 3, gated=False)
         S_in = torch.randn(1, H, K, V, dtype=torch.float64)
-        bounds = [0, 15, 31, 40]
-        h0s = [None, d["h0"][1:2], None]
-        calls.clear()
         be = fla_backend.FlaDelta
-        sp = be.summarize(d["q"], d["k"], d["v"], d["g"], d["beta"], DeltaOptions(per_key=layer == "kda"),
-                          K ** -0.5, bounds, h0s, need_transition=True)
-        assert calls == [V + K, V], f"{layer}: one widened call, one varlen call; got value widths {calls}"
-        o, finals = be.add_incoming(sp, be.local_outputs(sp), S_in)
-        inits = torch.cat([S_in, d["h0"][1:2], torch.zeros(1, H, K, V, dtype=torch.float64)])
-        want_o, want_f = recurrent_delta_rule_reference(d["q"], d["k"], d["v"], d["g"], d["beta"],
-                                                        initial_state=inits, cu_seqlens=torch.tensor(bounds))
-        assert _rel(o, want_o) < TOL, layer
-        for j, f in enumerate(finals):
-            assert _rel(f[0], want_f[j]) < TOL, f"{layer}: final state of segment {j}"
+        for bounds, h0s, widths in (([0, 15, 31, 40], [None, d["h0"][1:2], None], [V + K, V]),
+                                    ([0, 40], [None], [V + K])):  # packed sequences; one sequence
+            calls.clear()
+            sp = be.summarize(d["q"], d["k"], d["v"], d["g"], d["beta"], DeltaOptions(per_key=layer == "kda"),
+                              K ** -0.5, bounds, h0s, need_transition=True)
+            assert calls == widths, f"{layer}: one widened call (and one varlen call); got value widths {calls}"
+            o, finals = be.add_incoming(sp, be.local_outputs(sp), S_in)
+            inits = torch.cat([S_in] + [h if h is not None else torch.zeros(1, H, K, V, dtype=torch.float64)
+                                        for h in h0s[1:]])
+            want_o, want_f = recurrent_delta_rule_reference(d["q"], d["k"], d["v"], d["g"], d["beta"],
+                                                            initial_state=inits, cu_seqlens=torch.tensor(bounds))
+            assert o.shape == want_o.shape and _rel(o, want_o) < TOL, (layer, bounds)
+            assert len(finals) == len(bounds) - 1
+            for j, f in enumerate(finals):
+                assert _rel(f[0], want_f[j]) < TOL, f"{layer} {bounds}: final state of segment {j}"
 
 
 def test_fla_cp_refuses_what_fla_refuses(monkeypatch):

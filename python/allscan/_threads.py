@@ -24,7 +24,7 @@ class one_thread:
     No lock: ``dict.setdefault`` is atomic under the GIL, so of two threads entering at once exactly
     one owns the entry and the other sees it (about 1 us per call)."""
 
-    __slots__ = ("key", "entry")
+    __slots__ = ("key", "entry", "group")
 
     def __init__(self, group, op: str):
         group = _comm.normalize_group(group)
@@ -36,7 +36,7 @@ class one_thread:
                 "this process; the collectives of one group must be issued from one thread at a time (the "
                 "ranks pair calls by issue order, so two threads would mix their data)")
         entry[1] += 1
-        self.key, self.entry = id(group), entry
+        self.key, self.entry, self.group = id(group), entry, group  # group: normalised, for the caller
 
     def __enter__(self):
         return self

@@ -16,7 +16,8 @@ share of the heads, SDPA runs causal on it, the inverse all-to-all returns the s
 model needs global position ids (``shard_batch`` makes them), labels shifted across the rank
 boundaries before cutting (``shard_batch``), and a loss normalised by the whole batch's token count
 (``causal_lm_loss``). Not supported: padding or packed-sequence attention masks (the sequences are
-whole, causal), KV caches (training and prefill only), attention dropout.
+whole, causal; a mask is checked on every rank together, so pass one on every rank or on none), KV
+caches (training and prefill only), attention dropout.
 """
 from __future__ import annotations
 
@@ -64,9 +65,16 @@ def register(group=None, *, name: str = NAME, num_chunks="auto") -> str:
         return out, None
 
     def no_mask(*args, attention_mask=None, **kwargs):
-        if attention_mask is not None and attention_mask.dim() == 2 and not bool(attention_mask.all()):
+        if attention_mask is None:
+            return None
+        # Padding sits on some ranks only (usually the last): agree first, so that every rank raises
+        # instead of the others waiting in the attention's all-to-all.
+        padded = torch.tensor([0 if attention_mask.dim() != 2 else int(not bool(attention_mask.all()))],
+                              device=attention_mask.device)
+        dist.all_reduce(padded, op=dist.ReduceOp.MAX, group=group)
+        if padded.item():
             raise NotImplementedError(f"{name}: padding attention masks are not supported (every sequence is "
-                                      "whole and causal; pack or trim the batch)")
+                                      "whole and causal; pack or trim the batch); a rank of the group got one")
         return None
 
     tf.AttentionInterface.register(name, attention)

@@ -259,8 +259,8 @@ def a2a_multi(direction: int, xs: Sequence[torch.Tensor], maps: Sequence[Sequenc
     args = (direction, xs, maps, num_heads, group, outs, accumulate, names, stream, event, check)
     if torch.compiler.is_compiling():  # traced into a graph: no host-thread bookkeeping there
         return _a2a_multi(*args)
-    with one_thread(group, "a2a"):
-        return _a2a_multi(*args)
+    with one_thread(group, "a2a") as busy:
+        return _a2a_multi(*args[:4], busy.group, *args[5:])
 
 
 def _a2a_multi(direction, xs, maps, num_heads, group, outs, accumulate, names, stream, event, check):

@@ -410,8 +410,8 @@ def scan(
     """
     if torch.compiler.is_compiling():  # traced into a graph: no host-thread bookkeeping there
         return _scan(tensor, gamma, group, transition, reverse, inclusive, init, num_blocks, method, async_op)
-    with one_thread(group, _OP):
-        return _scan(tensor, gamma, group, transition, reverse, inclusive, init, num_blocks, method, async_op)
+    with one_thread(group, _OP) as busy:
+        return _scan(tensor, gamma, busy.group, transition, reverse, inclusive, init, num_blocks, method, async_op)
 
 
 def _scan(tensor, gamma, group, transition, reverse, inclusive, init, num_blocks, method, async_op):

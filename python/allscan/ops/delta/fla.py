@@ -112,6 +112,8 @@ class FlaDelta:
         S_in = S_in.to(dt)
         first = o[:, :sp.T0].to(dt) + torch.einsum("bthk,bhkv->bthv", sp.q_eff.to(dt), S_in)
         finals[0] = finals[0] + sp.transition @ S_in
+        if sp.T0 == o.shape[1]:  # one segment (the common case): no concatenation copy
+            return first.to(o.dtype), finals
         return torch.cat([first.to(o.dtype), o[:, sp.T0:]], 1), finals
 
 
