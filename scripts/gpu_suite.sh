@@ -4,7 +4,7 @@
 #   scripts/gpu_suite.sh [stage ...]      (default: every stage)
 #
 # Stages: build tests perf perffill perfab perfhead perfbase perfmatrix perfa2a scanhost scanbench glakern glatest glabench
-#         deltatest deltabench soak glatrain glatrain32 ulysses ulysses_host (default: all but soak, perfab, perfhead, perfbase, scanhost and glakern, the
+#         deltatest deltabench soak integration trainparity glatrain glatrain32 ulysses ulysses_host (default: all but soak, perfab, perfhead, perfbase, scanhost and glakern, the
 #         investigations)
 # perfbase: the standard sweep of an earlier tree's allscan_perf (BASE=<source dir>, default .base) and of this one,
 #         alternated three times (a refactor's before/after, side by side in one run).
@@ -19,7 +19,7 @@ mkdir -p "$OUT"
 # Never turn NVLink multicast on (shared machines).
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=4
-STAGES=${*:-build tests perf perffill perfmatrix perfa2a scanbench glatest glabench deltatest deltabench glatrain glatrain32 ulysses ulysses_host}
+STAGES=${*:-build tests perf perffill perfmatrix perfa2a scanbench glatest glabench deltatest deltabench integration trainparity glatrain glatrain32 ulysses ulysses_host}
 NGPU=$(python3 -c 'import torch; print(torch.cuda.device_count())')
 SUMMARY="$OUT/summary.txt"
 : > "$SUMMARY"
@@ -125,6 +125,15 @@ for s in $STAGES; do
       run_stage glatrain torchrun --nproc-per-node "$NGPU" bench/gla_train.py --out "$OUT" ;;
     glatrain32)  # loss parity without bf16 rounding: fp32, IEEE matmuls, 2 layers, no throughput part
       run_stage glatrain32 torchrun --nproc-per-node "$NGPU" bench/gla_train.py --out "$OUT" --precision fp32 --layers 2 --tp-repeats 0 ;;
+    integration)  # fla's models with allscan's layers against fla on the whole sequence (GDN needs tilelang)
+      run_stage integration python3 -m pytest -s -q -rsP -m gpu tests/test_integration_fla.py -p no:cacheprovider ;;
+    trainparity)  # examples/train_sp.py: 200 steps at SP = 2 against one process (and the noise floor)
+      for v in "llama:float32" "llama:bfloat16" "gla:float32"; do
+        IFS=: read -r model dtype <<< "$v"
+        TRITON_F32_DEFAULT=ieee run_stage "train_${model}_${dtype}" torchrun --nproc-per-node "$NGPU" examples/train_sp.py \
+          --model "$model" --dtype "$dtype" --steps ${TRAIN_STEPS:-200} --compare
+        grep -E '^(done|largest)' "$OUT/train_${model}_${dtype}.log" >> "$SUMMARY"
+      done ;;
     ulysses)
       run_stage ulysses torchrun --nproc-per-node "$NGPU" bench/ulysses_bench.py --out "$OUT" --tag nvlink ${ULYSSES_ARGS:-} ;;
     ulysses_host)

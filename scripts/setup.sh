@@ -35,6 +35,13 @@ if ! $PY -c "import transformers" 2>/dev/null; then
   step "installing transformers (optional: the Hugging Face integration)"
   $PY -m pip install -q "transformers>=5,<6" || echo "setup.sh: transformers not installed; its integration tests will skip"
 fi
+# Optional: flash-linear-attention's models, for the fla integration's CPU tests (they skip without it;
+# importing fla needs Triton and einops even where its kernels cannot run). No deps: torch stays as it is.
+if ! $PY -c "import fla.models" 2>/dev/null; then
+  step "installing flash-linear-attention 0.6.0, triton, einops (optional: the fla integration's tests)"
+  { $PY -m pip install -q einops triton && $PY -m pip install -q --no-deps "flash-linear-attention==0.6.0" "fla-core==0.6.0"; } \
+    || echo "setup.sh: flash-linear-attention not installed; its integration tests will skip"
+fi
 step "building allscan (the C++/CUDA core, the Python extension, allscan_perf): 1-3 minutes"
 $PY -m pip install -q --no-build-isolation --no-deps -e .
 step "done: python3 -m allscan.info shows what was built and found"

@@ -1,0 +1,124 @@
+"""Sequence parallelism for flash-linear-attention (0.6.x) models: swap fla's layers for allscan's.
+
+    from allscan.integrations import fla as sp
+    model = GLAForCausalLM(config).cuda()           # or GatedDeltaNetForCausalLM, or any model of fla layers
+    sp.sequence_parallel(model, group)               # in place, before building the optimizer
+    shard = sp.shard_batch(input_ids, labels, group=group)    # this rank's contiguous slice
+    logits = model(input_ids=shard.input_ids).logits            # no labels: fla would shift them per shard
+    loss = sp.causal_lm_loss(logits, shard)          # this rank's share of the whole batch's mean loss
+    loss.backward(); sp.sync_gradients(model, group)
+
+``sequence_parallel`` replaces every ``fla.layers.GatedLinearAttention`` by
+:class:`allscan.layers.GatedLinearAttention` and every ``fla.layers.GatedDeltaNet`` by
+:class:`allscan.layers.GatedDeltaNet`, built with the same options and holding the very same
+``Parameter`` objects (so an optimizer, hooks or tied weights made before keep working, though the
+optimizer is best built after). Everything else in these models is per token. A model that holds any
+other fla sequence-mixing layer (softmax attention, KDA, ...) raises ``NotImplementedError`` naming it:
+run on a shard, it would silently compute something else. Caching is turned off (``config.use_cache``):
+sequence parallelism is for training and prefill.
+"""
+from __future__ import annotations
+
+from typing import Dict
+
+import torch.nn as nn
+
+from .batch import IGNORE_INDEX, BatchShard, causal_lm_loss, reduce_loss, shard_batch, sync_gradients  # noqa: F401
+
+__all__ = ["sequence_parallel", "shard_batch", "causal_lm_loss", "reduce_loss", "sync_gradients", "BatchShard",
+           "IGNORE_INDEX"]
+
+
+def _fla_layers():
+    try:
+        import fla.layers
+    except ImportError as e:
+        raise ImportError("allscan.integrations.fla needs flash-linear-attention 0.6.x (its models and layers): "
+                          "pip install 'allscan[fla]'") from e
+    return fla.layers
+
+
+def _gate_name(old) -> str:
+    """The name fla's GLA layer was given for its output gate's activation (it keeps only the function)."""
+    if hasattr(old, "g_norm_swish_gate") or not hasattr(old, "gate_fn"):
+        return "swish"
+    from fla.modules.activations import ACT2FN
+
+    return next((name for name, fn in ACT2FN.items() if fn is old.gate_fn), repr(old.gate_fn))
+
+
+def _gla_options(old) -> Dict:
+    fused = hasattr(old, "g_norm_swish_gate")
+    norm = old.g_norm_swish_gate if fused else old.g_norm
+    if getattr(old, "feature_map_fn", None) is not None:
+        raise NotImplementedError(f"sequence_parallel: {type(old).__name__} with a feature_map is not supported")
+    return dict(mode=old.mode, hidden_size=old.hidden_size, expand_k=old.expand_k, expand_v=old.expand_v,
+                num_heads=old.num_heads, num_kv_heads=old.num_kv_heads, use_short_conv=old.use_short_conv,
+                conv_size=old.conv_size, conv_bias=old.conv_bias, use_output_gate=old.use_output_gate,
+                gate_fn=_gate_name(old), fuse_norm=fused, elementwise_affine=getattr(norm, "weight", None) is not None,
+                norm_eps=norm.eps, gate_logit_normalizer=old.gate_logit_normalizer,
+                gate_low_rank_dim=old.gk_proj[0].out_features, clamp_min=old.clamp_min, layer_idx=old.layer_idx)
+
+
+def _gdn_options(old) -> Dict:
+    return dict(hidden_size=old.hidden_size, expand_v=old.expand_v, head_dim=old.head_dim, num_heads=old.num_heads,
+                num_v_heads=old.num_v_heads, mode=old.mode, use_gate=old.use_gate,
+                use_short_conv=old.use_short_conv, allow_neg_eigval=old.allow_neg_eigval, conv_size=old.conv_size,
+                conv_bias=old.conv_bias, layer_idx=old.layer_idx, norm_eps=old.o_norm.eps,
+                output_gate_activation=getattr(old.o_norm, "activation", "swish"))
+
+
+def _adopt_parameters(new: nn.Module, old: nn.Module) -> None:
+    """Make ``new`` hold ``old``'s Parameter objects and buffers, name for name (same names and shapes)."""
+    got = {n: p.shape for n, p in old.named_parameters()}
+    want = {n: p.shape for n, p in new.named_parameters()}
+    if got != want:
+        raise RuntimeError(f"sequence_parallel: {type(old).__name__}'s parameters do not match allscan's layer "
+                           f"(fla {sorted(got.items())} vs allscan {sorted(want.items())}); is fla 0.6.x installed?")
+    for name, p in old.named_parameters():
+        owner, _, leaf = name.rpartition(".")
+        setattr(new.get_submodule(owner) if owner else new, leaf, p)
+    for name, b in old.named_buffers():
+        owner, _, leaf = name.rpartition(".")
+        (new.get_submodule(owner) if owner else new).register_buffer(leaf, b)
+
+
+def sequence_parallel(model: nn.Module, group=None, *, method: str = "zeco") -> nn.Module:
+    """Swap ``model``'s fla GLA and Gated DeltaNet layers (in place) for allscan's, sequence-parallel over
+    ``group`` (None: the default process group, resolved at each call) with ``method`` (as in
+    ``zeco_gla`` / ``zeco_gated_delta_rule``). Returns ``model``. Raises NotImplementedError naming any
+    other fla sequence-mixing layer the model holds."""
+    from allscan.layers import GatedDeltaNet, GatedLinearAttention
+
+    fla_layers = _fla_layers()
+    swaps = {fla_layers.GatedLinearAttention: (GatedLinearAttention, _gla_options),
+             fla_layers.GatedDeltaNet: (GatedDeltaNet, _gdn_options)}
+    todo, unsupported, seen = [], [], []
+    for name, module in model.named_modules():
+        kind = type(module)
+        if any(name.startswith(s + ".") for s in seen if s) or "" in seen:
+            continue  # inside a layer already swapped or refused
+        if kind in swaps:
+            todo.append((name, module))
+            seen.append(name)
+        elif kind.__module__.startswith("fla.layers."):
+            unsupported.append(f"{name or '<model>'} ({kind.__name__})")
+            seen.append(name)
+    if unsupported:
+        raise NotImplementedError("sequence_parallel: these fla sequence-mixing layers have no sequence-parallel "
+                                  "allscan layer (run on a shard they would compute something else): "
+                                  + ", ".join(unsupported))
+    for name, old in todo:
+        cls, options = swaps[type(old)]
+        new = cls(**options(old), group=group, method=method)
+        _adopt_parameters(new, old)
+        new.train(old.training)
+        if name:
+            owner, _, leaf = name.rpartition(".")
+            setattr(model.get_submodule(owner) if owner else model, leaf, new)
+        else:
+            model = new
+    config = getattr(model, "config", None)
+    if config is not None and hasattr(config, "use_cache"):
+        config.use_cache = False
+    return model

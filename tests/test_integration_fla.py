@@ -1,0 +1,150 @@
+"""flash-linear-attention models made sequence-parallel by ``allscan.integrations.fla``, fp32.
+
+CPU (gloo): fla's own layers run Triton kernels only, so the reference is the same swapped model on
+one process; the model's other parts run fla's torch code (``fuse_*=False``) and the swapped layers
+allscan's CPU kernels. GPU (``gpu``, NCCL, 2 GPUs): the reference is fla's model untouched, its own
+kernels on the whole sequence (Triton dots in IEEE fp32). Checked: the swap keeps fla's Parameter
+objects and options; at SP = 2 the loss, logits and every parameter gradient equal the reference's;
+a model with a layer allscan cannot run sequence-parallel raises naming it. Skips where
+flash-linear-attention 0.6 cannot be imported (it needs Triton and einops installed).
+"""
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from distributed import run_distributed  # noqa: E402
+
+pytest.importorskip("fla.models", reason="needs flash-linear-attention 0.6 (with triton and einops)")
+
+VOCAB = 61
+
+
+def tiny_model(kind: str, device: str = "cpu"):
+    """A 2-layer fla model of ``kind`` (gla, gdn, kda), seeded: the same weights on every rank. On
+    CPU with fla's torch paths; fla's unfused SwiGLU still calls a Triton kernel, so there it is
+    replaced by the same function in torch (per token, outside what ``sequence_parallel`` touches)."""
+    import fla.models as m
+    import fla.modules.mlp
+
+    if device == "cpu":
+        fla.modules.mlp.swiglu = lambda gate, y: torch.nn.functional.silu(gate) * y
+    torch.manual_seed(0)
+    common = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_heads=2, fuse_cross_entropy=False,
+                  fuse_norm=device != "cpu", fuse_swiglu=device != "cpu")
+    if kind == "gla":
+        model = m.GLAForCausalLM(m.GLAConfig(**common))
+    elif kind == "gdn":
+        model = m.GatedDeltaNetForCausalLM(m.GatedDeltaNetConfig(head_dim=16, **common))
+    else:
+        model = m.KDAForCausalLM(m.KDAConfig(head_dim=16, **common))
+    return model.float().to(device)
+
+
+def _sp_equals_one_process(rank, world, kind, device="cpu"):
+    from allscan.integrations import fla as sp
+    from allscan.ops import LOCAL
+
+    if device == "cuda":
+        device = f"cuda:{torch.cuda.current_device()}"
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, VOCAB, (2, 128 if device != "cpu" else 24), generator=gen).to(device)
+    labels = ids.clone()
+    labels[1, :3] = sp.IGNORE_INDEX
+
+    ref = tiny_model(kind, device)
+    if device == "cpu":
+        ref = sp.sequence_parallel(ref, LOCAL)  # allscan's layers, no sequence parallelism
+    ref_shard = sp.BatchShard(ids, None, torch.nn.functional.pad(labels[:, 1:], (0, 1), value=sp.IGNORE_INDEX),
+                              int((labels[:, 1:] != sp.IGNORE_INDEX).sum()))
+    ref_logits = ref(input_ids=ids).logits
+    ref_loss = sp.causal_lm_loss(ref_logits, ref_shard)
+    ref_loss.backward()
+
+    model = tiny_model(kind, device)
+    fla_params = dict(model.named_parameters())
+    assert sp.sequence_parallel(model) is model
+    res = {"same_objects": all(p is fla_params[n] for n, p in model.named_parameters()),
+           "same_names": sorted(fla_params) == sorted(n for n, _ in model.named_parameters()),
+           "layers": sorted({type(mod).__module__ + "." + type(mod).__name__ for mod in model.modules()
+                             if type(mod).__name__ in ("GatedLinearAttention", "GatedDeltaNet")}),
+           "use_cache": model.config.use_cache}
+    shard = sp.shard_batch(ids, labels)
+    logits = model(input_ids=shard.input_ids).logits
+    loss = sp.causal_lm_loss(logits, shard)
+    loss.backward()
+    sp.sync_gradients(model)
+    T = ids.shape[1] // world
+    res["loss"] = (sp.reduce_loss(loss).item(), ref_loss.item())
+    res["logits"] = ((logits - ref_logits[:, rank * T:(rank + 1) * T]).abs().max() / ref_logits.abs().max()).item()
+    ref_grads = dict(ref.named_parameters())
+    res["grads"] = max(((p.grad - ref_grads[n].grad).norm() / ref_grads[n].grad.norm().clamp_min(1e-30)).item()
+                       for n, p in model.named_parameters())
+    return res
+
+
+def _check(results, kind, tol):
+    for r in results:
+        assert r["same_objects"] and r["same_names"], r
+        assert r["layers"] == [f"allscan.layers.{'gla' if kind == 'gla' else 'gated_deltanet'}."
+                               f"{'GatedLinearAttention' if kind == 'gla' else 'GatedDeltaNet'}"], r
+        assert r["use_cache"] is False, r
+        got, want = r["loss"]
+        assert abs(got - want) <= tol["loss"] * abs(want), r
+        assert r["logits"] < tol["logits"], r
+        assert r["grads"] < tol["grads"], r
+
+
+@pytest.mark.parametrize("kind", ["gla", "gdn"])
+def test_fla_model_sequence_parallel_equals_one_process(kind):
+    _check(run_distributed(_sp_equals_one_process, 2, kind, timeout=300), kind,
+           {"loss": 1e-5, "logits": 1e-5, "grads": 1e-4})
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["gla", "gdn"])
+def test_fla_model_sequence_parallel_equals_fla_on_gpus(kind):
+    """Against fla's own model and kernels on the whole sequence (2 GPUs, NCCL). Gated DeltaNet's
+    backward on Hopper needs tilelang (fla refuses Triton's there)."""
+    if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 CUDA GPUs")
+    if kind == "gdn" and torch.cuda.get_device_capability() >= (9, 0):
+        pytest.importorskip("tilelang", reason="fla's Gated DeltaNet backward on Hopper needs tilelang")
+    os.environ["TRITON_F32_DEFAULT"] = "ieee"  # inherited by the spawned ranks: fla's fp32 dots exact
+    os.environ.setdefault("ALLSCAN_FLA_AUTOTUNE", "one")
+    _check(run_distributed(_sp_equals_one_process, 2, kind, "cuda", backend="nccl", timeout=400), kind,
+           {"loss": 1e-5, "logits": 1e-4, "grads": 1e-3})
+
+
+def test_unsupported_fla_layer_is_named():
+    from allscan.integrations import fla as sp
+
+    with pytest.raises(NotImplementedError, match=r"model.layers.0.attn \(KimiDeltaAttention\)"):
+        sp.sequence_parallel(tiny_model("kda"))
+
+
+def test_fla_layer_options_carry_over():
+    """A standalone fla layer with non-default options becomes allscan's layer with the same options."""
+    import fla.layers
+
+    from allscan.integrations import fla as sp
+    from allscan.layers import GatedDeltaNet, GatedLinearAttention
+
+    old = fla.layers.GatedLinearAttention(hidden_size=48, expand_k=1.0, expand_v=0.5, num_heads=3, num_kv_heads=1,
+                                          fuse_norm=False, gate_fn="sigmoid", norm_eps=1e-3, gate_logit_normalizer=8,
+                                          gate_low_rank_dim=4, clamp_min=-5.0, layer_idx=3)
+    new = sp.sequence_parallel(old)
+    assert isinstance(new, GatedLinearAttention)
+    for name in ("hidden_size", "num_heads", "num_kv_heads", "key_dim", "value_dim", "gate_logit_normalizer",
+                 "clamp_min", "layer_idx", "fuse_norm_and_gate"):
+        assert getattr(new, name) == getattr(old, name), name
+    assert new.g_norm.eps == 1e-3 and new.gate_fn is torch.sigmoid
+    old = fla.layers.GatedDeltaNet(hidden_size=32, head_dim=8, num_heads=2, num_v_heads=4, expand_v=1.5,
+                                   use_gate=False, conv_size=3, allow_neg_eigval=True, norm_eps=1e-4)
+    new = sp.sequence_parallel(old)
+    assert isinstance(new, GatedDeltaNet)
+    for name in ("num_heads", "num_v_heads", "head_v_dim", "use_gate", "conv_size", "allow_neg_eigval"):
+        assert getattr(new, name) == getattr(old, name), name
+    assert new.o_norm.eps == 1e-4
