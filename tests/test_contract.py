@@ -35,6 +35,10 @@ def clean_env(monkeypatch):
 BAD = [
     ("ALLSCAN_CHECK", "yes", "expected first, always, never, got 'yes'"),
     ("ALLSCAN_CHECK", "1", "expected first, always, never"),
+    ("ALLSCAN_COMM", "torch", "expected owned, borrowed, got 'torch'"),
+    ("ALLSCAN_TIMEOUT", "0", "expected 'group', 'off' or a positive number of seconds, got '0'"),
+    ("ALLSCAN_TIMEOUT", "10m", "a positive number of seconds, got '10m'"),
+    ("ALLSCAN_TIMEOUT", "inf", "a positive number of seconds"),
     ("ALLSCAN_LINK_MODEL", "5", "two floats"),
     ("ALLSCAN_LINK_MODEL", "0,1e-6", "positive finite"),
     ("ALLSCAN_LINK_MODEL", "nan,1e-6", "positive finite"),
@@ -64,6 +68,13 @@ def test_a_bad_value_raises_naming_the_variable(clean_env, var, value, needle):
     assert needle in str(e.value)
 
 
+def test_timeout_setting_values(clean_env):
+    for raw, want in (("group", "group"), ("off", "off"), ("2.5", 2.5)):
+        clean_env.setenv("ALLSCAN_TIMEOUT", raw)
+        settings.reload()
+        assert settings.timeout == want
+
+
 def test_every_variable_with_values_has_a_bad_value_test():
     free = {"ALLSCAN_PERF"}  # a path: any value
     assert {v.name for v in VARIABLES} - free == {name for name, _, _ in BAD}
@@ -83,7 +94,7 @@ def test_a_bad_value_raises_at_the_first_scan(clean_env):
 def test_defaults(clean_env):
     got = {v.attr: getattr(settings, v.attr) for v in VARIABLES if v.attr}
     assert got == {
-        "check": "first", "link_model": None, "head_fill": "auto", "self_fill_max_bytes": 8 << 20, "fill_ctas": 8,
+        "check": "first", "comm": "owned", "timeout": "group", "link_model": None, "head_fill": "auto", "self_fill_max_bytes": 8 << 20, "fill_ctas": 8,
         "gla_backend": "auto", "gla_fused": True, "gla_fused_output": True, "fla_autotune": None,
         "ulysses_streams": True, "a2a_impl": "auto", "perf_binary": None,
     }

@@ -4,7 +4,9 @@ Every survivor must raise (never hang, never return a wrong value) within the gr
 and a new group of the survivors must work afterwards. P = 3; the dead rank is the middle one for
 every collective and layer (scan by each method, the matrix scan, the chunked all-to-all, zeco_gla
 and zeco_gated_delta_rule fwd+bwd), and the head and the tail for the scan. The victim leaves with
-``os._exit`` (no clean-up, as a crashed process) while its peers are calling.
+``os._exit`` (no clean-up, as a crashed process) while its peers are calling. The same on 2 GPUs
+over NCCL (marked ``gpu``), where allscan's communicator watch turns the hang into
+``allscan.CommunicatorTimeout``.
 """
 from __future__ import annotations
 
@@ -24,48 +26,56 @@ PG_TIMEOUT = 3.0  # seconds: the fault group's timeout
 SLACK = 5.0  # what the issue allows past the timeout
 
 
-def _call(op, group, rank):
-    """One collective (or layer fwd+bwd) on ``group``; returns a value every rank can check."""
+def _call(op, group, rank, device="cpu", step=0):
+    """One collective (or layer fwd+bwd) on ``group``, on ``device`` (the layers with shapes fla's
+    kernels take on CUDA); returns a value every rank can check. The scan alternates direction with
+    ``step`` (either end of the chain then waits on a dead neighbour soon)."""
     import allscan
     from allscan.layers import zeco_gated_delta_rule, zeco_gla
 
-    x = torch.arange(1.0, 9.0) * (rank + 1)
+    world = group.size()
+    x = torch.arange(1.0, 9.0, device=device) * (rank + 1)
     if op.startswith("scan"):
         method = op.partition(":")[2] or "pipelined"
-        return allscan.scan(x, torch.full_like(x, 0.5), group, inclusive=True, method=method)
+        return allscan.scan(x, torch.full_like(x, 0.5), group, inclusive=True, method=method, reverse=bool(step % 2))
     if op == "matrix":
-        return allscan.scan(x.view(1, 2, 4), group=group, transition=torch.eye(2).unsqueeze(0), inclusive=True)
+        return allscan.scan(x.view(1, 2, 4), group=group, transition=torch.eye(2, device=device).unsqueeze(0),
+                            inclusive=True, reverse=bool(step % 2))
     if op == "a2a":
-        return allscan.a2a.scatter_heads(torch.ones(1, 2, WORLD, 4) * (rank + 1), group)
+        return allscan.a2a.scatter_heads(torch.ones(1, 2, world, 4, device=device) * (rank + 1), group)
+    T, K = (6, 4) if device == "cpu" else (64, 16)
     gen = torch.Generator().manual_seed(rank)
-    q, k = (torch.randn(1, 6, 2, 4, generator=gen, requires_grad=True) for _ in range(2))
-    v = torch.randn(1, 6, 2, 4, generator=gen, requires_grad=True)
+    q, k, v = (torch.randn(1, T, 2, K, generator=gen).to(device).requires_grad_() for _ in range(3))
     if op == "gla":
-        o, _ = zeco_gla(q, k, v, torch.full((1, 6, 2, 4), -0.1), group)
+        o, _ = zeco_gla(q, k, v, torch.full((1, T, 2, K), -0.1, device=device), group)
     else:
-        beta = torch.full((1, 6, 2), 0.5)
-        o, _ = zeco_gated_delta_rule(q, torch.nn.functional.normalize(k, dim=-1), v, torch.full((1, 6, 2), -0.1),
-                                     beta, group)
+        beta = torch.full((1, T, 2), 0.5, device=device)
+        o, _ = zeco_gated_delta_rule(q, torch.nn.functional.normalize(k, dim=-1), v,
+                                     torch.full((1, T, 2), -0.1, device=device), beta, group)
     o.sum().backward()
     return o.detach()
 
 
-def _victim_dies(rank, world, op, victim):
+def _victim_dies(rank, world, op, victim, device="cpu", pg_timeout=PG_TIMEOUT):
+    """The victim leaves after a warm-up call; each survivor calls until it raises (syncing every
+    call, as a loop that logs its loss does), then scans on a new group of the survivors."""
     import torch.distributed as dist
 
     import allscan
 
-    group = dist.new_group(list(range(world)), timeout=datetime.timedelta(seconds=PG_TIMEOUT))
-    _call(op, group, rank)  # every signature checked once, the group warm
+    if device == "cuda":
+        device = f"cuda:{torch.cuda.current_device()}"
+    group = dist.new_group(list(range(world)), timeout=datetime.timedelta(seconds=pg_timeout))
+    _call(op, group, rank, device)  # every signature checked once, the group warm
     dist.barrier(group)
     if rank == victim:
         time.sleep(0.3)  # the others are calling by now
         os._exit(0)
     t0 = time.monotonic()
     outcome = None
-    for _ in range(100000):
+    for step in range(100000):
         try:
-            _call(op, group, rank)
+            _call(op, group, rank, device, step).cpu()
         except Exception as e:  # noqa: BLE001 - whatever the collective raises is the outcome
             outcome = (type(e).__name__, str(e).splitlines()[0][:160])
             break
@@ -73,7 +83,7 @@ def _victim_dies(rank, world, op, victim):
     # the survivors carry on in a group of their own
     survivors = [r for r in range(world) if r != victim]
     fresh = dist.new_group(survivors, timeout=datetime.timedelta(seconds=30), use_local_synchronization=True)
-    y = allscan.scan(torch.ones(4), torch.full((4,), 0.5), fresh, inclusive=True)
+    y = allscan.scan(torch.ones(4, device=device), torch.full((4,), 0.5, device=device), fresh, inclusive=True).cpu()
     want = sum(0.5 ** i for i in range(survivors.index(rank) + 1))
     return dict(outcome=outcome, elapsed=elapsed, fresh_ok=bool(torch.allclose(y, torch.full((4,), want))))
 
@@ -82,13 +92,53 @@ CASES = [("scan", 1), ("scan", 0), ("scan", 2), ("scan:serial", 1), ("scan:allga
          ("a2a", 1), ("gla", 1), ("gdn", 1)]
 
 
-@pytest.mark.parametrize("op, victim", CASES, ids=[f"{op}-dies{v}" for op, v in CASES])
-def test_a_dead_rank_makes_every_survivor_raise_in_time(op, victim):
-    results = run_distributed(_victim_dies, WORLD, op, victim, timeout=120, may_exit=(victim,))
+def check_survivors(results, op, victim, pg_timeout, expect=None):
+    """Every survivor raised (``expect``: that exception type's name) within the timeout + SLACK, and
+    a new group of the survivors worked."""
     assert results[victim] is None
     for rank, r in enumerate(results):
         if rank == victim:
             continue
         assert r["outcome"] is not None, f"rank {rank} never raised ({op}, rank {victim} dead)"
-        assert r["elapsed"] <= PG_TIMEOUT + SLACK + 0.3, f"rank {rank} raised after {r['elapsed']:.1f} s: {r}"
+        assert expect is None or r["outcome"][0] == expect, f"rank {rank}: {r}"
+        assert r["elapsed"] <= pg_timeout + SLACK + 0.3, f"rank {rank} raised after {r['elapsed']:.1f} s: {r}"
         assert r["fresh_ok"], f"rank {rank}: a new group of the survivors did not work: {r}"
+
+
+@pytest.mark.parametrize("op, victim", CASES, ids=[f"{op}-dies{v}" for op, v in CASES])
+def test_a_dead_rank_makes_every_survivor_raise_in_time(op, victim):
+    results = run_distributed(_victim_dies, WORLD, op, victim, timeout=120, may_exit=(victim,))
+    check_survivors(results, op, victim, PG_TIMEOUT)
+
+
+GPU_CASES = ["scan", "matrix", "a2a", "gla", "gdn"]
+GPU_PG_TIMEOUT = 5.0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op", GPU_CASES)
+def test_a_dead_rank_on_nccl_makes_the_survivor_raise_in_time(op):
+    """2 GPUs, NCCL: rank 1 dies; rank 0's collectives (allscan's own communicator, watched with
+    the group's timeout) raise CommunicatorTimeout within the timeout + 5 s instead of hanging."""
+    if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 CUDA GPUs")
+    os.environ.setdefault("ALLSCAN_FLA_AUTOTUNE", "one")
+    results = run_distributed(_victim_dies, 2, op, 1, "cuda", GPU_PG_TIMEOUT, backend="nccl", timeout=240,
+                              may_exit=(1,))
+    check_survivors(results, op, 1, GPU_PG_TIMEOUT, expect="CommunicatorTimeout")
+
+
+def _timeouts(rank, world):
+    import torch.distributed as dist
+
+    from allscan._comm import group_timeout
+
+    group = dist.new_group(list(range(world)), timeout=datetime.timedelta(seconds=7))
+    return group_timeout(group, torch.device("cpu")), group_timeout(dist.group.WORLD, torch.device("cpu"))
+
+
+def test_the_watch_timeout_is_the_groups_own():
+    """ALLSCAN_TIMEOUT=group (the default) reads each group's own timeout."""
+    for mine, world_default in run_distributed(_timeouts, 2):
+        assert mine == 7.0
+        assert world_default == 1800.0  # torch's default for gloo (30 min), as init_process_group left it

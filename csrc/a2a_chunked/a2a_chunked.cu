@@ -9,6 +9,7 @@
 
 #include "common/acc.cuh"
 #include "common/error.h"
+#include "common/watch.h"
 
 using allscan::detail::Acc;
 using allscan::detail::fromAcc;
@@ -467,9 +468,9 @@ ALLSCAN_API allscanResult_t allscanA2AWorkspaceSize(int nranks, int rank, allsca
   return allscanSuccess;
 }
 
-ALLSCAN_API allscanResult_t allscanA2A(ncclComm_t comm, allscanA2ADirection_t direction, const allscanA2AArgs_t* args,
-                                   void* workspace, size_t workspace_bytes, cudaStream_t stream) {
-  if (comm == nullptr) return setErrorf(allscanInvalidArgument, "allscanA2A: comm is NULL");
+// The work of allscanA2A, run under the communicator's watch (common/watch.h).
+static allscanResult_t a2aIssue(ncclComm_t comm, allscanA2ADirection_t direction, const allscanA2AArgs_t* args,
+                                void* workspace, size_t workspace_bytes, cudaStream_t stream) {
   int nranks = 0, rank = 0;
   ALLSCAN_NCCL_CHECK(comm, ncclCommCount(comm, &nranks));
   ALLSCAN_NCCL_CHECK(comm, ncclCommUserRank(comm, &rank));
@@ -514,6 +515,13 @@ ALLSCAN_API allscanResult_t allscanA2A(ncclComm_t comm, allscanA2ADirection_t di
   }
   if (args->done_event != nullptr) ALLSCAN_CUDA_CHECK(cudaEventRecord(args->done_event, stream));
   return allscanSuccess;
+}
+
+ALLSCAN_API allscanResult_t allscanA2A(ncclComm_t comm, allscanA2ADirection_t direction, const allscanA2AArgs_t* args,
+                                   void* workspace, size_t workspace_bytes, cudaStream_t stream) {
+  if (comm == nullptr) return setErrorf(allscanInvalidArgument, "allscanA2A: comm is NULL");
+  return allscan::detail::watched(
+      comm, stream, [&] { return a2aIssue(comm, direction, args, workspace, workspace_bytes, stream); });
 }
 
 }  // extern "C"

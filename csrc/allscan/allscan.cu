@@ -13,6 +13,7 @@
 #include "pipeline.h"
 #include "common/acc.cuh"
 #include "common/error.h"
+#include "common/watch.h"
 
 using namespace allscan::detail;
 
@@ -321,6 +322,31 @@ allscanResult_t scanLink(const allscanComm* comm, const allscanScanArgs_t* a, co
       stream);
 }
 
+
+// The NCCL work of the public calls below, run under the communicator's watch (common/watch.h).
+allscanResult_t neighborExchange(allscanComm_t comm, const void* sendbuf, void* recvbuf, size_t bytes, int reverse,
+                                 int chain, cudaStream_t stream) {
+  const int P = comm->nranks, r = comm->rank;
+  if (P == 1 || bytes == 0) return allscanSuccess;
+  ALLSCAN_ARG_CHECK(sendbuf != nullptr && recvbuf != nullptr, "sendbuf/recvbuf: null pointer");
+  const int next = reverse ? (r - 1 + P) % P : (r + 1) % P;
+  const int prev = reverse ? (r + 1) % P : (r - 1 + P) % P;
+  const bool send = !chain || (reverse ? r > 0 : r < P - 1);
+  const bool recv = !chain || (reverse ? r < P - 1 : r > 0);
+  ALLSCAN_NCCL_CHECK(comm->nccl, ncclGroupStart());
+  if (send) ALLSCAN_NCCL_CHECK_IN_GROUP(comm->nccl, ncclSend(sendbuf, bytes, ncclUint8, next, comm->nccl, stream));
+  if (recv) ALLSCAN_NCCL_CHECK_IN_GROUP(comm->nccl, ncclRecv(recvbuf, bytes, ncclUint8, prev, comm->nccl, stream));
+  ALLSCAN_NCCL_CHECK(comm->nccl, ncclGroupEnd());
+  return allscanSuccess;
+}
+
+allscanResult_t scanIssue(allscanComm* comm, const allscanScanArgs_t* a, void* workspace, cudaStream_t stream) {
+  if (a->method == allscanAllGather) return scanAllGather(comm, a, workspace, stream);
+  const Blocks blocks(a->count, methodBlocks(comm, a->method, a->num_blocks, a->count * dtypeSize(a->dtype)),
+                      dtypeSize(a->dtype));
+  if (chainPos(comm, a->reverse).head) return scanHead(comm, a, blocks, workspace, stream);
+  return scanLink(comm, a, blocks, workspace, stream);
+}
 }  // namespace
 
 // ------------------------------------------------------------------------------------------------
@@ -447,18 +473,8 @@ allscanResult_t allscanNeighborExchange(allscanComm_t comm, const void* sendbuf,
                                         int reverse, int chain, cudaStream_t stream) {
   ALLSCAN_ARG_CHECK(comm != nullptr, "comm: null communicator");
   ALLSCAN_CHECK(checkAttached(comm));
-  const int P = comm->nranks, r = comm->rank;
-  if (P == 1 || bytes == 0) return allscanSuccess;
-  ALLSCAN_ARG_CHECK(sendbuf != nullptr && recvbuf != nullptr, "sendbuf/recvbuf: null pointer");
-  const int next = reverse ? (r - 1 + P) % P : (r + 1) % P;
-  const int prev = reverse ? (r + 1) % P : (r - 1 + P) % P;
-  const bool send = !chain || (reverse ? r > 0 : r < P - 1);
-  const bool recv = !chain || (reverse ? r < P - 1 : r > 0);
-  ALLSCAN_NCCL_CHECK(comm->nccl, ncclGroupStart());
-  if (send) ALLSCAN_NCCL_CHECK_IN_GROUP(comm->nccl, ncclSend(sendbuf, bytes, ncclUint8, next, comm->nccl, stream));
-  if (recv) ALLSCAN_NCCL_CHECK_IN_GROUP(comm->nccl, ncclRecv(recvbuf, bytes, ncclUint8, prev, comm->nccl, stream));
-  ALLSCAN_NCCL_CHECK(comm->nccl, ncclGroupEnd());
-  return allscanSuccess;
+  return watched(comm->nccl, stream,
+                 [&] { return neighborExchange(comm, sendbuf, recvbuf, bytes, reverse, chain, stream); });
 }
 
 allscanResult_t allscanScan(allscanComm_t comm, const allscanScanArgs_t* a, void* workspace, size_t workspace_bytes,
@@ -469,11 +485,7 @@ allscanResult_t allscanScan(allscanComm_t comm, const allscanScanArgs_t* a, void
   ALLSCAN_CHECK(checkWorkspace(need, workspace, workspace_bytes, "allscanWorkspaceSize"));
   if (comm->nranks == 1) return scanOneRank(a, stream);
   ALLSCAN_CHECK(checkAttached(comm));
-  if (a->method == allscanAllGather) return scanAllGather(comm, a, workspace, stream);
-  const Blocks blocks(a->count, methodBlocks(comm, a->method, a->num_blocks, a->count * dtypeSize(a->dtype)),
-                      dtypeSize(a->dtype));
-  if (chainPos(comm, a->reverse).head) return scanHead(comm, a, blocks, workspace, stream);
-  return scanLink(comm, a, blocks, workspace, stream);
+  return watched(comm->nccl, stream, [&] { return scanIssue(comm, a, workspace, stream); });
 }
 
 allscanResult_t allscanCalibrate(allscanComm_t comm, cudaStream_t stream) {

@@ -8,6 +8,7 @@
 #include "allscan/allscan.h"
 #include "comm.h"
 #include "common/error.h"
+#include "common/watch.h"
 #include "head_result.h"
 #include "pipeline.h"
 #include "matrix_combine.h"
@@ -280,6 +281,14 @@ allscanResult_t scanLink(const allscanComm* comm, const allscanMatrixScanArgs_t*
   return allscanSuccess;
 }
 
+
+// The NCCL work of allscanMatrixScan, run under the communicator's watch (common/watch.h).
+allscanResult_t scanIssue(allscanComm* comm, const allscanMatrixScanArgs_t* a, void* workspace, cudaStream_t stream) {
+  if (a->method == allscanAllGather) return scanAllGather(comm, a, workspace, stream);
+  const Blocks b = makeBlocks(a->batch, a->k, a->v, dtypeSize(a->dtype), matrixBlockCount(comm, a));
+  if (chainPos(comm, a->reverse).head) return scanHead(comm, a, b, workspace, stream);
+  return scanLink(comm, a, b, workspace, stream);
+}
 }  // namespace
 
 extern "C" {
@@ -313,10 +322,7 @@ allscanResult_t allscanMatrixScan(allscanComm_t comm, const allscanMatrixScanArg
   ALLSCAN_CHECK(checkWorkspace(need, workspace, workspace_bytes, "allscanMatrixWorkspaceSize"));
   if (comm->nranks == 1) return scanOneRank(a, stream);
   ALLSCAN_CHECK(checkAttached(comm));
-  if (a->method == allscanAllGather) return scanAllGather(comm, a, workspace, stream);
-  const Blocks b = makeBlocks(a->batch, a->k, a->v, dtypeSize(a->dtype), matrixBlockCount(comm, a));
-  if (chainPos(comm, a->reverse).head) return scanHead(comm, a, b, workspace, stream);
-  return scanLink(comm, a, b, workspace, stream);
+  return watched(comm->nccl, stream, [&] { return scanIssue(comm, a, workspace, stream); });
 }
 
 }  // extern "C"

@@ -51,6 +51,7 @@ extern "C" ALLSCAN_API const char* allscanGetErrorString(allscanResult_t r) {
     case allscanCudaError: return "CUDA error";
     case allscanNcclError: return "NCCL error";
     case allscanInternalError: return "internal error";
+    case allscanTimeout: return "communicator timed out";
   }
   return "unknown allscan result";
 }

@@ -130,6 +130,22 @@ PYBIND11_MODULE(_C, m) {
   });
   m.def("nccl_comm_destroy", [](std::uintptr_t c) { checkNccl(ncclCommDestroy(ptr<ncclComm>(c)), "ncclCommDestroy"); });
 
+  pybind11::register_exception<allscan_py::CommunicatorTimeout>(m, "CommunicatorTimeout", PyExc_RuntimeError);
+  m.def("watch_create", [](std::uintptr_t nccl, double timeout_s, bool abort_on_timeout) {
+    allscanWatch_t w = nullptr;
+    check(allscanWatchCreate(ptr<ncclComm>(nccl), timeout_s, abort_on_timeout ? 1 : 0, &w));
+    return reinterpret_cast<std::uintptr_t>(w);
+  });
+  m.def("watch_destroy", [](std::uintptr_t w) {
+    py::gil_scoped_release release;  // waits for the watch thread (at most an abort in progress)
+    check(allscanWatchDestroy(ptr<allscanWatch>(w)));
+  });
+  m.def("watch_status", [](std::uintptr_t w) {
+    int aborted = 0;
+    const allscanResult_t r = allscanWatchStatus(ptr<allscanWatch>(w), &aborted);
+    if (r != allscanSuccess && r != allscanTimeout) check(r);
+    return py::make_tuple(r == allscanSuccess, aborted != 0, r == allscanSuccess ? std::string() : std::string(allscanGetLastError()));
+  }, "(ok, aborted, reason) of a watch");
   m.def("comm_create", [](std::uintptr_t nccl) {
     allscanComm_t c = nullptr;
     check(allscanCommCreate(ptr<ncclComm>(nccl), &c));

@@ -15,10 +15,16 @@ namespace allscan_py {
 
 template <typename T> T* ptr(std::uintptr_t v) { return reinterpret_cast<T*>(v); }
 
+// allscanTimeout: Python's allscan.CommunicatorTimeout (a RuntimeError), registered in bindings.cpp.
+struct CommunicatorTimeout : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
 inline void check(allscanResult_t r) {
   if (r == allscanSuccess) return;
   std::string msg = std::string("allscan: ") + allscanGetLastError();
   if (r == allscanInvalidArgument) throw pybind11::value_error(msg);
+  if (r == allscanTimeout) throw CommunicatorTimeout(msg);
   throw std::runtime_error(msg + " (" + allscanGetErrorString(r) + ")");
 }
 

@@ -1,10 +1,15 @@
 """Process group -> NCCL communicator.
 
-The NCCL communicator for a torch group is borrowed from torch's own ProcessGroupNCCL when it can
-be (``group._get_backend(device)._comm_ptr()``, forcing its creation with one tiny collective when it
-reads 0; a borrowed communicator is never destroyed here). Otherwise allscan creates and owns one,
-from an ``ncclUniqueId`` broadcast over the group, and destroys it at exit or in
-:func:`destroy_communicators`. Communicators are cached per (group, device).
+By default (``ALLSCAN_COMM=owned``) allscan creates and owns the NCCL communicator of a group, from
+an ``ncclUniqueId`` broadcast over the group, and destroys it at exit or in
+:func:`destroy_communicators`. With ``ALLSCAN_COMM=borrowed`` it borrows torch's own
+ProcessGroupNCCL communicator when it can (``group._get_backend(device)._comm_ptr()``, forcing its
+creation with one tiny collective when it reads 0; never destroyed here), else owns one.
+Communicators are cached per (group, device).
+
+Each communicator of more than one rank is watched (``allscanWatchCreate``, ``ALLSCAN_TIMEOUT``): a
+collective not done within the group's timeout fails it, aborts it when allscan owns it, and every
+later call on it raises :class:`allscan.CommunicatorTimeout`.
 """
 from __future__ import annotations
 
@@ -97,12 +102,23 @@ class Communicator:
     owned: bool          # True when allscan created the NCCL communicator (and destroys it)
     link_model: Optional[Tuple[float, float]] = None  # (latency_us, us_per_byte) in use, if any
     group_ref: Optional[weakref.ReferenceType] = None  # the group object it was made for
+    watch: int = 0       # allscanWatch_t as an integer (0: not watched)
+    timeout_s: Optional[float] = None  # the watch's timeout
+
+    def status(self) -> Tuple[bool, bool, str]:
+        """(ok, aborted, reason): whether the watch has failed this communicator."""
+        return _C.watch_status(self.watch) if self.watch else (True, False, "")
 
     def destroy(self) -> None:
+        aborted = False
+        if self.watch:
+            aborted = self.status()[1]
+            _C.watch_destroy(self.watch)
+            self.watch = 0
         if self.handle:
             _C.comm_destroy(self.handle)
             self.handle = 0
-        if self.owned and self.nccl:
+        if self.owned and self.nccl and not aborted:  # ncclCommAbort freed an aborted one
             _C.nccl_comm_destroy(self.nccl)
         self.nccl = 0
 
@@ -139,6 +155,28 @@ def _create_owned_comm(group, device: torch.device) -> int:
     dist.broadcast_object_list(obj, group_src=0, group=group)
     with torch.cuda.device(device):
         return int(_C.nccl_comm_init_rank(size, obj[0], rank))
+
+
+def group_timeout(group, device: torch.device) -> float:
+    """The group's own timeout in seconds (its backend's options; torch's default for the backend
+    when they do not say)."""
+    try:
+        return float(group._get_backend(device).options._timeout.total_seconds())
+    except Exception:  # noqa: BLE001 - private API: fall back to torch's defaults
+        from torch.distributed import distributed_c10d as c10d
+
+        try:
+            return float(c10d._get_default_timeout(backend_name(group)).total_seconds())
+        except Exception:  # noqa: BLE001
+            return float(c10d.default_pg_timeout.total_seconds())
+
+
+def _watch(nccl: int, owned: bool, group, device: torch.device) -> Tuple[int, Optional[float]]:
+    setting = settings.timeout
+    if setting == "off":
+        return 0, None
+    timeout = group_timeout(group, device) if setting == "group" else float(setting)
+    return int(_C.watch_create(nccl, timeout, owned)), timeout
 
 
 def check_env() -> None:
@@ -197,7 +235,7 @@ def get_communicator(group, device: torch.device) -> Communicator:
             "CUDA graph is being captured; call allscan once before capturing"
         )
 
-    nccl = _borrow_torch_comm(group, device)
+    nccl = _borrow_torch_comm(group, device) if settings.comm == "borrowed" else 0
     owned = nccl == 0
     if owned:
         nccl = _create_owned_comm(group, device)
@@ -212,6 +250,8 @@ def get_communicator(group, device: torch.device) -> Communicator:
         owned=owned,
         group_ref=weakref.ref(group),
     )
+    if comm.size > 1:
+        comm.watch, comm.timeout_s = _watch(nccl, owned, group, device)
     if _C.comm_rank(handle) != comm.rank or _C.comm_size(handle) != comm.size:
         comm.destroy()
         raise RuntimeError(

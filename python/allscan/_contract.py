@@ -58,6 +58,19 @@ def dtype_code(dtype: torch.dtype, what: str) -> int:
     return code
 
 
+def _timeout(name: str, v: str):
+    """``group`` (the group's own timeout), ``off``, or seconds > 0."""
+    if v in ("group", "off"):
+        return v
+    try:
+        t = float(v)
+    except ValueError:
+        t = float("nan")
+    if not (math.isfinite(t) and 0 < t < 1e9):
+        raise ValueError(f"{name}: expected 'group', 'off' or a positive number of seconds, got {v!r}")
+    return t
+
+
 # ------------------------------------------------------------------------------------------------
 # The settings
 # ------------------------------------------------------------------------------------------------
@@ -119,6 +132,16 @@ VARIABLES: Tuple[Variable, ...] = (
              "fail joins the exchange so the others raise too, and Ulysses attention repeats each "
              "two-stream forward on one stream and compares. `never`: no check.",
              _choice("first", "always", "never"), "first"),
+    Variable("ALLSCAN_COMM", "comm", "`owned`, `borrowed`", "`owned`", _FIRST_USE,
+             "The NCCL communicator of a group: one allscan creates and owns (so a timed-out one can be "
+             "aborted) or torch's own ProcessGroupNCCL communicator, borrowed (no second communicator, but "
+             "allscan cannot abort it: a dead peer then hangs as torch's own send/recv does).",
+             _choice("owned", "borrowed"), "owned"),
+    Variable("ALLSCAN_TIMEOUT", "timeout", "`group`, `off`, seconds", "`group`", _FIRST_USE,
+             "Bounded failure on NCCL: a collective not done after this long (the group's own timeout "
+             "by default) fails its communicator: aborted when owned; every later call on it raises "
+             "`allscan.CommunicatorTimeout`. `off`: no watch.",
+             _timeout, "group"),
     Variable("ALLSCAN_LINK_MODEL", "link_model", "`latency_us,us_per_byte` (two positive floats)",
              "measured (P > 2)", _FIRST_USE,
              "The link model that chooses the All-Scan's block count, instead of measuring it.",

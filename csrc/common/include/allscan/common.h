@@ -8,6 +8,7 @@
 
 #include <stddef.h>
 
+#include <cuda_runtime.h>
 #include <nccl.h>
 
 #if defined(_WIN32)
@@ -27,6 +28,7 @@ typedef enum {
   allscanCudaError = 2,
   allscanNcclError = 3,
   allscanInternalError = 4,
+  allscanTimeout = 5, /* a watched communicator timed out (allscanWatchCreate); it is no longer usable */
 } allscanResult_t;
 
 typedef enum {
@@ -60,6 +62,25 @@ static inline ncclDataType_t allscanNcclDataType(allscanDataType_t dtype) {
   }
   return ncclFloat32;
 }
+
+/*
+ * Bounded failure: a watch over the collectives allscan issues on one NCCL communicator (every
+ * allscan call on that communicator, from any collective, is watched once a watch exists for it).
+ * Each call records a CUDA event on its stream; a thread polls them. When one has not completed
+ * `timeout_s` seconds after it was issued (a peer died or is stuck), the watch fails: with
+ * `abort_on_timeout` it calls ncclCommAbort (the kernels in flight return, their results are
+ * undefined, and the communicator is gone: do not destroy it); every later allscan call on the
+ * communicator returns allscanTimeout with the reason in allscanGetLastError. Only a communicator
+ * the caller owns should be aborted. Calls issued under CUDA graph capture are not watched.
+ */
+typedef struct allscanWatch* allscanWatch_t;
+ALLSCAN_API allscanResult_t allscanWatchCreate(ncclComm_t nccl, double timeout_s, int abort_on_timeout,
+                                               allscanWatch_t* watch);
+/* Stops the thread and forgets the communicator (neither destroys nor aborts it). */
+ALLSCAN_API allscanResult_t allscanWatchDestroy(allscanWatch_t watch);
+/* allscanSuccess, or allscanTimeout once the watch has failed (the reason in allscanGetLastError);
+ * *aborted (may be NULL) says whether the communicator was aborted. */
+ALLSCAN_API allscanResult_t allscanWatchStatus(allscanWatch_t watch, int* aborted);
 
 #ifdef __cplusplus
 } /* extern "C" */
