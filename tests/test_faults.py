@@ -66,7 +66,8 @@ def _victim_dies(rank, world, op, victim, device="cpu", pg_timeout=PG_TIMEOUT):
     if device == "cuda":
         device = f"cuda:{torch.cuda.current_device()}"
     group = dist.new_group(list(range(world)), timeout=datetime.timedelta(seconds=pg_timeout))
-    _call(op, group, rank, device)  # every signature checked once, the group warm
+    for step in (0, 1):  # every signature (both scan directions) checked once, the group warm
+        _call(op, group, rank, device, step)
     dist.barrier(group)
     if rank == victim:
         time.sleep(0.3)  # the others are calling by now
