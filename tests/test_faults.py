@@ -58,7 +58,9 @@ def _call(op, group, rank, device="cpu", step=0):
 
 def _victim_dies(rank, world, op, victim, device="cpu", pg_timeout=PG_TIMEOUT):
     """The victim leaves after a warm-up call; each survivor calls until it raises (syncing every
-    call, as a loop that logs its loss does), then scans on a new group of the survivors."""
+    call, as a loop that logs its loss does), then (gloo) scans on a new group of the survivors. On
+    NCCL torch's new_group splits the default group's communicator, which needs the dead rank too:
+    the stuck-peer test checks a new group there."""
     import torch.distributed as dist
 
     import allscan
@@ -81,6 +83,8 @@ def _victim_dies(rank, world, op, victim, device="cpu", pg_timeout=PG_TIMEOUT):
             outcome = (type(e).__name__, str(e).splitlines()[0][:160])
             break
     elapsed = time.monotonic() - t0
+    if device != "cpu":
+        return dict(outcome=outcome, elapsed=elapsed, fresh_ok=None)
     # the survivors carry on in a group of their own
     survivors = [r for r in range(world) if r != victim]
     fresh = dist.new_group(survivors, timeout=datetime.timedelta(seconds=30), use_local_synchronization=True)
@@ -103,7 +107,7 @@ def check_survivors(results, op, victim, pg_timeout, expect=None):
         assert r["outcome"] is not None, f"rank {rank} never raised ({op}, rank {victim} dead)"
         assert expect is None or r["outcome"][0] == expect, f"rank {rank}: {r}"
         assert r["elapsed"] <= pg_timeout + SLACK + 0.3, f"rank {rank} raised after {r['elapsed']:.1f} s: {r}"
-        assert r["fresh_ok"], f"rank {rank}: a new group of the survivors did not work: {r}"
+        assert r["fresh_ok"] in (True, None), f"rank {rank}: a new group of the survivors did not work: {r}"
 
 
 @pytest.mark.parametrize("op, victim", CASES, ids=[f"{op}-dies{v}" for op, v in CASES])
@@ -124,9 +128,58 @@ def test_a_dead_rank_on_nccl_makes_the_survivor_raise_in_time(op):
     if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
         pytest.skip("needs 2 CUDA GPUs")
     os.environ.setdefault("ALLSCAN_FLA_AUTOTUNE", "one")
-    results = run_distributed(_victim_dies, 2, op, 1, "cuda", GPU_PG_TIMEOUT, backend="nccl", timeout=240,
+    results = run_distributed(_victim_dies, 2, op, 1, "cuda", GPU_PG_TIMEOUT, backend="nccl", timeout=120,
                               may_exit=(1,))
     check_survivors(results, op, 1, GPU_PG_TIMEOUT, expect="CommunicatorTimeout")
+
+
+def _peer_stalls(rank, world, pg_timeout):
+    """Rank 1 stops calling for longer than the timeout (alive, stuck elsewhere); rank 0 must raise.
+    Then both make a new group: allscan gives it a new communicator that works."""
+    import torch.distributed as dist
+
+    import allscan
+
+    device = f"cuda:{torch.cuda.current_device()}"
+    group = dist.new_group([0, 1], timeout=datetime.timedelta(seconds=pg_timeout))
+    for step in (0, 1):
+        _call("scan", group, rank, device, step)
+    dist.barrier()
+    outcome, elapsed = None, 0.0
+    if rank == 1:
+        time.sleep(pg_timeout + SLACK + 3)
+    else:
+        t0 = time.monotonic()
+        for step in range(100000):
+            try:
+                _call("scan", group, rank, device, step).cpu()
+            except allscan.CommunicatorTimeout as e:
+                outcome = ("CommunicatorTimeout", str(e).splitlines()[0][:160])
+                break
+        elapsed = time.monotonic() - t0
+        try:
+            _call("scan", group, rank, device, 0)
+            again = "no error"
+        except allscan.CommunicatorTimeout:
+            again = "CommunicatorTimeout"
+    fresh = dist.new_group([0, 1], timeout=datetime.timedelta(seconds=60))
+    y = allscan.scan(torch.ones(4, device=device), torch.full((4,), 0.5, device=device), fresh, inclusive=True).cpu()
+    want = sum(0.5 ** i for i in range(rank + 1))
+    res = dict(outcome=outcome, elapsed=elapsed, fresh_ok=bool(torch.allclose(y, torch.full((4,), want))))
+    if rank == 0:
+        res["again"] = again
+    return res
+
+
+@pytest.mark.gpu
+def test_a_stuck_peer_on_nccl_then_a_new_group_works():
+    if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 CUDA GPUs")
+    r0, r1 = run_distributed(_peer_stalls, 2, GPU_PG_TIMEOUT, backend="nccl", timeout=120)
+    assert r0["outcome"] is not None and r0["outcome"][0] == "CommunicatorTimeout", r0
+    assert r0["elapsed"] <= GPU_PG_TIMEOUT + SLACK, r0
+    assert r0["again"] == "CommunicatorTimeout", r0  # the failed communicator stays failed
+    assert r0["fresh_ok"] and r1["fresh_ok"], (r0, r1)
 
 
 def _timeouts(rank, world):
