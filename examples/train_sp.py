@@ -13,7 +13,7 @@ a synthetic next-token task (noisy counting sequences), so the loss falls. Each 
 one process (the reference) and once more in two micro-batches of half the batch (the same training
 with another summation order: the noise floor of the dtype), and reports the largest relative loss
 difference of each against the reference over the run. Exits 1 when the sequence-parallel run is
-off by more than 1e-4 (fp32) or 1e-1 (bf16). Needs transformers 5.x (``pip install
+off by more than 1e-4 (fp32) or 1e-1 (bf16) and by more than twice the noise floor. Needs transformers 5.x (``pip install
 'transformers>=5,<6'``); ``--model gla|gdn`` needs flash-linear-attention 0.6 and a GPU (Triton).
 """
 from __future__ import annotations
@@ -161,7 +161,10 @@ def main():
                   f"between two one-process runs (whole batch vs two micro-batches, the noise floor): {floor:.2e}",
                   flush=True)
     dist.destroy_process_group()
-    if args.compare and worst > (1e-4 if args.dtype == "float32" else 1e-1):
+    # Fail when sequence parallelism is further from one process than the dtype allows, and further
+    # than twice what another summation order alone gives (a long, fast-learning run amplifies
+    # rounding: two equivalent one-process runs then drift apart too).
+    if args.compare and worst > max(1e-4 if args.dtype == "float32" else 1e-1, 2 * floor):
         sys.exit(1)
 
 

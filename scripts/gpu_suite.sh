@@ -130,8 +130,8 @@ for s in $STAGES; do
     trainparity)  # examples/train_sp.py: 200 steps at SP = 2 against one process (and the noise floor)
       for v in "llama:float32" "llama:bfloat16" "gla:float32"; do
         IFS=: read -r model dtype <<< "$v"
-        TRITON_F32_DEFAULT=ieee run_stage "train_${model}_${dtype}" torchrun --nproc-per-node "$NGPU" examples/train_sp.py \
-          --model "$model" --dtype "$dtype" --steps ${TRAIN_STEPS:-200} --compare
+        ALLSCAN_FLA_AUTOTUNE=one TRITON_F32_DEFAULT=ieee run_stage "train_${model}_${dtype}" torchrun --nproc-per-node "$NGPU" examples/train_sp.py \
+          --model "$model" --dtype "$dtype" --steps ${TRAIN_STEPS:-200} --lr 1e-3 --compare
         grep -E '^(done|largest)' "$OUT/train_${model}_${dtype}.log" >> "$SUMMARY"
       done ;;
     ulysses)
