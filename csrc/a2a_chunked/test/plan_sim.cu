@@ -9,6 +9,7 @@
 // are never launched.)
 #include "../a2a_chunked.cu"
 #include "common/error.cpp"
+#include "common/watch.cpp"
 
 #include <cstdlib>
 #include <map>
