@@ -25,6 +25,13 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
 
 
+def scan_module():
+    """allscan.ops.scan, the module (``from allscan.ops import scan`` is the function of that name)."""
+    import importlib
+
+    return importlib.import_module("allscan.ops.scan")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
@@ -34,7 +41,7 @@ def main():
     import torch.distributed as dist
 
     import allscan
-    from allscan.ops import scan as S
+    S = scan_module()
 
     local = int(os.environ.get("LOCAL_RANK", "0"))
     torch.cuda.set_device(local)
@@ -91,7 +98,7 @@ def main():
             os.makedirs(args.out, exist_ok=True)
             with open(os.path.join(args.out, "scan_host.json"), "w") as f:
                 json.dump(dict(bench="scan_host", device=torch.cuda.get_device_name(dev), calls=args.calls,
-                               host_us=res, command="torchrun --nproc-per-node 2 bench/scan_host.py"), f, indent=1)
+                               host_us=res, allscan_timeout=str(allscan.settings.timeout), command="torchrun --nproc-per-node 2 bench/scan_host.py"), f, indent=1)
     dist.barrier()
     dist.destroy_process_group()
 

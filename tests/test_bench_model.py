@@ -117,3 +117,17 @@ def test_bad_inputs_give_clear_errors(tmp_path, capsys):
     r1.write_text(json.dumps(synthetic(2)))
     assert fm.main([str(r1), str(r2), "--out", str(tmp_path / "o")]) == 2
     assert "differs" in capsys.readouterr().err
+
+
+def test_scan_host_reaches_the_hooks_it_times():
+    """bench/scan_host.py times allscan.ops.scan's plan_for / launch / run (GPU only): they exist
+    with the arguments it passes (it once imported the function ``scan`` in the module's place)."""
+    import inspect
+
+    spec = importlib.util.spec_from_file_location("scan_host", os.path.join(ROOT, "bench", "scan_host.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    S = mod.scan_module()
+    assert len(inspect.signature(S.plan_for).parameters) == 8
+    inspect.signature(S.launch).bind("plan", "x", "g", None, False, False, 0)
+    inspect.signature(S.run).bind("x", "g", None, "name", False, False, 0, "pipelined", "group")
