@@ -25,8 +25,7 @@ outputs, the final state and the transition unchanged.
 from __future__ import annotations
 
 import math
-from types import SimpleNamespace
-from typing import List, Optional, Sequence
+from typing import List, NamedTuple, Optional, Sequence
 
 import torch
 
@@ -57,6 +56,28 @@ def _pair_scores(a, b, G, mask):
     if G.shape[-1] == 1:  # one decay per head (Gated DeltaNet): a plain score matrix times the decays
         return (a @ b.transpose(-1, -2)) * decay.squeeze(-1)
     return torch.einsum("...ik,...jk,...ijk->...ij", a, b, decay)
+
+
+class ChunkPass(NamedTuple):
+    """The chunk quantities of one sequence (:func:`chunk_delta_rule`). NamedTuples, not namespaces:
+    torch.compile traces them without a graph break."""
+
+    T: int
+    o_intra: torch.Tensor
+    q_eff: torch.Tensor
+    states: torch.Tensor
+    final: torch.Tensor
+    transition: Optional[torch.Tensor]
+    prefix: Optional[torch.Tensor]
+
+
+class ShardSummary(NamedTuple):
+    """Stage 1's result (:meth:`TorchDelta.summarize`): every segment's chunk pass, the segments'
+    final states and the first segment's transition."""
+
+    segments: List[ChunkPass]
+    finals: List[torch.Tensor]
+    transition: Optional[torch.Tensor]
 
 
 def chunk_delta_rule(q, k, v, g, beta, scale: float, h0: Optional[torch.Tensor] = None, chunk: int = CHUNK,
@@ -98,9 +119,9 @@ def chunk_delta_rule(q, k, v, g, beta, scale: float, h0: Optional[torch.Tensor] 
         if with_transition:
             prefix.append(P)
             P = M_c[:, :, n] @ P
-    return SimpleNamespace(T=T, o_intra=scale * (A_qk @ U), q_eff=scale * (eG * q - A_qk @ W),
-                           states=torch.stack(states, 2), final=S, transition=P,
-                           prefix=torch.stack(prefix, 2) if with_transition else None)
+    return ChunkPass(T=T, o_intra=scale * (A_qk @ U), q_eff=scale * (eG * q - A_qk @ W),
+                     states=torch.stack(states, 2), final=S, transition=P,
+                     prefix=torch.stack(prefix, 2) if with_transition else None)
 
 
 def chunk_outputs(cp) -> torch.Tensor:
@@ -146,7 +167,7 @@ class TorchDelta:
         for j, (a, e) in enumerate(zip(bounds, bounds[1:])):
             segs.append(chunk_delta_rule(q[:, a:e], k[:, a:e], v[:, a:e], g[:, a:e], beta[:, a:e], scale, h0s[j],
                                          with_transition=j == 0 and need_transition))
-        return SimpleNamespace(segments=segs, finals=[cp.final for cp in segs], transition=segs[0].transition)
+        return ShardSummary(segments=segs, finals=[cp.final for cp in segs], transition=segs[0].transition)
 
     @staticmethod
     def local_outputs(sp) -> torch.Tensor:

@@ -10,8 +10,7 @@ the backward autograd through a recomputation; the float64 token-by-token refere
 from __future__ import annotations
 
 import math
-from types import SimpleNamespace
-from typing import List, Optional, Sequence
+from typing import List, NamedTuple, Optional, Sequence
 
 import torch
 
@@ -85,6 +84,14 @@ def torch_state_grad(q, g, do, scale, L1):
     return torch.einsum("bthk,bthv->bhkv", qe, do[:, :L1].float()), total
 
 
+class TorchForward(NamedTuple):
+    """What :meth:`TorchGLA.fwd_states` hands on: the shard's outputs from zero states and its
+    segments' final states (a NamedTuple: torch.compile traces it without a graph break)."""
+
+    o: torch.Tensor
+    finals: List[torch.Tensor]
+
+
 class TorchGLA:
     """Chunked GLA in torch ops, staged for :mod:`allscan.ops.gla.zeco`; backward by autograd through
     a recomputation."""
@@ -100,7 +107,7 @@ class TorchGLA:
                 o_j, h_j = torch_chunk_gla(q[:, s:e], k[:, s:e], v[:, s:e], g[:, s:e], scale, h0s[j])
                 outs.append(o_j)
                 finals.append(h_j)
-        return SimpleNamespace(o=torch.cat(outs, 1), finals=finals)
+        return TorchForward(o=torch.cat(outs, 1), finals=finals)
 
     @staticmethod
     def fwd_output(st, q, k, v, g, scale, bounds):
