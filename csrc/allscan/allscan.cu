@@ -539,9 +539,14 @@ allscanResult_t allscanCalibrate(allscanComm_t comm, cudaStream_t stream) {
       fail(setError(allscanCudaError, "allscanCalibrate: copy failed"));
       break;
     }
-    ncclResult_t nr = allscan::detail::ncclSettle(comm->nccl, ncclAllReduce(dev, dev, 2, ncclFloat64, ncclMax, comm->nccl, stream));
-    if (nr != ncclSuccess) {
-      fail(setError(allscanNcclError, std::string("allscanCalibrate: ncclAllReduce: ") + ncclGetErrorString(nr)));
+    const allscanResult_t ar = watched(comm->nccl, stream, [&] {
+      const ncclResult_t nr =
+          ncclSettle(comm->nccl, ncclAllReduce(dev, dev, 2, ncclFloat64, ncclMax, comm->nccl, stream));
+      if (nr == ncclSuccess) return allscanSuccess;
+      return setError(allscanNcclError, std::string("allscanCalibrate: ncclAllReduce: ") + ncclGetErrorString(nr));
+    });
+    if (ar != allscanSuccess) {
+      fail(ar);
       break;
     }
     if (cudaMemcpyAsync(host, dev, sizeof(host), cudaMemcpyDeviceToHost, stream) != cudaSuccess ||

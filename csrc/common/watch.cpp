@@ -1,11 +1,20 @@
 // allscanWatch: bounded failure of a communicator's collectives (see allscan/common.h).
 //
-// Each watched call records a CUDA event into one of kSlots slots, round robin, stamped with the
-// time it was issued; a thread queries the busy slots every poll interval. A slot reused while
-// still busy keeps its older stamp, so a hang is never reported later than the timeout plus the
-// poll interval. On timeout the watch fails once: the reason is kept for every later call and,
-// with abort_on_timeout, the communicator is aborted under the issue lock (waited for up to
-// kAbortWait: a call stuck inside NCCL is released by the abort itself, as NCCL intends).
+// Each watched call records a CUDA event into one of kSlots slots, round robin (events made on the
+// communicator's device when the watch is). A thread queries the busy slots every poll interval.
+// The watch fails when work is pending and nothing has completed for the timeout: no slot seen
+// complete since the later of the last completion and the moment the watch went from idle to busy.
+// Progress, not the age of the oldest call, so a GPU that runs steadily behind the host (every slot
+// reused while busy) is never taken for a hung one. A call stuck while being issued (inside NCCL on
+// the host, e.g. connecting to a dead peer) records nothing, so its start is stamped too.
+//
+// On failure the reason is kept for every later call and, with abort_on_timeout, the communicator
+// is aborted under the issue lock, waited for at most kAbortWait: a call stuck inside NCCL is then
+// released by the abort itself, as NCCL's abort intends; that call's own error path may still
+// touch the freed communicator (the one case the lock cannot cover).
+//
+// The thread's CUDA calls use the relaxed stream-capture mode, so its event queries never
+// invalidate a graph that another thread is capturing in global mode.
 #include "common/watch.h"
 
 #include <algorithm>
@@ -29,14 +38,15 @@ struct allscanWatch {
   double timeout_s = 0;
   bool abort_on_timeout = false;
   std::timed_mutex issue;  // held while a call issues work, and by the abort
-  std::mutex mu;           // the slots, `stop`, `reason`
+  std::mutex mu;           // everything below but the atomics
   struct Slot {
     cudaEvent_t event = nullptr;
-    Clock::time_point issued;
     bool busy = false;
   };
   std::vector<Slot> slots;
   size_t next = 0;
+  Clock::time_point progress;  // last completion seen, or when the watch last went busy from idle
+  std::atomic<int64_t> issuing_since{0};  // ns since the clock's epoch while a call issues, else 0
   std::atomic<bool> failed{false};
   std::atomic<bool> aborted{false};
   std::string reason;
@@ -55,18 +65,22 @@ constexpr auto kAbortWait = std::chrono::seconds(2);
 std::shared_mutex g_registry_mu;
 std::vector<allscanWatch*> g_registry;
 
+int64_t nowNs() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now().time_since_epoch()).count();
+}
+
 std::chrono::milliseconds pollInterval(double timeout_s) {
   // A tenth of the timeout, between 10 ms and 200 ms.
   const double ms = std::clamp(timeout_s * 100.0, 10.0, 200.0);
   return std::chrono::milliseconds(static_cast<long>(ms));
 }
 
-void fail(allscanWatch* w, double waited_s) {
+void fail(allscanWatch* w, const char* what, double waited_s) {
   char buf[512];
   std::snprintf(buf, sizeof(buf),
-                "an allscan collective on this NCCL communicator did not complete within %.1f s (waited %.1f s): a "
-                "peer died or is stuck%s; the communicator cannot be used again: make a new process group",
-                w->timeout_s, waited_s, w->abort_on_timeout ? "; the communicator was aborted" : "");
+                "%s on this NCCL communicator for %.1f s (timeout %.1f s): a peer died or is stuck%s; the "
+                "communicator cannot be used again: make a new process group",
+                what, waited_s, w->timeout_s, w->abort_on_timeout ? "; the communicator was aborted" : "");
   {
     std::lock_guard<std::mutex> lk(w->mu);
     w->reason = buf;
@@ -81,26 +95,35 @@ void fail(allscanWatch* w, double waited_s) {
 
 void watchLoop(allscanWatch* w) {
   cudaSetDevice(w->device);
+  cudaStreamCaptureMode relaxed = cudaStreamCaptureModeRelaxed;
+  cudaThreadExchangeStreamCaptureMode(&relaxed);
   const auto poll = pollInterval(w->timeout_s);
   std::unique_lock<std::mutex> lk(w->mu);
   while (!w->stop) {
     w->cv.wait_for(lk, poll, [w] { return w->stop; });
     if (w->stop) break;
     const auto now = Clock::now();
-    double worst = 0;
+    bool pending = false;
     for (auto& s : w->slots) {
       if (!s.busy) continue;
       const cudaError_t q = cudaEventQuery(s.event);
       if (q == cudaErrorNotReady) {
-        worst = std::max(worst, std::chrono::duration<double>(now - s.issued).count());
+        pending = true;
       } else {
         s.busy = false;  // done (or a CUDA error, which the stream's next user sees)
+        w->progress = now;
         if (q != cudaSuccess) cudaGetLastError();
       }
     }
-    if (worst > w->timeout_s) {
+    const double stalled = std::chrono::duration<double>(now - w->progress).count();
+    const int64_t since = w->issuing_since.load();
+    const double issuing = since ? (nowNs() - since) * 1e-9 : 0.0;
+    if ((pending && stalled > w->timeout_s) || issuing > w->timeout_s) {
       lk.unlock();
-      fail(w, worst);
+      if (issuing > w->timeout_s)
+        fail(w, "an allscan call has been stuck issuing its NCCL work", issuing);
+      else
+        fail(w, "allscan collectives have been pending without progress", stalled);
       return;
     }
   }
@@ -115,7 +138,10 @@ allscanWatch_t watchBegin(ncclComm_t nccl, allscanResult_t* result) {
   allscanWatch* w = *it;
   if (!w->failed.load()) {
     w->issue.lock();
-    if (!w->failed.load()) return w;
+    if (!w->failed.load()) {
+      w->issuing_since.store(nowNs());
+      return w;
+    }
     w->issue.unlock();
   }
   std::lock_guard<std::mutex> lk(w->mu);
@@ -123,19 +149,24 @@ allscanWatch_t watchBegin(ncclComm_t nccl, allscanResult_t* result) {
   return nullptr;
 }
 
-void watchEnd(allscanWatch_t w, cudaStream_t stream, bool issued) {
+void watchEnd(allscanWatch_t w, cudaStream_t stream) {
+  // Recorded whether or not the call succeeded: a call that failed half way may have enqueued work.
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-  if (issued && cudaStreamIsCapturing(stream, &capture) == cudaSuccess && capture == cudaStreamCaptureStatusNone) {
+  if (cudaStreamIsCapturing(stream, &capture) != cudaSuccess) {
+    cudaGetLastError();
+  } else if (capture == cudaStreamCaptureStatusNone) {
     std::lock_guard<std::mutex> lk(w->mu);
+    const bool idle = std::none_of(w->slots.begin(), w->slots.end(), [](const allscanWatch::Slot& s) { return s.busy; });
     auto& s = w->slots[w->next];
     w->next = (w->next + 1) % w->slots.size();
-    if (s.event != nullptr || cudaEventCreateWithFlags(&s.event, cudaEventDisableTiming) == cudaSuccess) {
-      if (cudaEventRecord(s.event, stream) == cudaSuccess) {
-        if (!s.busy) s.issued = Clock::now();
-        s.busy = true;
-      }
+    if (cudaEventRecord(s.event, stream) == cudaSuccess) {
+      if (idle) w->progress = Clock::now();
+      s.busy = true;
+    } else {
+      cudaGetLastError();  // e.g. a stream of another device: this call is not watched
     }
   }
+  w->issuing_since.store(0);
   w->issue.unlock();
 }
 
@@ -150,7 +181,7 @@ extern "C" ALLSCAN_API allscanResult_t allscanWatchCreate(ncclComm_t nccl, doubl
   ALLSCAN_ARG_CHECK(watch != nullptr, "watch: null output pointer");
   ALLSCAN_ARG_CHECK(timeout_s > 0 && timeout_s < 1e9, "timeout_s: expected a positive number of seconds, got " +
                                                           std::to_string(timeout_s));
-  int device = 0;
+  int device = 0, current = 0;
   ALLSCAN_NCCL_CHECK(nccl, ncclCommCuDevice(nccl, &device));
   auto* w = new allscanWatch();
   w->nccl = nccl;
@@ -158,10 +189,23 @@ extern "C" ALLSCAN_API allscanResult_t allscanWatchCreate(ncclComm_t nccl, doubl
   w->timeout_s = timeout_s;
   w->abort_on_timeout = abort_on_timeout != 0;
   w->slots.resize(allscan::detail::kSlots);
+  w->progress = Clock::now();
+  cudaError_t e = cudaGetDevice(&current);
+  if (e == cudaSuccess) e = cudaSetDevice(device);
+  for (auto& s : w->slots)
+    if (e == cudaSuccess) e = cudaEventCreateWithFlags(&s.event, cudaEventDisableTiming);
+  cudaSetDevice(current);
+  if (e != cudaSuccess) {
+    for (auto& s : w->slots)
+      if (s.event != nullptr) cudaEventDestroy(s.event);
+    delete w;
+    return setError(allscanCudaError, std::string("allscanWatchCreate: events: ") + cudaGetErrorString(e));
+  }
   {
     std::unique_lock<std::shared_mutex> reg(allscan::detail::g_registry_mu);
     for (allscanWatch* other : allscan::detail::g_registry)
       if (other->nccl == nccl) {
+        for (auto& s : w->slots) cudaEventDestroy(s.event);
         delete w;
         return setError(allscanInvalidArgument, "nccl: this communicator already has a watch");
       }
@@ -172,7 +216,8 @@ extern "C" ALLSCAN_API allscanResult_t allscanWatchCreate(ncclComm_t nccl, doubl
   return allscanSuccess;
 }
 
-extern "C" ALLSCAN_API allscanResult_t allscanWatchDestroy(allscanWatch_t w) {
+extern "C" ALLSCAN_API allscanResult_t allscanWatchDestroy(allscanWatch_t w, int* aborted) {
+  if (aborted != nullptr) *aborted = 0;
   if (w == nullptr) return allscanSuccess;
   {
     std::unique_lock<std::shared_mutex> reg(allscan::detail::g_registry_mu);
@@ -184,10 +229,11 @@ extern "C" ALLSCAN_API allscanResult_t allscanWatchDestroy(allscanWatch_t w) {
     w->stop = true;
   }
   w->cv.notify_all();
-  if (w->thread.joinable()) w->thread.join();
+  if (w->thread.joinable()) w->thread.join();  // an abort in progress finishes first
   {
     std::lock_guard<std::timed_mutex> issuing(w->issue);  // a call still being issued finishes first
   }
+  if (aborted != nullptr) *aborted = w->aborted.load() ? 1 : 0;
   for (auto& s : w->slots)
     if (s.event != nullptr) cudaEventDestroy(s.event);
   delete w;

@@ -137,9 +137,13 @@ PYBIND11_MODULE(_C, m) {
     return reinterpret_cast<std::uintptr_t>(w);
   });
   m.def("watch_destroy", [](std::uintptr_t w) {
-    py::gil_scoped_release release;  // waits for the watch thread (at most an abort in progress)
-    check(allscanWatchDestroy(ptr<allscanWatch>(w)));
-  });
+    int aborted = 0;
+    {
+      py::gil_scoped_release release;  // waits for the watch thread (at most an abort in progress)
+      check(allscanWatchDestroy(ptr<allscanWatch>(w), &aborted));
+    }
+    return aborted != 0;
+  }, "stop watching; returns whether the watch aborted the communicator (then it must not be destroyed)");
   m.def("watch_status", [](std::uintptr_t w) {
     int aborted = 0;
     const allscanResult_t r = allscanWatchStatus(ptr<allscanWatch>(w), &aborted);

@@ -112,8 +112,7 @@ class Communicator:
     def destroy(self) -> None:
         aborted = False
         if self.watch:
-            aborted = self.status()[1]
-            _C.watch_destroy(self.watch)
+            aborted = _C.watch_destroy(self.watch)  # after its thread stopped: an abort cannot follow
             self.watch = 0
         if self.handle:
             _C.comm_destroy(self.handle)
@@ -213,18 +212,18 @@ def get_communicator(group, device: torch.device) -> Communicator:
     device = torch.device("cuda", index)
     name = group.group_name
     key = (name, index)
-    stale = None
     with _lock:
         comm = _comms.get(key)
-        if comm is not None:
-            if comm.group_ref is not None and comm.group_ref() is group:
-                return comm
-            # The group was destroyed and another one registered under its name: the borrowed
-            # communicator may be gone with it. Forget it (and destroy it if allscan owns it).
-            stale = _comms.pop(key)
-    if stale is not None:
+        if comm is not None and comm.group_ref is not None and comm.group_ref() is group:
+            return comm
+        # Communicators of groups that are gone (this name re-registered, or any dead group): a
+        # borrowed one may be gone with its group, and its address reused by a new one, which a
+        # stale watch would then claim. Forget them (and destroy those allscan owns).
+        stale = [_comms.pop(k) for k, c in list(_comms.items())
+                 if k == key or c.group_ref is None or c.group_ref() is None]
+    for c in stale:
         try:
-            stale.destroy()
+            c.destroy()
         except Exception:  # noqa: BLE001 - its group is gone; nothing more to do
             pass
     check_device(group, device)  # one device per process and group
@@ -250,23 +249,26 @@ def get_communicator(group, device: torch.device) -> Communicator:
         owned=owned,
         group_ref=weakref.ref(group),
     )
-    if comm.size > 1:
-        comm.watch, comm.timeout_s = _watch(nccl, owned, group, device)
-    if _C.comm_rank(handle) != comm.rank or _C.comm_size(handle) != comm.size:
-        comm.destroy()
-        raise RuntimeError(
-            f"allscan: the NCCL communicator of group {name!r} has rank/size "
-            f"{_C.comm_rank(handle)}/{_C.comm_size(handle)}, the group {comm.rank}/{comm.size}"
-        )
-    model = settings.link_model
-    if model is not None:
-        _C.set_link_model(handle, *model)
-    elif comm.size > 2:
-        # The block count only matters past two ranks (at P = 2 the best K is 1 whatever the link).
-        with torch.cuda.device(device):
-            _C.calibrate(handle, torch.cuda.current_stream(device).cuda_stream)
-    a, b, is_set = _C.get_link_model(handle)
-    comm.link_model = (a, b) if is_set else None
+    try:
+        if comm.size > 1:
+            comm.watch, comm.timeout_s = _watch(nccl, owned, group, device)
+        if _C.comm_rank(handle) != comm.rank or _C.comm_size(handle) != comm.size:
+            raise RuntimeError(
+                f"allscan: the NCCL communicator of group {name!r} has rank/size "
+                f"{_C.comm_rank(handle)}/{_C.comm_size(handle)}, the group {comm.rank}/{comm.size}"
+            )
+        model = settings.link_model
+        if model is not None:
+            _C.set_link_model(handle, *model)
+        elif comm.size > 2:
+            # The block count only matters past two ranks (at P = 2 the best K is 1 whatever the link).
+            with torch.cuda.device(device):
+                _C.calibrate(handle, torch.cuda.current_stream(device).cuda_stream)
+        a, b, is_set = _C.get_link_model(handle)
+        comm.link_model = (a, b) if is_set else None
+    except BaseException:
+        comm.destroy()  # nothing of it is cached: no watch thread, handle or owned communicator left
+        raise
     with _lock:
         _comms[key] = comm
     return comm

@@ -11,8 +11,8 @@
 ``sequence_parallel`` replaces every ``fla.layers.GatedLinearAttention`` by
 :class:`allscan.layers.GatedLinearAttention` and every ``fla.layers.GatedDeltaNet`` by
 :class:`allscan.layers.GatedDeltaNet`, built with the same options and holding the very same
-``Parameter`` objects (so an optimizer, hooks or tied weights made before keep working, though the
-optimizer is best built after). Everything else in these models is per token. A model that holds any
+``Parameter`` objects (so an optimizer or parameter hooks made before keep working, though the
+optimizer is best built after; forward hooks registered on the old layer modules do not carry over). Everything else in these models is per token. A model that holds any
 other fla sequence-mixing layer (softmax attention, KDA, ...) raises ``NotImplementedError`` naming it:
 run on a shard, it would silently compute something else. Caching is turned off (``config.use_cache``):
 sequence parallelism is for training and prefill.
@@ -80,7 +80,9 @@ def _adopt_parameters(new: nn.Module, old: nn.Module) -> None:
         setattr(new.get_submodule(owner) if owner else new, leaf, p)
     for name, b in old.named_buffers():
         owner, _, leaf = name.rpartition(".")
-        (new.get_submodule(owner) if owner else new).register_buffer(leaf, b)
+        source = old.get_submodule(owner) if owner else old
+        (new.get_submodule(owner) if owner else new).register_buffer(
+            leaf, b, persistent=leaf not in source._non_persistent_buffers_set)
 
 
 def sequence_parallel(model: nn.Module, group=None, *, method: str = "zeco") -> nn.Module:

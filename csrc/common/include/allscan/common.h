@@ -66,8 +66,9 @@ static inline ncclDataType_t allscanNcclDataType(allscanDataType_t dtype) {
 /*
  * Bounded failure: a watch over the collectives allscan issues on one NCCL communicator (every
  * allscan call on that communicator, from any collective, is watched once a watch exists for it).
- * Each call records a CUDA event on its stream; a thread polls them. When one has not completed
- * `timeout_s` seconds after it was issued (a peer died or is stuck), the watch fails: with
+ * Each call records a CUDA event on its stream; a thread polls them. When calls are pending and none
+ * has completed for `timeout_s` seconds, or one has been stuck issuing its NCCL work that long (a
+ * peer died or is stuck), the watch fails: with
  * `abort_on_timeout` it calls ncclCommAbort (the kernels in flight return, their results are
  * undefined, and the communicator is gone: do not destroy it); every later allscan call on the
  * communicator returns allscanTimeout with the reason in allscanGetLastError. Only a communicator
@@ -76,8 +77,10 @@ static inline ncclDataType_t allscanNcclDataType(allscanDataType_t dtype) {
 typedef struct allscanWatch* allscanWatch_t;
 ALLSCAN_API allscanResult_t allscanWatchCreate(ncclComm_t nccl, double timeout_s, int abort_on_timeout,
                                                allscanWatch_t* watch);
-/* Stops the thread and forgets the communicator (neither destroys nor aborts it). */
-ALLSCAN_API allscanResult_t allscanWatchDestroy(allscanWatch_t watch);
+/* Stops the thread (an abort in progress finishes first) and forgets the communicator (neither
+ * destroys nor aborts it); *aborted (may be NULL): whether the watch aborted it, so it must not be
+ * destroyed. */
+ALLSCAN_API allscanResult_t allscanWatchDestroy(allscanWatch_t watch, int* aborted);
 /* allscanSuccess, or allscanTimeout once the watch has failed (the reason in allscanGetLastError);
  * *aborted (may be NULL) says whether the communicator was aborted. */
 ALLSCAN_API allscanResult_t allscanWatchStatus(allscanWatch_t watch, int* aborted);
