@@ -138,18 +138,14 @@ PYBIND11_MODULE(_C, m) {
   });
   m.def("watch_destroy", [](std::uintptr_t w) {
     int aborted = 0;
+    allscanResult_t r;
     {
       py::gil_scoped_release release;  // waits for the watch thread (at most an abort in progress)
-      check(allscanWatchDestroy(ptr<allscanWatch>(w), &aborted));
+      r = allscanWatchDestroy(ptr<allscanWatch>(w), &aborted);
     }
+    check(r);
     return aborted != 0;
   }, "stop watching; returns whether the watch aborted the communicator (then it must not be destroyed)");
-  m.def("watch_status", [](std::uintptr_t w) {
-    int aborted = 0;
-    const allscanResult_t r = allscanWatchStatus(ptr<allscanWatch>(w), &aborted);
-    if (r != allscanSuccess && r != allscanTimeout) check(r);
-    return py::make_tuple(r == allscanSuccess, aborted != 0, r == allscanSuccess ? std::string() : std::string(allscanGetLastError()));
-  }, "(ok, aborted, reason) of a watch");
   m.def("comm_create", [](std::uintptr_t nccl) {
     allscanComm_t c = nullptr;
     check(allscanCommCreate(ptr<ncclComm>(nccl), &c));

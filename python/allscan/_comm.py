@@ -105,10 +105,6 @@ class Communicator:
     watch: int = 0       # allscanWatch_t as an integer (0: not watched)
     timeout_s: Optional[float] = None  # the watch's timeout
 
-    def status(self) -> Tuple[bool, bool, str]:
-        """(ok, aborted, reason): whether the watch has failed this communicator."""
-        return _C.watch_status(self.watch) if self.watch else (True, False, "")
-
     def destroy(self) -> None:
         aborted = False
         if self.watch:
