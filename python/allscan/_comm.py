@@ -103,7 +103,6 @@ class Communicator:
     link_model: Optional[Tuple[float, float]] = None  # (latency_us, us_per_byte) in use, if any
     group_ref: Optional[weakref.ReferenceType] = None  # the group object it was made for
     watch: int = 0       # allscanWatch_t as an integer (0: not watched)
-    timeout_s: Optional[float] = None  # the watch's timeout
 
     def destroy(self) -> None:
         aborted = False
@@ -166,12 +165,13 @@ def group_timeout(group, device: torch.device) -> float:
             return float(c10d.default_pg_timeout.total_seconds())
 
 
-def _watch(nccl: int, owned: bool, group, device: torch.device) -> Tuple[int, Optional[float]]:
+def _watch(nccl: int, owned: bool, group, device: torch.device) -> int:
+    """A watch on ``nccl`` with ``ALLSCAN_TIMEOUT`` (0: none), aborting it on timeout when ``owned``."""
     setting = settings.timeout
     if setting == "off":
-        return 0, None
+        return 0
     timeout = group_timeout(group, device) if setting == "group" else float(setting)
-    return int(_C.watch_create(nccl, timeout, owned)), timeout
+    return int(_C.watch_create(nccl, timeout, owned))
 
 
 def check_env() -> None:
@@ -247,7 +247,7 @@ def get_communicator(group, device: torch.device) -> Communicator:
     )
     try:
         if comm.size > 1:
-            comm.watch, comm.timeout_s = _watch(nccl, owned, group, device)
+            comm.watch = _watch(nccl, owned, group, device)
         if _C.comm_rank(handle) != comm.rank or _C.comm_size(handle) != comm.size:
             raise RuntimeError(
                 f"allscan: the NCCL communicator of group {name!r} has rank/size "
