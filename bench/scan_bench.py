@@ -275,7 +275,7 @@ def run(args) -> int:
         if "pipelined" in args.methods:
             add("c-scan-pipelined",
                 lambda: _C.scan(comm.handle, x.data_ptr(), y_c.data_ptr(), count, DTYPES[args.dtype], g_ptr, g_cnt, g_dt,
-                                0, False, False, 0, 0, ws.data_ptr(), ws_bytes, s_ptr),
+                                0, False, False, 0, 0, ws.data_ptr(), ws_bytes, s_ptr, 0),  # 0: no signature
                 "pipelined", k_auto, True)
         for m in args.methods:
             add(f"scan-{m}", (lambda m=m: allscan.scan(x, g, method=m)), m, k_auto if m == "pipelined" else 1, True)

@@ -33,8 +33,8 @@ def clean_env(monkeypatch):
 # Settings
 # ------------------------------------------------------------------------------------------------
 BAD = [
-    ("ALLSCAN_CHECK", "yes", "expected first, always, never, got 'yes'"),
-    ("ALLSCAN_CHECK", "1", "expected first, always, never"),
+    ("ALLSCAN_CHECK", "yes", "expected first, trust, always, never, got 'yes'"),
+    ("ALLSCAN_CHECK", "1", "expected first, trust, always, never"),
     ("ALLSCAN_COMM", "torch", "expected owned, borrowed, got 'torch'"),
     ("ALLSCAN_TIMEOUT", "0", "expected 'group', 'off' or a positive number of seconds, got '0'"),
     ("ALLSCAN_TIMEOUT", "10m", "a positive number of seconds, got '10m'"),
@@ -88,7 +88,7 @@ def test_a_bad_value_raises_at_the_first_scan(clean_env):
             "try:\n    allscan.scan(torch.ones(3))\nexcept ValueError as e:\n    print('ERR', e)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                          env=dict(os.environ, ALLSCAN_CHECK="yes"))
-    assert "ERR ALLSCAN_CHECK: expected first, always, never, got 'yes'" in out.stdout, out.stdout + out.stderr
+    assert "ERR ALLSCAN_CHECK: expected first, trust, always, never, got 'yes'" in out.stdout, out.stdout + out.stderr
 
 
 def test_defaults(clean_env):
@@ -288,3 +288,21 @@ def test_one_version_everywhere():
     assert importlib.metadata.version("allscan") == want
     with open(os.path.join(os.path.dirname(__file__), "..", "pyproject.toml")) as f:
         assert not re.search(r'^version *=', f.read(), re.M), "pyproject.toml must not write the version itself"
+
+
+def test_the_in_band_signature_is_a_stable_nonzero_hash_of_the_fields():
+    from allscan._contract import settings, signature_hash
+
+    saved = settings.check
+    try:
+        settings.check = "first"
+        a = signature_hash("scan", [("tensor numel", 16), ("reverse", 0)])
+        assert a == signature_hash("scan", [("tensor numel", 16), ("reverse", 0)]) and a != 0
+        assert a < 2 ** 64
+        assert a != signature_hash("scan", [("tensor numel", 16), ("reverse", 1)])
+        assert a != signature_hash("matrix_scan", [("tensor numel", 16), ("reverse", 0)])
+        for mode in ("trust", "never"):  # no in-band signature: the fast, trusting modes
+            settings.check = mode
+            assert signature_hash("scan", [("tensor numel", 16)]) == 0
+    finally:
+        settings.check = saved

@@ -196,3 +196,112 @@ def test_the_watch_timeout_is_the_groups_own():
     for mine, world_default in run_distributed(_timeouts, 2):
         assert mine == 7.0
         assert world_default == 1800.0  # torch's default for gloo (30 min), as init_process_group left it
+
+
+# ------------------------------------------------------------------------------------------------
+# NCCL in the default mode (`first`): what the host check cannot see once a signature is cached
+# ------------------------------------------------------------------------------------------------
+def _until_error(call, limit=20.0):
+    """Calls until allscan raises CommunicatorError (or `limit` s): (type name, message), seconds."""
+    import allscan
+
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < limit:
+        try:
+            call().cpu()
+        except allscan.CommunicatorError as e:
+            return (type(e).__name__, str(e)), time.monotonic() - t0
+    return None, time.monotonic() - t0
+
+
+def _switch(rank, world, case):
+    """Both ranks check two signatures whose transfers have the same bytes; then rank 1 calls with
+    the other one. Its result must be NaN (never a wrong number) and both ranks must raise soon."""
+    import torch.distributed as dist
+
+    import allscan
+
+    device = f"cuda:{torch.cuda.current_device()}"
+    group = dist.new_group([0, 1], timeout=datetime.timedelta(seconds=30))
+    x = torch.arange(1.0, 17.0, device=device) * (rank + 1)
+    shapes = ((1, 4, 4), (4, 2, 2)) if case == "matrix" else ((2, 8), (4, 4))
+
+    def call(shape):
+        if case == "matrix":
+            m = torch.eye(shape[1], device=device).expand(shape[0], shape[1], shape[1]).contiguous()
+            return allscan.scan(x.view(shape), group=group, transition=m, inclusive=True)
+        return allscan.scan(x.view(shape), torch.full(shape, 0.5, device=device), group,
+                            inclusive=case == "inclusive")
+
+    for shape in shapes:
+        call(shape)  # both signatures checked across ranks (and cached)
+    torch.cuda.synchronize()
+    dist.barrier(group)
+    mine = shapes[rank]
+    y = call(mine).cpu()
+    outcome, elapsed = _until_error(lambda: call(mine))
+    return dict(nan=bool(torch.isnan(y).all()), finite=bool(torch.isfinite(y).all()), outcome=outcome,
+                elapsed=elapsed)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ["exclusive", "inclusive", "matrix"])
+def test_a_cached_signature_switch_on_nccl_gives_nan_and_raises_on_both_ranks(case):
+    if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 CUDA GPUs")
+    r0, r1 = run_distributed(_switch, 2, case, backend="nccl", timeout=120)
+    assert r0["finite"], r0  # the head received nothing: its result is its own
+    assert r1["nan"], r1     # the receiver found the other signature: NaN, not a wrong number
+    assert r1["outcome"] and r1["outcome"][0] == "CommunicatorError" and "different arguments" in r1["outcome"][1], r1
+    assert r0["outcome"] and r0["outcome"][0] == "CommunicatorError" and "rank 1 reported" in r0["outcome"][1], r0
+    assert r1["elapsed"] < 1.0 and r0["elapsed"] < 3.0, (r0, r1)
+
+
+def _bad_argument(rank, world, who):
+    """After a warm-up, the ranks in `who` pass a bad gamma: each raises ValueError; when every rank
+    did, the group carries on; when only some did, every rank raises CommunicatorError soon."""
+    import torch.distributed as dist
+
+    import allscan
+
+    device = f"cuda:{torch.cuda.current_device()}"
+    group = dist.new_group([0, 1], timeout=datetime.timedelta(seconds=30))
+    x = torch.ones(16, device=device) * (rank + 1)
+    g = torch.full((16,), 0.5, device=device)
+    allscan.scan(x, g, group, inclusive=True)
+    torch.cuda.synchronize()
+    dist.barrier(group)
+    t0 = time.monotonic()
+    first = None
+    if rank in who:
+        try:
+            allscan.scan(x, torch.full((3,), 0.5, device=device), group)
+        except ValueError as e:
+            first = ("ValueError", str(e)[:200], time.monotonic() - t0)
+    if len(who) == world:
+        y = allscan.scan(x, g, group, inclusive=True).cpu()
+        want = sum((q + 1) * 0.5 ** (rank - q) for q in range(rank + 1))
+        return dict(first=first, carried_on=bool(torch.allclose(y, torch.full((16,), want))))
+    outcome, elapsed = _until_error(lambda: allscan.scan(x, g, group, inclusive=True))
+    return dict(first=first, outcome=outcome, elapsed=time.monotonic() - t0)
+
+
+@pytest.mark.gpu
+def test_a_bad_argument_on_every_rank_leaves_the_nccl_group_usable():
+    if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 CUDA GPUs")
+    for r in run_distributed(_bad_argument, 2, (0, 1), backend="nccl", timeout=120):
+        assert r["first"] and r["first"][0] == "ValueError" and "gamma" in r["first"][1], r
+        assert r["first"][2] < 1.5, r  # resolved on the board: every rank skipped the same call
+        assert r["carried_on"], r
+
+
+@pytest.mark.gpu
+def test_a_bad_argument_on_one_rank_reaches_the_other_on_nccl():
+    if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 CUDA GPUs")
+    r0, r1 = run_distributed(_bad_argument, 2, (1,), backend="nccl", timeout=120)
+    assert r1["first"] and r1["first"][0] == "ValueError", r1
+    for r in (r0, r1):
+        assert r["outcome"] and r["outcome"][0] == "CommunicatorError" and "gamma" in r["outcome"][1], r
+        assert r["elapsed"] < 6.0, r

@@ -45,7 +45,7 @@ def test_help_lists_every_flag():
     assert p.returncode == 0, p.stderr
     assert p.stdout.startswith("Usage: allscan_perf")
     for flag in ("-o", "-b", "-e", "-i", "-f", "-g", "-n", "-w", "-N", "-c", "-d", "-z", "-G", "-K", "-m", "-x",
-                 "-r", "-D", "-L", "-j", "-h", "-H", "-A", "-B", "-C", "-k", "-T"):
+                 "-r", "-S", "-D", "-L", "-j", "-h", "-H", "-A", "-B", "-C", "-k", "-T"):
         assert f"  {flag}" in p.stdout, f"{flag} missing from -h"
     assert "-o scan:" in p.stdout and "-o a2a:" in p.stdout  # every row set's options, under its name
     assert p.stderr == ""
@@ -88,6 +88,8 @@ BAD_ARGS = [
     # An option of another row set names the row set it belongs to.
     (["-o", "a2a", "-K", "2"], "-K is an option of -o scan"),
     (["-o", "a2a", "-r"], "-r is an option of -o scan"),
+    (["-S", "maybe"], "-S (signature): expected on, off or both"),
+    (["-o", "a2a", "-S", "on"], "-S is an option of -o scan"),
     (["-H", "4"], "-H is an option of -o a2a, not of -o scan"),
     (["--chunks=2"], "-k is an option of -o a2a"),
     (["-o", "a2a", "-H", "0"], "-H (heads)"),
@@ -140,7 +142,8 @@ def _gpu_count():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("extra", [[], ["-r", "-D", "full", "-d", "bfloat16", "-K", "auto,2,64"], ["-G", "2", "-D", "none"]],
+@pytest.mark.parametrize("extra", [[], ["-r", "-D", "full", "-d", "bfloat16", "-K", "auto,2,64", "-S", "both"],
+                                   ["-G", "2", "-D", "none", "-S", "both"]],
                          ids=["default", "reverse-bf16-full", "graph"])
 def test_two_gpu_run_is_exact(tmp_path, extra):
     if _gpu_count() < 2:
@@ -155,6 +158,9 @@ def test_two_gpu_run_is_exact(tmp_path, extra):
     ops = {r["op"] for r in doc["rows"]}
     assert {"p2p-chain", "p2p-ring", "nccl-allgather", "nccl-allreduce", "scan-pipelined", "scan-serial",
             "scan-allgather"} <= ops
+    if "both" in extra:  # -S both: every scan row also without the in-band signature
+        assert {"scan-pipelined-nosig", "scan-serial-nosig", "scan-allgather-nosig"} <= ops
+        assert {r["signature"] for r in doc["rows"] if r["op"].startswith("scan-")} == {True, False}
     for r in doc["rows"]:
         assert "skipped" not in r, r
         assert r["wrong"] == 0, r

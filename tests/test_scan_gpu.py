@@ -127,7 +127,7 @@ def _capture_before_zeros(rank, P):
 
     def raw_scan(x, y):  # the exclusive scan, straight into the core (no signature check)
         _C.scan(comm.handle, x.data_ptr(), y.data_ptr(), n, DTYPE_CODES[x.dtype], 0, 0, 0, 0, False, False, 0, 0,
-                0, 0, torch.cuda.current_stream(dev).cuda_stream)
+                0, 0, torch.cuda.current_stream(dev).cuda_stream, 0)
 
     # Captured before the buffer exists: the head cannot allocate under capture and writes its
     # zeros with the side kernel instead.

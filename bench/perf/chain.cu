@@ -48,6 +48,16 @@ bool parseChainOption(ChainOptions* o, int letter, const char* arg) {
       o->methods = uniq;
       return true;
     }
+    case 'S': {
+      const std::string s(arg);
+      if (s == "on" || s == "off" || s == "both") {
+        o->signedRows = s != "off";
+        o->unsignedRows = s != "on";
+      } else {
+        argError("-S (signature): expected on, off or both, got '" + s + "'");
+      }
+      return true;
+    }
     case 'L': {
       std::string s(arg);
       if (s == "calibrate") {
@@ -90,7 +100,8 @@ std::vector<std::string> chainHeader(const ChainOptions& o, const LinkModel& m) 
   for (int k : o.fixedK) ks += "," + std::to_string(k);
   std::string ms;
   for (auto x : o.methods) ms += (ms.empty() ? "" : ",") + std::string(methodName(x));
-  std::vector<std::string> lines = {"#  methods " + ms + "  K " + ks};
+  const char* sig = o.signedRows ? (o.unsignedRows ? "both" : "on") : "off";
+  std::vector<std::string> lines = {"#  methods " + ms + "  K " + ks + "  signature " + sig};
   char buf[256];
   if (m.isSet)
     snprintf(buf, sizeof(buf), "#  link model (%s): latency %.3f us, %.6g us/byte (%.1f GB/s)",
@@ -106,7 +117,8 @@ std::string chainConfigJson(const ChainOptions& o) {
   for (int k : o.fixedK) ks += (ks.empty() ? "" : ",") + std::to_string(k);
   std::string ms;
   for (auto m : o.methods) ms += std::string(ms.empty() ? "" : ",") + "\"" + methodName(m) + "\"";
-  return ",\"methods\":[" + ms + "],\"fixed_K\":[" + ks + "]";
+  const char* sig = o.signedRows ? (o.unsignedRows ? "both" : "on") : "off";
+  return ",\"methods\":[" + ms + "],\"fixed_K\":[" + ks + "],\"signature\":\"" + sig + "\"";
 }
 
 std::string linkModelJson(const ChainOptions& o, const LinkModel& m) {
@@ -120,7 +132,7 @@ void labelScanRow(Row* r, allscanMethod_t method, int K, int Kused) {
   else if (K == 0) r->kLabel = "auto:" + std::to_string(Kused);
   else r->kLabel = std::to_string(Kused);
   r->jsonFields = ",\"method\":\"" + std::string(methodName(method)) + "\",\"K\":" + std::to_string(Kused) +
-                  ",\"K_auto\":" + (K == 0 ? "true" : "false");
+                  ",\"K_auto\":" + (K == 0 ? "true" : "false") + ",\"signature\":" + (r->unsigned_ ? "false" : "true");
 }
 
 std::vector<Row> methodRows(const ChainOptions& o, const std::string& prefix, int kind) {
@@ -129,13 +141,17 @@ std::vector<Row> methodRows(const ChainOptions& o, const std::string& prefix, in
     std::vector<int> Ks = {0};
     if (m == allscanPipelined) Ks.insert(Ks.end(), o.fixedK.begin(), o.fixedK.end());
     for (int K : Ks) {
-      Row r;
-      r.kind = kind;
-      r.method = m;
-      r.K = K;
-      r.name = prefix + "-" + methodName(m);
-      r.inSummary = m == allscanPipelined && K == 0;
-      rows.push_back(r);
+      for (bool unsig : {false, true}) {
+        if (unsig ? !o.unsignedRows : !o.signedRows) continue;
+        Row r;
+        r.kind = kind;
+        r.method = m;
+        r.K = K;
+        r.unsigned_ = unsig;
+        r.name = prefix + "-" + methodName(m) + (unsig ? "-nosig" : "");
+        r.inSummary = m == allscanPipelined && K == 0 && (!unsig || !o.signedRows);
+        rows.push_back(r);
+      }
     }
   }
   return rows;

@@ -136,6 +136,7 @@ struct Row {
   int kind = 0;
   int method = 0;
   int K = 0;
+  bool unsigned_ = false;  // a chain scan without its in-band signature (-S)
   // What the harness prints.
   std::string name;        // op column
   std::string kLabel = "-";  // K column

@@ -244,6 +244,7 @@ const Collective kMatrixCollective = {
     {kBlocksOption,
      kMethodsOption,
      kReverseOption,
+     kSignatureOption,
      {'V', "vdim", required_argument, "<n>", "the state's K = V (state [batch, n, n]; default 128)"},
      kLinkModelOption},
     parse,

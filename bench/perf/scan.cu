@@ -360,6 +360,7 @@ const Collective kScanCollective = {
       "reference rows: chain,ring,allgather,allreduce, all or none\n"
       "                              (default all; 'chain' is the floor of the vs_floor column)"},
      kReverseOption,
+     kSignatureOption,
      {'D', "decay", required_argument, "<form>",
       "none|head|key|full: the decay's shape in the [H, Dk, Dv]\n"
       "                              view of the state (default key, i.e. g is [H, Dk], fp32)"},

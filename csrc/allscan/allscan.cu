@@ -33,13 +33,16 @@ template <typename G, typename A> __device__ __forceinline__ A loadG(const G* g,
 // ------------------------------------------------------------------------------------------------
 constexpr int kThreads = 256;
 
-// out[i] = g[(offset+i)/inner] * y[i] + x[i]  (g == nullptr: 1), i in [0, n).
+// out[i] = g[(offset+i)/inner] * y[i] + x[i]  (g == nullptr: 1), i in [0, n); NaN instead when
+// `check` finds that y came from a call with other arguments (signature.h).
 // VEC consecutive elements per thread with 16-byte accesses when everything is aligned.
 template <typename T, typename G, int VEC>
 __global__ void __launch_bounds__(kThreads) combineKernel(const T* __restrict__ x, const T* __restrict__ y,
                                                           const G* __restrict__ g, T* __restrict__ out, size_t n,
-                                                          size_t inner, size_t offset) {
+                                                          size_t inner, size_t offset, SigCheck check) {
   using A = typename Acc<T>::type;
+  const bool poison = check.mismatch();
+  const A nan = quietNan(A(0));
   const size_t stride = static_cast<size_t>(gridDim.x) * blockDim.x;
   const size_t nvec = n / VEC;
   const bool shared_g = g != nullptr && (inner % VEC == 0) && (offset % VEC == 0);
@@ -62,7 +65,7 @@ __global__ void __launch_bounds__(kThreads) combineKernel(const T* __restrict__ 
     for (int j = 0; j < VEC; ++j) {
       A gj = gs;
       if (g != nullptr && !shared_g) gj = loadG<G, A>(g, (offset + i0 + j) / inner);
-      os[j] = fromAcc<T>(combineOp(gj, toAcc<T>(ys[j]), toAcc<T>(xs[j])));
+      os[j] = fromAcc<T>(poison ? nan : combineOp(gj, toAcc<T>(ys[j]), toAcc<T>(xs[j])));
     }
     if constexpr (VEC > 1) {
       reinterpret_cast<uint4*>(out)[v] = *reinterpret_cast<uint4*>(os);
@@ -73,7 +76,7 @@ __global__ void __launch_bounds__(kThreads) combineKernel(const T* __restrict__ 
   // Scalar tail.
   for (size_t i = nvec * VEC + static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride) {
     A gj = g != nullptr ? loadG<G, A>(g, (offset + i) / inner) : A(1);
-    out[i] = fromAcc<T>(combineOp(gj, toAcc<T>(y[i]), toAcc<T>(x[i])));
+    out[i] = fromAcc<T>(poison ? nan : combineOp(gj, toAcc<T>(y[i]), toAcc<T>(x[i])));
   }
 }
 
@@ -117,36 +120,40 @@ int gridFor(size_t work) {
 
 template <typename T, typename G>
 cudaError_t launchCombineT(const void* x, const void* y, const void* g, void* out, size_t n, size_t inner,
-                           size_t offset, cudaStream_t stream) {
+                           size_t offset, const SigCheck& check, cudaStream_t stream) {
   if (n == 0) return cudaSuccess;
   constexpr int VEC = 16 / sizeof(T);
   const bool vec = aligned16(x) && aligned16(y) && aligned16(out);
   if (vec) {
     combineKernel<T, G, VEC><<<gridFor(n / VEC + 1), kThreads, 0, stream>>>(
         static_cast<const T*>(x), static_cast<const T*>(y), static_cast<const G*>(g), static_cast<T*>(out), n,
-        inner, offset);
+        inner, offset, check);
   } else {
     combineKernel<T, G, 1><<<gridFor(n), kThreads, 0, stream>>>(
         static_cast<const T*>(x), static_cast<const T*>(y), static_cast<const G*>(g), static_cast<T*>(out), n,
-        inner, offset);
+        inner, offset, check);
   }
   return cudaGetLastError();
 }
 
 template <typename T>
 cudaError_t launchCombineG(const void* x, const void* y, const void* g, void* out, size_t n, size_t inner,
-                           size_t offset, allscanDataType_t g_dtype, cudaStream_t stream) {
-  if (g == nullptr || g_dtype == allscanFloat32) return launchCombineT<T, float>(x, y, g, out, n, inner, offset, stream);
-  return launchCombineT<T, T>(x, y, g, out, n, inner, offset, stream);
+                           size_t offset, allscanDataType_t g_dtype, const SigCheck& check, cudaStream_t stream) {
+  if (g == nullptr || g_dtype == allscanFloat32)
+    return launchCombineT<T, float>(x, y, g, out, n, inner, offset, check, stream);
+  return launchCombineT<T, T>(x, y, g, out, n, inner, offset, check, stream);
 }
 
+// `check` (default: none) poisons the output when the received y came from a mismatched call.
 cudaError_t launchCombine(allscanDataType_t dtype, allscanDataType_t g_dtype, const void* x, const void* y,
-                          const void* g, void* out, size_t n, size_t inner, size_t offset, cudaStream_t stream) {
+                          const void* g, void* out, size_t n, size_t inner, size_t offset, cudaStream_t stream,
+                          const SigCheck& check = SigCheck{}) {
   switch (dtype) {
-    case allscanFloat32: return launchCombineG<float>(x, y, g, out, n, inner, offset, g_dtype, stream);
-    case allscanFloat16: return launchCombineG<__half>(x, y, g, out, n, inner, offset, g_dtype, stream);
-    case allscanBfloat16: return launchCombineG<__nv_bfloat16>(x, y, g, out, n, inner, offset, g_dtype, stream);
-    case allscanFloat64: return launchCombineG<double>(x, y, g, out, n, inner, offset, g_dtype, stream);
+    case allscanFloat32: return launchCombineG<float>(x, y, g, out, n, inner, offset, g_dtype, check, stream);
+    case allscanFloat16: return launchCombineG<__half>(x, y, g, out, n, inner, offset, g_dtype, check, stream);
+    case allscanBfloat16:
+      return launchCombineG<__nv_bfloat16>(x, y, g, out, n, inner, offset, g_dtype, check, stream);
+    case allscanFloat64: return launchCombineG<double>(x, y, g, out, n, inner, offset, g_dtype, check, stream);
   }
   return cudaErrorInvalidValue;
 }
@@ -281,8 +288,8 @@ allscanResult_t scanAllGather(const allscanComm* comm, const allscanScanArgs_t* 
 
 // The chain starts here: y = init (or 0); the value sent on is g*init + x (or x itself), all blocks
 // in one group call (headSend).
-allscanResult_t scanHead(allscanComm* comm, const allscanScanArgs_t* a, const Blocks& b, void* workspace,
-                         cudaStream_t stream) {
+allscanResult_t scanHead(allscanComm* comm, const allscanScanArgs_t* a, const Blocks& b, const SigSlots& sig,
+                         void* workspace, cudaStream_t stream) {
   const void* s = a->x;
   if (a->init != nullptr) {
     void* dst = a->inclusive ? a->y : workspace;
@@ -294,32 +301,35 @@ allscanResult_t scanHead(allscanComm* comm, const allscanScanArgs_t* a, const Bl
   HeadResult own(comm, a->inclusive && a->init != nullptr ? nullptr : a->y, a->inclusive ? a->x : a->init,
                  a->count * dtypeSize(a->dtype), stream);
   const ncclDataType_t nt = ncclType(a->dtype);
-  return headSend(comm, a->reverse, b.n, own, [&](size_t k, ncclComm_t nc, int next) {
-    return ncclSend(b.at(s, k), b.len(k), nt, next, nc, stream);
-  });
+  return headSend(
+      comm, a->reverse, b.n, own, sig,
+      [&](size_t k, ncclComm_t nc, int next) { return ncclSend(b.at(s, k), b.len(k), nt, next, nc, stream); }, stream);
 }
 
 // Inner and tail ranks: receive block k while sending block k-1 on, combine block k. R receives
 // y_p; S holds g*y_p + x (what is sent on, or the inclusive result). Exclusive: R = y,
 // S = workspace. Inclusive: R = workspace, S = y.
-allscanResult_t scanLink(const allscanComm* comm, const allscanScanArgs_t* a, const Blocks& b, void* workspace,
-                         cudaStream_t stream) {
+allscanResult_t scanLink(const allscanComm* comm, const allscanScanArgs_t* a, const Blocks& b, const SigSlots& sig,
+                         void* workspace, cudaStream_t stream) {
   const size_t inner = gInner(a);
   void* R = a->inclusive ? workspace : a->y;
   void* S = a->inclusive ? a->y : workspace;
   const bool combine = chainPos(comm, a->reverse).has_next || a->inclusive;
-  return relayBlocks(
-      comm, a->reverse, b.n, ncclType(a->dtype),
+  ALLSCAN_CHECK(relayBlocks(
+      comm, a->reverse, b.n, ncclType(a->dtype), sig,
       [&](size_t k) { return BlockRef{b.at(S, k), b.len(k)}; },  // sent on
       [&](size_t k) { return BlockRef{b.at(R, k), b.len(k)}; },  // received
       [&](size_t k) -> allscanResult_t {
         if (combine) {
           ALLSCAN_CUDA_CHECK(launchCombine(a->dtype, a->g_dtype, b.at(a->x, k), b.at(R, k), a->g, b.at(S, k),
-                                           b.len(k), inner, k * b.elems, stream));
+                                           b.len(k), inner, k * b.elems, stream, sig.check));
         }
         return allscanSuccess;
       },
-      stream);
+      stream));
+  // The exclusive tail combines nothing: its received result is checked on its own.
+  if (!combine) ALLSCAN_CUDA_CHECK(launchPoison(a->y, a->count, a->dtype, sig.check, stream));
+  return allscanSuccess;
 }
 
 
@@ -344,8 +354,10 @@ allscanResult_t scanIssue(allscanComm* comm, const allscanScanArgs_t* a, void* w
   if (a->method == allscanAllGather) return scanAllGather(comm, a, workspace, stream);
   const Blocks blocks(a->count, methodBlocks(comm, a->method, a->num_blocks, a->count * dtypeSize(a->dtype)),
                       dtypeSize(a->dtype));
-  if (chainPos(comm, a->reverse).head) return scanHead(comm, a, blocks, workspace, stream);
-  return scanLink(comm, a, blocks, workspace, stream);
+  SigSlots sig;
+  ALLSCAN_CHECK(signatureSlots(comm->signatures, a->signature, stream, &sig));
+  if (chainPos(comm, a->reverse).head) return scanHead(comm, a, blocks, sig, workspace, stream);
+  return scanLink(comm, a, blocks, sig, workspace, stream);
 }
 }  // namespace
 
@@ -379,10 +391,17 @@ allscanResult_t allscanCommCreate(ncclComm_t nccl, allscanComm_t* comm) {
   if (e == cudaSuccess) e = cudaStreamCreateWithPriority(&c->side, cudaStreamNonBlocking, prio_high);
   if (e == cudaSuccess) e = cudaEventCreateWithFlags(&c->fork, cudaEventDisableTiming);
   if (e == cudaSuccess) e = cudaEventCreateWithFlags(&c->join, cudaEventDisableTiming);
+  allscanResult_t st = allscanSuccess;
+  if (e == cudaSuccess && nranks > 1) st = createSignatures(&c->signatures);
   if (cur >= 0 && cur != dev) cudaSetDevice(cur);
   if (e != cudaSuccess) {
     allscanCommDestroy(c);
     return setError(allscanCudaError, std::string("allscanCommCreate: stream/event creation failed: ") + cudaGetErrorString(e));
+  }
+  if (st != allscanSuccess) {
+    const std::string why = allscanGetLastError();
+    allscanCommDestroy(c);
+    return setError(st, "allscanCommCreate: " + why);
   }
   *comm = c;
   return allscanSuccess;
@@ -403,6 +422,7 @@ allscanResult_t allscanCommDestroy(allscanComm_t comm) {
   if (comm->side) cudaStreamDestroy(comm->side);
   if (comm->zeros) cudaFree(comm->zeros);
   for (void* p : comm->retired) cudaFree(p);
+  freeSignatures(comm->signatures);
   cudaGetLastError();  // nothing left for the caller's next launch check to misreport
   delete comm;  // the NCCL communicator is borrowed: not destroyed here
   return allscanSuccess;
@@ -412,6 +432,11 @@ allscanResult_t allscanCommRank(allscanComm_t comm, int* rank) {
   ALLSCAN_ARG_CHECK(comm != nullptr && rank != nullptr, "comm/rank: null pointer");
   *rank = comm->rank;
   return allscanSuccess;
+}
+
+allscanResult_t allscanCommStatus(allscanComm_t comm) {
+  ALLSCAN_ARG_CHECK(comm != nullptr, "comm: null communicator");
+  return mismatchStatus(comm->signatures);
 }
 
 allscanResult_t allscanCommSize(allscanComm_t comm, int* nranks) {
@@ -485,7 +510,11 @@ allscanResult_t allscanScan(allscanComm_t comm, const allscanScanArgs_t* a, void
   ALLSCAN_CHECK(checkWorkspace(need, workspace, workspace_bytes, "allscanWorkspaceSize"));
   if (comm->nranks == 1) return scanOneRank(a, stream);
   ALLSCAN_CHECK(checkAttached(comm));
-  return watched(comm->nccl, stream, [&] { return scanIssue(comm, a, workspace, stream); });
+  // The watch's failure first: after an abort, a receive that never completed looks like a mismatch.
+  return watched(comm->nccl, stream, [&] {
+    ALLSCAN_CHECK(mismatchStatus(comm->signatures));
+    return scanIssue(comm, a, workspace, stream);
+  });
 }
 
 allscanResult_t allscanCalibrate(allscanComm_t comm, cudaStream_t stream) {

@@ -15,6 +15,7 @@
 
 #include "allscan/allscan.h"
 #include "common/error.h"
+#include "signature.h"
 
 struct allscanComm {
   ncclComm_t nccl = nullptr;  // borrowed, never destroyed here (null for a detached communicator)
@@ -40,6 +41,8 @@ struct allscanComm {
   // Buffers replaced by a larger one: graphs captured earlier may still read them, so they live
   // until the communicator goes.
   std::vector<void*> retired;
+  // The in-band signature check (signature.h); null for a detached or one-rank communicator.
+  allscan::detail::SignatureTable* signatures = nullptr;
 };
 
 namespace allscan {

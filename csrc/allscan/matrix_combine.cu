@@ -16,6 +16,7 @@ namespace {
 using detail::Acc;
 using detail::fromAcc;
 using detail::toAcc;
+using detail::quietNan;
 
 // Output tile TILE x TILE per CTA of 256 threads (TILE/16 x TILE/16 outputs per thread), inner
 // dimension in steps of BK through shared memory. FFMA in the accumulation dtype: an fp32 state must
@@ -32,6 +33,7 @@ struct Params {
   View y, x, out, out2, ycopy;
   size_t nb, k, vc;
   unsigned col_tiles;
+  detail::SigCheck check;
 };
 
 template <typename T, typename MT, int TILE>
@@ -50,6 +52,8 @@ __global__ void __launch_bounds__(kThreads) combineKernel(Params p) {
   const MT* M = static_cast<const MT*>(p.m) + b * K * K;
   const T* Y = static_cast<const T*>(p.y.p) + b * p.y.bstride;
   T* Ycopy = p.ycopy.p != nullptr && blockIdx.y == 0 ? static_cast<T*>(p.ycopy.p) + b * p.ycopy.bstride : nullptr;
+  const bool poison = p.check.mismatch();
+  const T nan = fromAcc<T>(quietNan(A(0)));
 
   A acc[TM][TN];
 #pragma unroll
@@ -74,7 +78,7 @@ __global__ void __launch_bounds__(kThreads) combineKernel(Params p) {
       if (gk < K && gc < vc) {
         const T raw = Y[gk * p.y.rstride + gc];
         v = toAcc<T>(raw);
-        if (Ycopy != nullptr) Ycopy[gk * p.ycopy.rstride + gc] = raw;
+        if (Ycopy != nullptr) Ycopy[gk * p.ycopy.rstride + gc] = poison ? nan : raw;
       }
       Ys[kk][c] = v;
     }
@@ -116,7 +120,7 @@ __global__ void __launch_bounds__(kThreads) combineKernel(Params p) {
     for (int v = 0; v < TN; ++v) {
       const size_t gc = c0 + tx * TN + v;
       if (gc >= vc) continue;
-      const T r = fromAcc<T>(acc[u][v] + toAcc<T>(X[gi * p.x.rstride + gc]));
+      const T r = poison ? nan : fromAcc<T>(acc[u][v] + toAcc<T>(X[gi * p.x.rstride + gc]));
       O[gi * p.out.rstride + gc] = r;
       if (O2 != nullptr) O2[gi * p.out2.rstride + gc] = r;
     }
@@ -138,6 +142,7 @@ cudaError_t launchTile(const CombineArgs& a, cudaStream_t stream) {
   p.k = a.k;
   p.vc = a.vc;
   p.col_tiles = static_cast<unsigned>((a.vc + BN - 1) / BN);
+  p.check = a.check;
   const size_t gx = static_cast<size_t>(p.col_tiles) * a.nb;
   const size_t gy = (a.k + BM - 1) / BM;
   if (gx > 0x7fffffffu || gy > 65535u) return cudaErrorInvalidConfiguration;

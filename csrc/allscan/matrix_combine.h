@@ -8,6 +8,7 @@
 #include <cstddef>
 
 #include "allscan/common.h"
+#include "signature.h"
 
 namespace allscan {
 namespace matrix {
@@ -32,6 +33,7 @@ struct CombineArgs {
   View ycopy;               // optional: a copy of y (unpacks a received packed block into the result)
   size_t nb = 0, k = 0, vc = 0;
   allscanDataType_t dtype = allscanFloat32;
+  detail::SigCheck check;   // NaN into out, out2 and ycopy when y came from a mismatched call
 };
 
 // One launch over the whole block. Arithmetic: fp32 FFMA (fp64 for fp64 states), summing over j in

@@ -220,8 +220,8 @@ allscanResult_t scanAllGather(const allscanComm* comm, const allscanMatrixScanAr
 
 // The head sends M @ init + x (x itself without init) on in the block layout, and keeps init (or
 // zeros) for itself: headSend.
-allscanResult_t scanHead(allscanComm* comm, const allscanMatrixScanArgs_t* a, const Blocks& b, void* workspace,
-                         cudaStream_t stream) {
+allscanResult_t scanHead(allscanComm* comm, const allscanMatrixScanArgs_t* a, const Blocks& b, const SigSlots& sig,
+                         void* workspace, cudaStream_t stream) {
   const void* s = a->x;
   if (a->init != nullptr) {
     void* S = a->inclusive && !b.packed() ? a->y : workspace;
@@ -240,17 +240,20 @@ allscanResult_t scanHead(allscanComm* comm, const allscanMatrixScanArgs_t* a, co
   HeadResult own(comm, a->inclusive && a->init != nullptr ? nullptr : a->y, a->inclusive ? a->x : a->init,
                  stateCount(a) * b.es, stream);
   const ncclDataType_t nt = ncclType(a->dtype);
-  return headSend(comm, a->reverse, b.n, own, [&](size_t i, ncclComm_t nc, int next) {
-    return ncclSend(static_cast<const char*>(s) + b.off(i) * b.es, b.elems(i), nt, next, nc, stream);
-  });
+  return headSend(
+      comm, a->reverse, b.n, own, sig,
+      [&](size_t i, ncclComm_t nc, int next) {
+        return ncclSend(static_cast<const char*>(s) + b.off(i) * b.es, b.elems(i), nt, next, nc, stream);
+      },
+      stream);
 }
 
 // Inner and tail ranks: receive block i while sending block i-1 on, combine block i. R receives
 // y_p in the block layout (straight into y when that is the natural layout and y is the result);
 // S holds M @ y_p + x to send on (straight into y when it is the inclusive result). With packed
 // blocks the combine also writes the natural-layout result (the received y, or the inclusive one).
-allscanResult_t scanLink(const allscanComm* comm, const allscanMatrixScanArgs_t* a, const Blocks& b, void* workspace,
-                         cudaStream_t stream) {
+allscanResult_t scanLink(const allscanComm* comm, const allscanMatrixScanArgs_t* a, const Blocks& b,
+                         const SigSlots& sig, void* workspace, cudaStream_t stream) {
   const bool has_next = chainPos(comm, a->reverse).has_next;
   const size_t bytes = stateCount(a) * b.es;
   const bool need_r = b.packed() || a->inclusive;
@@ -266,11 +269,12 @@ allscanResult_t scanLink(const allscanComm* comm, const allscanMatrixScanArgs_t*
                                 has_next ? b.block(S, i) : b.natural(a->y, i));
     if (has_next && a->inclusive && b.packed()) c.out2 = b.natural(a->y, i);
     if (!a->inclusive && b.packed()) c.ycopy = b.natural(a->y, i);
+    c.check = sig.check;
     ALLSCAN_CUDA_CHECK(allscan::matrix::launchCombine(c, stream));
     return allscanSuccess;
   };
   ALLSCAN_CHECK(relayBlocks(
-      comm, a->reverse, b.n, ncclType(a->dtype),
+      comm, a->reverse, b.n, ncclType(a->dtype), sig,
       [&](size_t i) { return BlockRef{at(S, i), b.elems(i)}; },  // sent on
       [&](size_t i) { return BlockRef{at(R, i), b.elems(i)}; },  // received
       combineBlock, stream));
@@ -278,6 +282,8 @@ allscanResult_t scanLink(const allscanComm* comm, const allscanMatrixScanArgs_t*
     // The exclusive tail received the packed blocks: one unpack into the result.
     ALLSCAN_CUDA_CHECK(allscan::matrix::launchPack(b.es, R, a->y, b.batch, b.k, b.v, b.vcw, true, stream));
   }
+  // The exclusive tail combines nothing: its received result is checked on its own.
+  if (!combine) ALLSCAN_CUDA_CHECK(launchPoison(a->y, stateCount(a), a->dtype, sig.check, stream));
   return allscanSuccess;
 }
 
@@ -286,8 +292,10 @@ allscanResult_t scanLink(const allscanComm* comm, const allscanMatrixScanArgs_t*
 allscanResult_t scanIssue(allscanComm* comm, const allscanMatrixScanArgs_t* a, void* workspace, cudaStream_t stream) {
   if (a->method == allscanAllGather) return scanAllGather(comm, a, workspace, stream);
   const Blocks b = makeBlocks(a->batch, a->k, a->v, dtypeSize(a->dtype), matrixBlockCount(comm, a));
-  if (chainPos(comm, a->reverse).head) return scanHead(comm, a, b, workspace, stream);
-  return scanLink(comm, a, b, workspace, stream);
+  SigSlots sig;
+  ALLSCAN_CHECK(signatureSlots(comm->signatures, a->signature, stream, &sig));
+  if (chainPos(comm, a->reverse).head) return scanHead(comm, a, b, sig, workspace, stream);
+  return scanLink(comm, a, b, sig, workspace, stream);
 }
 }  // namespace
 
@@ -322,7 +330,11 @@ allscanResult_t allscanMatrixScan(allscanComm_t comm, const allscanMatrixScanArg
   ALLSCAN_CHECK(checkWorkspace(need, workspace, workspace_bytes, "allscanMatrixWorkspaceSize"));
   if (comm->nranks == 1) return scanOneRank(a, stream);
   ALLSCAN_CHECK(checkAttached(comm));
-  return watched(comm->nccl, stream, [&] { return scanIssue(comm, a, workspace, stream); });
+  // The watch's failure first: after an abort, a receive that never completed looks like a mismatch.
+  return watched(comm->nccl, stream, [&] {
+    ALLSCAN_CHECK(mismatchStatus(comm->signatures));
+    return scanIssue(comm, a, workspace, stream);
+  });
 }
 
 }  // extern "C"

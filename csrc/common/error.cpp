@@ -52,6 +52,8 @@ extern "C" ALLSCAN_API const char* allscanGetErrorString(allscanResult_t r) {
     case allscanNcclError: return "NCCL error";
     case allscanInternalError: return "internal error";
     case allscanTimeout: return "communicator timed out";
+    case allscanMismatch: return "ranks passed different arguments";
+    case allscanRemoteError: return "another rank reported a failure";
   }
   return "unknown allscan result";
 }

@@ -49,6 +49,7 @@ struct allscanWatch {
   std::atomic<int64_t> issuing_since{0};  // ns since the clock's epoch while a call issues, else 0
   std::atomic<bool> failed{false};
   std::atomic<bool> aborted{false};
+  allscanResult_t code = allscanTimeout;  // what later calls return once failed
   std::string reason;
   bool stop = false;
   std::condition_variable cv;
@@ -75,22 +76,30 @@ std::chrono::milliseconds pollInterval(double timeout_s) {
   return std::chrono::milliseconds(static_cast<long>(ms));
 }
 
-void fail(allscanWatch* w, const char* what, double waited_s) {
-  char buf[512];
-  std::snprintf(buf, sizeof(buf),
-                "%s on this NCCL communicator for %.1f s (timeout %.1f s): a peer died or is stuck%s; the "
-                "communicator cannot be used again: make a new process group",
-                what, waited_s, w->timeout_s, w->abort_on_timeout ? "; the communicator was aborted" : "");
+// Fails the watch once (a later failure keeps the first reason) and aborts the communicator when
+// the watch may; false when it had failed already.
+bool failWith(allscanWatch* w, allscanResult_t code, const std::string& reason) {
   {
     std::lock_guard<std::mutex> lk(w->mu);
-    w->reason = buf;
+    if (w->failed.load()) return false;
+    w->code = code;
+    w->reason = reason + (w->abort_on_timeout ? "; the communicator was aborted" : "") +
+                ": it cannot be used again, make a new process group";
+    w->failed.store(true);
   }
-  w->failed.store(true);
-  if (!w->abort_on_timeout) return;
+  if (!w->abort_on_timeout) return true;
   const bool locked = w->issue.try_lock_for(kAbortWait);
   ncclCommAbort(w->nccl);
   w->aborted.store(true);
   if (locked) w->issue.unlock();
+  return true;
+}
+
+void fail(allscanWatch* w, const char* what, double waited_s) {
+  char buf[512];
+  std::snprintf(buf, sizeof(buf), "%s on this NCCL communicator for %.1f s (timeout %.1f s): a peer died or is stuck",
+                what, waited_s, w->timeout_s);
+  failWith(w, allscanTimeout, buf);
 }
 
 void watchLoop(allscanWatch* w) {
@@ -145,7 +154,7 @@ allscanWatch_t watchBegin(ncclComm_t nccl, allscanResult_t* result) {
     w->issue.unlock();
   }
   std::lock_guard<std::mutex> lk(w->mu);
-  *result = setError(allscanTimeout, w->reason);
+  *result = setError(w->code, w->reason);
   return nullptr;
 }
 
@@ -245,5 +254,14 @@ extern "C" ALLSCAN_API allscanResult_t allscanWatchStatus(allscanWatch_t w, int*
   if (aborted != nullptr) *aborted = w->aborted.load() ? 1 : 0;
   if (!w->failed.load()) return allscanSuccess;
   std::lock_guard<std::mutex> lk(w->mu);
-  return setError(allscanTimeout, w->reason);
+  return setError(w->code, w->reason);
+}
+
+extern "C" ALLSCAN_API allscanResult_t allscanWatchFail(allscanWatch_t w, allscanResult_t code, const char* reason) {
+  ALLSCAN_ARG_CHECK(w != nullptr, "watch: null watch");
+  ALLSCAN_ARG_CHECK(code == allscanTimeout || code == allscanMismatch || code == allscanRemoteError,
+                    "code: expected allscanTimeout, allscanMismatch or allscanRemoteError, got " +
+                        std::to_string(static_cast<int>(code)));
+  allscan::detail::failWith(w, code, reason != nullptr ? reason : "failed by the caller");
+  return allscanSuccess;
 }

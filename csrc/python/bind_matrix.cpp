@@ -52,9 +52,11 @@ void bindMatrix(py::module_& m) {
   m.def("matrix_scan",
         [](std::uintptr_t c, std::uintptr_t x, std::uintptr_t y, size_t batch, size_t k, size_t v, int dtype,
            std::uintptr_t mat, int m_dtype, bool transpose_m, std::uintptr_t init, bool reverse, bool inclusive,
-           int num_blocks, int method, std::uintptr_t ws, size_t ws_bytes, std::uintptr_t stream) {
+           int num_blocks, int method, std::uintptr_t ws, size_t ws_bytes, std::uintptr_t stream,
+           unsigned long long signature) {
           allscanMatrixScanArgs_t a = makeArgs(x, y, batch, k, v, dtype, mat, m_dtype, transpose_m, init, reverse,
                                                inclusive, num_blocks, method);
+          a.signature = signature;
           check(allscanMatrixScan(ptr<allscanComm>(c), &a, ptr<void>(ws), ws_bytes, ptr<CUstream_st>(stream)));
         });
 }

@@ -31,8 +31,9 @@ void checkNccl(ncclResult_t r, const char* what) {
 
 allscanScanArgs_t makeArgs(std::uintptr_t x, std::uintptr_t y, size_t count, int dtype, std::uintptr_t g,
                            size_t g_count, int g_dtype, std::uintptr_t init, bool reverse, bool inclusive,
-                           int num_blocks, int method) {
+                           int num_blocks, int method, unsigned long long signature = 0) {
   allscanScanArgs_t a{};
+  a.signature = signature;
   allscan_py::setChainArgs(&a, x, y, dtype, init, reverse, inclusive, num_blocks, method);
   a.count = count;
   a.g = ptr<const void>(g);
@@ -130,7 +131,8 @@ PYBIND11_MODULE(_C, m) {
   });
   m.def("nccl_comm_destroy", [](std::uintptr_t c) { checkNccl(ncclCommDestroy(ptr<ncclComm>(c)), "ncclCommDestroy"); });
 
-  pybind11::register_exception<allscan_py::CommunicatorTimeout>(m, "CommunicatorTimeout", PyExc_RuntimeError);
+  auto comm_error = pybind11::register_exception<allscan_py::CommunicatorError>(m, "CommunicatorError", PyExc_RuntimeError);
+  pybind11::register_exception<allscan_py::CommunicatorTimeout>(m, "CommunicatorTimeout", comm_error);
   m.def("watch_create", [](std::uintptr_t nccl, double timeout_s, bool abort_on_timeout) {
     allscanWatch_t w = nullptr;
     check(allscanWatchCreate(ptr<ncclComm>(nccl), timeout_s, abort_on_timeout ? 1 : 0, &w));
@@ -146,6 +148,15 @@ PYBIND11_MODULE(_C, m) {
     check(r);
     return aborted != 0;
   }, "stop watching; returns whether the watch aborted the communicator (then it must not be destroyed)");
+  m.attr("TIMEOUT") = static_cast<int>(allscanTimeout);
+  m.attr("MISMATCH") = static_cast<int>(allscanMismatch);
+  m.attr("REMOTE_ERROR") = static_cast<int>(allscanRemoteError);
+  m.def("watch_status", [](std::uintptr_t w) { check(allscanWatchStatus(ptr<allscanWatch>(w), nullptr)); },
+        "raise the watch's failure (CommunicatorTimeout / CommunicatorError), if any");
+  m.def("watch_fail", [](std::uintptr_t w, int code, const std::string& reason) {
+    py::gil_scoped_release release;  // an abort may wait for a call being issued
+    check(allscanWatchFail(ptr<allscanWatch>(w), static_cast<allscanResult_t>(code), reason.c_str()));
+  });
   m.def("comm_create", [](std::uintptr_t nccl) {
     allscanComm_t c = nullptr;
     check(allscanCommCreate(ptr<ncclComm>(nccl), &c));
@@ -159,6 +170,8 @@ PYBIND11_MODULE(_C, m) {
   m.def("comm_destroy", [](std::uintptr_t c) { check(allscanCommDestroy(ptr<allscanComm>(c))); });
   m.def("comm_rank", [](std::uintptr_t c) { int r; check(allscanCommRank(ptr<allscanComm>(c), &r)); return r; });
   m.def("comm_size", [](std::uintptr_t c) { int n; check(allscanCommSize(ptr<allscanComm>(c), &n)); return n; });
+  m.def("comm_status", [](std::uintptr_t c) { check(allscanCommStatus(ptr<allscanComm>(c))); },
+        "raise CommunicatorError once a call on this rank received another rank's mismatched signature");
 
   m.def("set_link_model", [](std::uintptr_t c, double a, double b) { check(allscanSetLinkModel(ptr<allscanComm>(c), a, b)); });
   m.def("get_link_model", [](std::uintptr_t c) {
@@ -191,8 +204,9 @@ PYBIND11_MODULE(_C, m) {
   m.def("scan",
         [](std::uintptr_t c, std::uintptr_t x, std::uintptr_t y, size_t count, int dtype, std::uintptr_t g, size_t g_count,
            int g_dtype, std::uintptr_t init, bool reverse, bool inclusive, int num_blocks, int method,
-           std::uintptr_t ws, size_t ws_bytes, std::uintptr_t stream) {
-          allscanScanArgs_t a = makeArgs(x, y, count, dtype, g, g_count, g_dtype, init, reverse, inclusive, num_blocks, method);
+           std::uintptr_t ws, size_t ws_bytes, std::uintptr_t stream, unsigned long long signature) {
+          allscanScanArgs_t a =
+              makeArgs(x, y, count, dtype, g, g_count, g_dtype, init, reverse, inclusive, num_blocks, method, signature);
           check(allscanScan(ptr<allscanComm>(c), &a, ptr<void>(ws), ws_bytes, ptr<CUstream_st>(stream)));
         });
   m.def("neighbor_exchange",

@@ -15,7 +15,12 @@ namespace allscan_py {
 
 template <typename T> T* ptr(std::uintptr_t v) { return reinterpret_cast<T*>(v); }
 
-// allscanTimeout: Python's allscan.CommunicatorTimeout (a RuntimeError), registered in bindings.cpp.
+// A communicator that failed (allscanMismatch, allscanRemoteError): Python's
+// allscan.CommunicatorError (a RuntimeError); allscanTimeout: allscan.CommunicatorTimeout, a
+// CommunicatorError. Registered in bindings.cpp.
+struct CommunicatorError : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
 struct CommunicatorTimeout : std::runtime_error {
   using std::runtime_error::runtime_error;
 };
@@ -25,6 +30,7 @@ inline void check(allscanResult_t r) {
   std::string msg = std::string("allscan: ") + allscanGetLastError();
   if (r == allscanInvalidArgument) throw pybind11::value_error(msg);
   if (r == allscanTimeout) throw CommunicatorTimeout(msg);
+  if (r == allscanMismatch || r == allscanRemoteError) throw CommunicatorError(msg);
   throw std::runtime_error(msg + " (" + allscanGetErrorString(r) + ")");
 }
 

@@ -35,7 +35,8 @@ def _preload_nccl() -> None:
 _preload_nccl()
 
 from . import _C, a2a  # noqa: E402
-from ._C import CommunicatorTimeout  # noqa: E402  (a collective on NCCL timed out: its communicator failed)
+from ._C import CommunicatorError  # noqa: E402  (a group's NCCL communicator failed: mismatch, a peer's report)
+from ._C import CommunicatorTimeout  # noqa: E402  (a CommunicatorError: a collective on NCCL timed out)
 from ._contract import settings  # noqa: E402
 from .ops.scan import ScanHandle, destroy_communicators, scan, set_check_every_call  # noqa: E402
 from .reference import scan_reference  # noqa: E402
@@ -63,5 +64,6 @@ __all__ = [
     "scan_reference",
     "a2a",
     "settings",
+    "CommunicatorError",
     "CommunicatorTimeout",
 ]

@@ -9,11 +9,13 @@ Communicators are cached per (group, device).
 
 Each communicator of more than one rank is watched (``allscanWatchCreate``, ``ALLSCAN_TIMEOUT``): a
 collective not done within the group's timeout fails it, aborts it when allscan owns it, and every
-later call on it raises :class:`allscan.CommunicatorTimeout`.
+later call on it raises :class:`allscan.CommunicatorTimeout`. Watched communicators are on the fault
+board (``_faults``), which spreads one rank's failure to the others.
 """
 from __future__ import annotations
 
 import atexit
+import hashlib
 import threading
 import weakref
 from dataclasses import dataclass
@@ -22,7 +24,7 @@ from typing import Dict, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from . import _C
+from . import _C, _faults
 from ._contract import settings
 
 __all__ = [
@@ -36,6 +38,7 @@ __all__ = [
     "check_device",
     "get_communicator",
     "destroy_communicators",
+    "report_local_error",
 ]
 
 _lock = threading.Lock()
@@ -103,8 +106,12 @@ class Communicator:
     link_model: Optional[Tuple[float, float]] = None  # (latency_us, us_per_byte) in use, if any
     group_ref: Optional[weakref.ReferenceType] = None  # the group object it was made for
     watch: int = 0       # allscanWatch_t as an integer (0: not watched)
+    fault_key: str = ""  # its key on the fault board ("" : not on it)
 
     def destroy(self) -> None:
+        if self.fault_key:
+            _faults.board().unregister(self.fault_key)  # waits for a board round using it
+            self.fault_key = ""
         aborted = False
         if self.watch:
             aborted = _C.watch_destroy(self.watch)  # after its thread stopped: an abort cannot follow
@@ -142,13 +149,16 @@ def _borrow_torch_comm(group, device: torch.device) -> int:
     return ptr
 
 
-def _create_owned_comm(group, device: torch.device) -> int:
+def _create_owned_comm(group, device: torch.device) -> Tuple[int, str]:
+    """A new NCCL communicator of the group and its fault-board key (from its unique id, which every
+    rank holds)."""
     rank = dist.get_rank(group)
     size = dist.get_world_size(group)
     obj = [_C.nccl_get_unique_id() if rank == 0 else None]
     dist.broadcast_object_list(obj, group_src=0, group=group)
+    key = "allscan/fault/" + hashlib.blake2b(obj[0], digest_size=12).hexdigest()
     with torch.cuda.device(device):
-        return int(_C.nccl_comm_init_rank(size, obj[0], rank))
+        return int(_C.nccl_comm_init_rank(size, obj[0], rank)), key
 
 
 def group_timeout(group, device: torch.device) -> float:
@@ -172,6 +182,53 @@ def _watch(nccl: int, owned: bool, group, device: torch.device) -> int:
         return 0
     timeout = group_timeout(group, device) if setting == "group" else float(setting)
     return int(_C.watch_create(nccl, timeout, owned))
+
+
+def _local_failure(comm: Communicator):
+    """(code, reason) when this rank's own view of ``comm`` failed (its watch's timeout, or a mismatch
+    its kernels found), else None (also when a peer's report failed it: not this rank's to report).
+    The watch first: after an abort, a receive that never completed looks like a mismatch."""
+    try:
+        _C.watch_status(comm.watch)
+    except _C.CommunicatorTimeout as e:
+        return _C.TIMEOUT, str(e)
+    except _C.CommunicatorError:
+        return None
+    try:
+        _C.comm_status(comm.handle)
+    except _C.CommunicatorError as e:
+        return _C.MISMATCH, str(e)
+    return None
+
+
+def _put_on_board(comm: Communicator, key: str, fresh: bool) -> None:
+    """Register a watched communicator on the fault board (no store: no board, the watch alone)."""
+    try:
+        store = dist.distributed_c10d._get_default_store()
+    except Exception:  # noqa: BLE001 - private API, or no default group store
+        return
+    target = _faults.Target(
+        rank=comm.rank,
+        size=comm.size,
+        local_failure=lambda: _local_failure(comm),
+        fail=lambda code, reason: _C.watch_fail(comm.watch, code, reason),
+    )
+    _faults.board().register(key, target, store, seen=0 if fresh else None)
+    comm.fault_key = key
+
+
+def report_local_error(group, device: torch.device, reason: str) -> None:
+    """This rank raised on its own arguments where its peers do not exchange (NCCL, ``first``): if
+    the group's communicator exists, report the skipped call on the fault board (its thread posts it)."""
+    if device.type != "cuda":
+        return
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    with _lock:
+        comm = _comms.get((group.group_name, index))
+    if comm is not None and comm.fault_key and comm.group_ref is not None and comm.group_ref() is group:
+        board = _faults.board()
+        board.report_skip(comm.fault_key, reason)
+        board.wait_skip(comm.fault_key, board.skip_grace_s + 2 * board.poll_s + 1.0)
 
 
 def check_env() -> None:
@@ -232,8 +289,9 @@ def get_communicator(group, device: torch.device) -> Communicator:
 
     nccl = _borrow_torch_comm(group, device) if settings.comm == "borrowed" else 0
     owned = nccl == 0
+    board_key = f"allscan/fault/borrowed/{name}"  # the group's name: the same on every rank
     if owned:
-        nccl = _create_owned_comm(group, device)
+        nccl, board_key = _create_owned_comm(group, device)
     handle = int(_C.comm_create(nccl))
     comm = Communicator(
         group_name=name,
@@ -248,6 +306,8 @@ def get_communicator(group, device: torch.device) -> Communicator:
     try:
         if comm.size > 1:
             comm.watch = _watch(nccl, owned, group, device)
+            if comm.watch:
+                _put_on_board(comm, board_key, fresh=owned)
         if _C.comm_rank(handle) != comm.rank or _C.comm_size(handle) != comm.size:
             raise RuntimeError(
                 f"allscan: the NCCL communicator of group {name!r} has rank/size "

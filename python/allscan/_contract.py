@@ -9,6 +9,7 @@
 """
 from __future__ import annotations
 
+import hashlib
 import math
 import os
 import threading
@@ -33,6 +34,7 @@ __all__ = [
     "markdown_table",
     "MAX_CHECKED_SIGNATURES",
     "check_across_ranks",
+    "signature_hash",
     "announce_invalid",
     "peers_exchange",
     "clear_checked_signatures",
@@ -125,13 +127,17 @@ _FIRST_USE = "first use"
 _COMM = "first use; the C++ core when it makes a communicator"
 
 VARIABLES: Tuple[Variable, ...] = (
-    Variable("ALLSCAN_CHECK", "check", "`first`, `always`, `never`", "`first`", _FIRST_USE,
+    Variable("ALLSCAN_CHECK", "check", "`first`, `trust`, `always`, `never`", "`first`", _FIRST_USE,
              "The cross-rank argument check of every collective and layer. `first`: on NCCL, the first "
-             "time a signature is seen per group (then cached); on other backends every call. `always`: "
-             "every call (one small all-gather and a host synchronisation), a rank whose own arguments "
-             "fail joins the exchange so the others raise too, and Ulysses attention repeats each "
-             "two-stream forward on one stream and compares. `never`: no check.",
-             _choice("first", "always", "never"), "first"),
+             "time a signature is seen per group (then cached), plus an 8-byte signature ahead of each "
+             "scan's first block that the receiver compares on the GPU; on other backends every call. "
+             "`trust`: as `first` without the in-band signature (about 4 us less per scan below 1 MiB; "
+             "a rank that switches to a cached signature with the same bytes gives wrong values). "
+             "`always`: every call (one small all-gather and a host synchronisation), a rank whose own "
+             "arguments fail joins the exchange so the others raise too, and Ulysses attention repeats "
+             "each two-stream forward on one stream and compares. `never`: no check (no in-band "
+             "signature either).",
+             _choice("first", "trust", "always", "never"), "first"),
     Variable("ALLSCAN_COMM", "comm", "`owned`, `borrowed`", "`owned`", _FIRST_USE,
              "The NCCL communicator of a group: one allscan creates and owns (so a timed-out one can be "
              "aborted) or torch's own ProcessGroupNCCL communicator, borrowed (no second communicator, but "
@@ -282,7 +288,7 @@ def peers_exchange(group, device: torch.device) -> bool:
     join): with ``ALLSCAN_CHECK=always``, and in ``first`` mode off NCCL (there the exchange costs no
     host synchronisation the op does not already make)."""
     mode = settings.check
-    return mode == "always" or (mode == "first" and not _on_nccl(group, device))
+    return mode == "always" or (mode in ("first", "trust") and not _on_nccl(group, device))
 
 
 def _gather_rows(group, device: torch.device, row: Sequence[int]):
@@ -317,7 +323,7 @@ def check_across_ranks(group, device: torch.device, op: str, fields: Sequence[Tu
         seen = ref is not None and ref() is group
         if seen:
             _checked.move_to_end(key)
-    if seen and mode == "first" and _on_nccl(group, device):
+    if seen and mode in ("first", "trust") and _on_nccl(group, device):
         return
     if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         if seen:
@@ -333,6 +339,18 @@ def check_across_ranks(group, device: torch.device, op: str, fields: Sequence[Tu
         _checked.move_to_end(key)
         while len(_checked) > MAX_CHECKED_SIGNATURES:
             _checked.popitem(last=False)
+
+
+def signature_hash(op: str, fields: Sequence[Tuple[str, int]]) -> int:
+    """The 64-bit value the core's chain schedules send ahead of their first block so that a
+    receiver can tell a call made with other arguments (``allscanScanArgs_t.signature``): a hash of
+    ``op`` and ``fields`` (equal on every rank exactly when the fields are); 0 (no in-band check)
+    with ``ALLSCAN_CHECK=never``."""
+    if settings.check in ("never", "trust"):
+        return 0
+    text = op + ":" + ",".join(f"{name}={int(v)}" for name, v in fields)
+    value = int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little")
+    return value or 1
 
 
 def _raise_on_difference(op: str, fields, rows, me: int) -> None:
@@ -360,11 +378,18 @@ def _raise_on_difference(op: str, fields, rows, me: int) -> None:
         + "; ".join(parts) + f". Every rank must pass the same shapes, dtypes and options (this is rank {me})")
 
 
-def announce_invalid(group, device: torch.device, op: str) -> None:
+def announce_invalid(group, device: torch.device, op: str, reason: str = "") -> None:
     """A rank whose own arguments failed a local check joins the exchange its peers make in the
     current mode (see :func:`peers_exchange`), with a marker that makes them raise instead of
-    waiting for it. Nothing when the peers may not exchange, under capture, or alone."""
-    if dist.get_world_size(group) == 1 or not peers_exchange(group, device):
+    waiting for it. Where the peers do not exchange (NCCL in ``first`` mode: they may be waiting in a
+    call this rank will not make) it reports ``reason`` on the fault board (``allscan._faults``)
+    instead. Nothing under capture, or alone."""
+    if dist.get_world_size(group) == 1:
+        return
+    if not peers_exchange(group, device):
+        from . import _comm  # noqa: PLC0415 - _comm imports this module
+
+        _comm.report_local_error(group, device, f"allscan.{op}: {reason or 'its own arguments failed a check'}")
         return
     if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         return

@@ -36,9 +36,9 @@ def validated_group(group, tensor, op: str, validate):
     group = _comm.normalize_group(group)
     try:
         validate()
-    except (TypeError, ValueError):
+    except (TypeError, ValueError) as e:
         if isinstance(tensor, torch.Tensor):
-            announce_invalid(group, announce_device(group), op)
+            announce_invalid(group, announce_device(group), op, str(e))
         raise
     return group
 
@@ -59,8 +59,8 @@ def nccl_preflight(group, x: torch.Tensor, op: str) -> bool:
     try:
         _comm.check_device(group, x.device)
         _comm.check_env()
-    except ValueError:
-        announce_invalid(group, torch.device("cuda", torch.cuda.current_device()), op)
+    except ValueError as e:
+        announce_invalid(group, torch.device("cuda", torch.cuda.current_device()), op, str(e))
         raise
     return True
 

@@ -285,11 +285,11 @@ def _a2a_multi(direction, xs, maps, num_heads, group, outs, accumulate, names, s
                         f"allscan.a2a: output for {n} must be a contiguous {x.dtype} tensor of shape {want} on {x.device}, "
                         f"got {o.dtype} {tuple(o.shape)} on {o.device}"
                     )
-    except (ValueError, TypeError):
+    except (ValueError, TypeError) as e:
         if check:
             # The other ranks may be in the signature exchange: join it, so they raise too.
             device = xs[0].device if xs and isinstance(xs[0], torch.Tensor) else torch.device("cpu")
-            announce_invalid(group, device, op)
+            announce_invalid(group, device, op, str(e))
         raise
     if check:
         check_across_ranks(group, xs[0].device, op, _signature(direction, xs, maps, num_heads, accumulate))

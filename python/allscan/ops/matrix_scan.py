@@ -22,7 +22,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from .. import _C, _comm
-from .._contract import DTYPE_CODES, check_across_ranks, dtype_code
+from .._contract import DTYPE_CODES, check_across_ranks, dtype_code, signature_hash
 from ..reference import acc_dtype
 from . import _matrix_dist
 from ._launch import check_num_blocks, nccl_preflight, plan_cache, plan_is_current, stream_ptr, validated_group
@@ -104,7 +104,8 @@ _plans: Dict[tuple, ScanLaunchPlan] = plan_cache()
 
 def _prepare(x, m, init, group, reverse, inclusive, transpose, num_blocks, method) -> ScanLaunchPlan:
     nccl = nccl_preflight(group, x, _OP)
-    check_across_ranks(group, x.device, _OP, _signature(x, m, init, reverse, inclusive, transpose, num_blocks, method))
+    fields = _signature(x, m, init, reverse, inclusive, transpose, num_blocks, method)
+    check_across_ranks(group, x.device, _OP, fields)
     if not nccl:
         return ScanLaunchPlan(group, None, 0, 0, 0, 0)
     comm = _comm.get_communicator(group, x.device)
@@ -112,7 +113,7 @@ def _prepare(x, m, init, group, reverse, inclusive, transpose, num_blocks, metho
     batch, K, V = _dims(x)
     ws = _C.matrix_workspace_size(comm.handle, batch, K, V, dt, mdt, transpose, init is not None, reverse, inclusive,
                                   num_blocks, midx)
-    return ScanLaunchPlan(group, comm, dt, mdt, midx, ws)
+    return ScanLaunchPlan(group, comm, dt, mdt, midx, ws, signature_hash(_OP, fields))
 
 
 def _plan_for(x, m, init, group, reverse, inclusive, transpose, num_blocks, method) -> ScanLaunchPlan:
@@ -143,7 +144,7 @@ def _run(x, m, init, group_name, reverse, inclusive, transpose, num_blocks, meth
         _C.matrix_scan(plan.comm.handle, x.data_ptr(), y.data_ptr(), batch, K, V, plan.dt, m.data_ptr(), plan.gdt,
                        transpose, 0 if init is None else init.data_ptr(), reverse, inclusive, num_blocks, plan.midx,
                        0 if ws is None else ws.data_ptr(), plan.ws_bytes,
-                       stream_ptr(x.device) if stream is None else stream.cuda_stream)
+                       stream_ptr(x.device) if stream is None else stream.cuda_stream, plan.signature)
         if ws is not None and stream is not None:
             ws.record_stream(stream)  # allocated on the current stream, used on `stream`
     return y

@@ -16,7 +16,8 @@ import torch.distributed as dist
 
 from .. import _C, _comm
 from .._threads import one_thread
-from .._contract import DTYPE_CODES, check_across_ranks, clear_checked_signatures, dtype_code, settings
+from .._contract import (DTYPE_CODES, check_across_ranks, clear_checked_signatures, dtype_code, settings,
+                         signature_hash)
 from ..reference import acc_dtype, expand_decay
 from . import _scan_dist
 from ._launch import (_raw_stream, check_num_blocks, forget_plans, nccl_preflight, plan_cache, plan_is_current,
@@ -100,15 +101,16 @@ class ScanLaunchPlan:
     for the matrix scan, the transition's), method index, workspace size (``comm`` is None on the
     torch.distributed path). Belongs to one group object."""
 
-    __slots__ = ("group_ref", "comm", "dt", "gdt", "midx", "ws_bytes")
+    __slots__ = ("group_ref", "comm", "dt", "gdt", "midx", "ws_bytes", "signature")
 
-    def __init__(self, group, comm, dt, gdt, midx, ws_bytes):
+    def __init__(self, group, comm, dt, gdt, midx, ws_bytes, signature=0):
         self.group_ref = weakref.ref(group)
         self.comm = comm
         self.dt = dt
         self.gdt = gdt
         self.midx = midx
         self.ws_bytes = ws_bytes
+        self.signature = signature  # sent ahead of the first block, checked by the receiver (0: not)
 
 
 _plans: Dict[tuple, ScanLaunchPlan] = plan_cache()
@@ -116,7 +118,8 @@ _plans: Dict[tuple, ScanLaunchPlan] = plan_cache()
 
 def _prepare(x, g, init, group, reverse, inclusive, num_blocks, method) -> ScanLaunchPlan:
     nccl = nccl_preflight(group, x, _OP)
-    check_across_ranks(group, x.device, _OP, _signature(x, g, init, reverse, inclusive, num_blocks, method))
+    fields = _signature(x, g, init, reverse, inclusive, num_blocks, method)
+    check_across_ranks(group, x.device, _OP, fields)
     if not nccl:
         return ScanLaunchPlan(group, None, 0, 0, 0, 0)
     comm = _comm.get_communicator(group, x.device)
@@ -125,7 +128,7 @@ def _prepare(x, g, init, group, reverse, inclusive, num_blocks, method) -> ScanL
     midx = METHODS.index(method)
     ws = _C.workspace_size(comm.handle, x.numel(), dt, 0 if g is None else 1, 0 if g is None else g.numel(), gdt,
                            0 if init is None else 1, reverse, inclusive, num_blocks, midx)
-    return ScanLaunchPlan(group, comm, dt, gdt, midx, ws)
+    return ScanLaunchPlan(group, comm, dt, gdt, midx, ws, signature_hash(_OP, fields))
 
 
 def plan_for(x, g, init, group, reverse, inclusive, num_blocks, method) -> ScanLaunchPlan:
@@ -168,7 +171,7 @@ def launch(plan: ScanLaunchPlan, x, g, init, reverse, inclusive, num_blocks, str
         plan.comm.handle, x.data_ptr(), y.data_ptr(), x.numel(), plan.dt, 0 if g is None else g.data_ptr(),
         0 if g is None else g.numel(), plan.gdt, 0 if init is None else init.data_ptr(), reverse, inclusive,
         num_blocks, plan.midx, 0 if ws is None else ws.data_ptr(), plan.ws_bytes,
-        stream_ptr(x.device) if stream is None else stream.cuda_stream,
+        stream_ptr(x.device) if stream is None else stream.cuda_stream, plan.signature,
     )
     if ws is not None and stream is not None:
         ws.record_stream(stream)  # allocated on the current stream, used on `stream`: freed after it

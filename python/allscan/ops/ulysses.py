@@ -608,9 +608,9 @@ def ulysses_attention(q, k, v, group=None, *, causal: bool = False, scale: Optio
         if chunk_weights is not None and (num_chunks == "auto" or len(chunk_weights) != num_chunks
                                           or any(w <= 0 for w in chunk_weights)):
             raise ValueError("UlyssesAttention: chunk_weights needs an int num_chunks and one positive weight per chunk")
-    except (ValueError, TypeError):
+    except (ValueError, TypeError) as e:
         # The other ranks may be in the signature exchange: join it, so they raise too.
-        announce_invalid(group, q.device if isinstance(q, torch.Tensor) else torch.device("cpu"), _OP)
+        announce_invalid(group, q.device if isinstance(q, torch.Tensor) else torch.device("cpu"), _OP, str(e))
         raise
     # A mismatch raises on every rank instead of hanging in an all-to-all.
     fields = [("batch B", B), ("local sequence length S_local", Sl), ("query heads", Hq), ("k/v heads", Hkv),

@@ -67,6 +67,10 @@ typedef struct {
   int num_blocks;             /* pipeline blocks K (at most allscanMaxBlocks are used); 0 = choose
                                  from the link model */
   allscanMethod_t method;
+  unsigned long long signature; /* 0, or a hash of every argument that must agree across ranks: the
+                                 pipelined and serial methods send it ahead of the first block and a
+                                 receiver whose predecessor sent another writes NaN over its results
+                                 and fails later calls with allscanMismatch (see allscanCommStatus) */
 } allscanScanArgs_t;
 
 /* A communicator wrapper: the NCCL communicator (borrowed, never destroyed here), its rank and
@@ -82,6 +86,10 @@ ALLSCAN_API allscanResult_t allscanCommCreateDetached(int rank, int nranks, alls
 ALLSCAN_API allscanResult_t allscanCommDestroy(allscanComm_t comm);
 ALLSCAN_API allscanResult_t allscanCommRank(allscanComm_t comm, int* rank);
 ALLSCAN_API allscanResult_t allscanCommSize(allscanComm_t comm, int* nranks);
+/* allscanSuccess, or allscanMismatch (message in allscanGetLastError) once a call on this rank
+ * received another signature than its own (allscanScanArgs_t.signature); every later scan on the
+ * communicator fails the same way. A host read, no synchronisation. */
+ALLSCAN_API allscanResult_t allscanCommStatus(allscanComm_t comm);
 
 /* The link model: one message of n bytes between neighbours costs latency_us + n * us_per_byte.
  * Default: none set (auto block count is 1 until a model is set or calibrated). */
@@ -162,6 +170,7 @@ typedef struct {
   int inclusive;              /* 0: y_p; 1: M_p @ y_p + x_p */
   int num_blocks;             /* pipeline blocks (0 = from the link model, as allscanScan) */
   allscanMethod_t method;     /* pipelined, serial, or allgather (all-gather x and M, fold locally) */
+  unsigned long long signature; /* as allscanScanArgs_t.signature */
 } allscanMatrixScanArgs_t;
 
 /* The pipeline's blocks for a requested block count (every rank computes the same): the number of

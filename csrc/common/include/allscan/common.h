@@ -29,6 +29,9 @@ typedef enum {
   allscanNcclError = 3,
   allscanInternalError = 4,
   allscanTimeout = 5, /* a watched communicator timed out (allscanWatchCreate); it is no longer usable */
+  allscanMismatch = 6, /* ranks passed different arguments to one collective (found on the GPU: the
+                          signature check of allscanScanArgs_t); the communicator is out of step */
+  allscanRemoteError = 7, /* another rank reported a failure of this communicator (allscanWatchFail) */
 } allscanResult_t;
 
 typedef enum {
@@ -81,9 +84,15 @@ ALLSCAN_API allscanResult_t allscanWatchCreate(ncclComm_t nccl, double timeout_s
  * destroys nor aborts it); *aborted (may be NULL): whether the watch aborted it, so it must not be
  * destroyed. */
 ALLSCAN_API allscanResult_t allscanWatchDestroy(allscanWatch_t watch, int* aborted);
-/* allscanSuccess, or allscanTimeout once the watch has failed (the reason in allscanGetLastError);
- * *aborted (may be NULL) says whether the communicator was aborted. */
+/* allscanSuccess, or the failure's code (allscanTimeout, or what allscanWatchFail gave) once the
+ * watch has failed (the reason in allscanGetLastError); *aborted (may be NULL) says whether the
+ * communicator was aborted. */
 ALLSCAN_API allscanResult_t allscanWatchStatus(allscanWatch_t watch, int* aborted);
+/* Fails the watch now, as a timeout would (aborting the communicator when the watch may), with
+ * `code` (allscanTimeout, allscanMismatch or allscanRemoteError) and `reason` for every later call;
+ * nothing when it failed already. For the caller's fault propagation: another rank reported a
+ * failure, or this rank found one the watch cannot see. */
+ALLSCAN_API allscanResult_t allscanWatchFail(allscanWatch_t watch, allscanResult_t code, const char* reason);
 
 #ifdef __cplusplus
 } /* extern "C" */

@@ -1,0 +1,103 @@
+// The in-band signature check of the chain schedules (allscanScanArgs_t.signature, internal).
+//
+// A rank that reuses a signature its peers checked before, but with other arguments, is invisible
+// to a check made once per signature on the host. So every pipelined or serial call with a
+// non-zero signature sends it to its successor ahead of the first block, in the same NCCL group
+// (8 bytes more on a connection that is used anyway), and the receiver's combine kernels compare
+// it with their own: on a difference they write NaN over everything they produce (the result and
+// what they send on, so the poison travels down the chain) and set a record in host-mapped memory
+// that the next call on the communicator (and allscanCommStatus) reports as allscanMismatch. The
+// exclusive tail has no combine kernel: one small kernel poisons its result.
+//
+// A disagreement that changes the bytes of a transfer hangs in NCCL before any kernel can compare:
+// the watch's timeout bounds it (allscanWatchCreate).
+//
+// The value sent lives in a per-communicator device table, one slot per distinct signature, written
+// once (by a one-thread kernel on the call's stream, so a capture replays the same write): kSendSlots
+// slots, reused round robin beyond that (a graph captured with a signature whose slot was since
+// reused sees a false mismatch: NaN and an error, never a wrong value). Received values land in a
+// ring of kRecvSlots slots.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "allscan/allscan.h"
+
+namespace allscan {
+namespace detail {
+
+// Host-mapped: written by a kernel that found a mismatch, read by the host.
+struct MismatchRecord {
+  volatile int set;
+  int pad;
+  volatile unsigned long long expected;  // this rank's signature
+  volatile unsigned long long got;       // what its predecessor sent
+};
+
+// What a receiving kernel needs; recv == nullptr: no check.
+struct SigCheck {
+  const unsigned long long* recv = nullptr;
+  unsigned long long expect = 0;
+  MismatchRecord* record = nullptr;  // device view of the host-mapped record
+
+#ifdef __CUDACC__
+  // True when the predecessor sent another signature; the first thread of the grid records it.
+  __device__ __forceinline__ bool mismatch() const {
+    if (recv == nullptr) return false;
+    const unsigned long long got = *recv;
+    if (got == expect) return false;
+    if (blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0) {
+      record->expected = expect;
+      record->got = got;
+      __threadfence_system();
+      record->set = 1;
+    }
+    return true;
+  }
+#endif
+};
+
+// One call's slots: `send` (8 bytes holding this rank's signature) and the check of what arrives.
+struct SigSlots {
+  const void* send = nullptr;
+  SigCheck check;
+  bool on() const { return send != nullptr; }
+};
+
+struct SignatureTable {
+  static constexpr int kSendSlots = 16384;
+  static constexpr int kRecvSlots = 64;
+  unsigned long long* dev = nullptr;  // [kSendSlots | kRecvSlots]
+  MismatchRecord* record = nullptr;   // host-mapped (the same address on the device: UVA)
+  std::unordered_map<uint64_t, int> slot_of;
+  std::vector<uint64_t> sig_in;  // the signature each send slot holds (0: none)
+  int next_send = 0;
+  int next_recv = 0;
+};
+
+// Allocates the table (at communicator creation, outside any capture); freed by freeSignatures.
+allscanResult_t createSignatures(SignatureTable** out);
+void freeSignatures(SignatureTable* t);
+
+// The slots of one call: nothing (on() false) for signature 0, or a table-less communicator.
+allscanResult_t signatureSlots(SignatureTable* t, uint64_t signature, cudaStream_t stream, SigSlots* out);
+
+// allscanMismatch with the recorded values once a kernel found a mismatch (sticky), else success.
+allscanResult_t mismatchStatus(const SignatureTable* t);
+
+// NaN over y[0, count) when `check` finds a mismatch (the exclusive tail, which combines nothing).
+cudaError_t launchPoison(void* y, size_t count, allscanDataType_t dtype, const SigCheck& check, cudaStream_t stream);
+
+#ifdef __CUDACC__
+// A quiet NaN of an accumulation type (what a mismatched call writes, rounded to the storage type).
+__device__ __forceinline__ float quietNan(float) { return __int_as_float(0x7fc00000); }
+__device__ __forceinline__ double quietNan(double) { return __longlong_as_double(0x7ff8000000000000ULL); }
+#endif
+
+}  // namespace detail
+}  // namespace allscan
