@@ -327,8 +327,8 @@ allscanResult_t scanLink(const allscanComm* comm, const allscanScanArgs_t* a, co
         return allscanSuccess;
       },
       stream));
-  // The exclusive tail combines nothing: its received result is checked on its own.
-  if (!combine) ALLSCAN_CUDA_CHECK(launchPoison(a->y, a->count, a->dtype, sig.check, stream));
+  // An exclusive result is the received y itself, which no combine writes: checked on its own.
+  if (!a->inclusive) ALLSCAN_CUDA_CHECK(launchPoison(a->y, a->count, a->dtype, sig.check, stream));
   return allscanSuccess;
 }
 

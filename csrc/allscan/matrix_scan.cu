@@ -282,8 +282,10 @@ allscanResult_t scanLink(const allscanComm* comm, const allscanMatrixScanArgs_t*
     // The exclusive tail received the packed blocks: one unpack into the result.
     ALLSCAN_CUDA_CHECK(allscan::matrix::launchPack(b.es, R, a->y, b.batch, b.k, b.v, b.vcw, true, stream));
   }
-  // The exclusive tail combines nothing: its received result is checked on its own.
-  if (!combine) ALLSCAN_CUDA_CHECK(launchPoison(a->y, stateCount(a), a->dtype, sig.check, stream));
+  // An exclusive result received straight into y (no combine writes it; with packed blocks the
+  // combine's copy into y is poisoned already) is checked on its own.
+  if (!a->inclusive && (!combine || !b.packed()))
+    ALLSCAN_CUDA_CHECK(launchPoison(a->y, stateCount(a), a->dtype, sig.check, stream));
   return allscanSuccess;
 }
 

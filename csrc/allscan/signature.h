@@ -6,8 +6,8 @@
 // (8 bytes more on a connection that is used anyway), and the receiver's combine kernels compare
 // it with their own: on a difference they write NaN over everything they produce (the result and
 // what they send on, so the poison travels down the chain) and set a record in host-mapped memory
-// that the next call on the communicator (and allscanCommStatus) reports as allscanMismatch. The
-// exclusive tail has no combine kernel: one small kernel poisons its result.
+// that the next call on the communicator (and allscanCommStatus) reports as allscanMismatch. An
+// exclusive result received straight into y is written by no combine: one small kernel poisons it.
 //
 // A disagreement that changes the bytes of a transfer hangs in NCCL before any kernel can compare:
 // the watch's timeout bounds it (allscanWatchCreate).
