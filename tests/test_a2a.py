@@ -262,12 +262,13 @@ def test_cpp_path_records_completion_event_through_torch(monkeypatch):
 
     class FakeC:
         @staticmethod
-        def a2a_workspace_size(*args):
+        def a2a_workspace_size(*args, **kw):
             return 0
 
         @staticmethod
-        def a2a(*args):
+        def a2a(*args, check_comm=0, signature=0):
             calls.append(("a2a", args[-2], args[-1]))
+            assert check_comm == FakeComm.handle  # the in-band signature's table: the group's allscan communicator
 
     class FakeComm:
         nccl, handle, rank, size, device = 1, 2, 0, 1, None

@@ -224,9 +224,11 @@ def _switch(rank, world, case):
     device = f"cuda:{torch.cuda.current_device()}"
     group = dist.new_group([0, 1], timeout=datetime.timedelta(seconds=30))
     x = torch.arange(1.0, 17.0, device=device) * (rank + 1)
-    shapes = ((1, 4, 4), (4, 2, 2)) if case == "matrix" else ((2, 8), (4, 4))
+    shapes = {"matrix": ((1, 4, 4), (4, 2, 2)), "a2a": ((1, 2, 2, 4), (1, 4, 2, 2))}.get(case, ((2, 8), (4, 4)))
 
     def call(shape):
+        if case == "a2a":  # the same bytes to each peer: [1, S_local, 2 heads, D] with S_local * D = 8
+            return allscan.a2a.scatter_heads(x.view(shape), group)
         if case == "matrix":
             m = torch.eye(shape[1], device=device).expand(shape[0], shape[1], shape[1]).contiguous()
             return allscan.scan(x.view(shape), group=group, transition=m, inclusive=True)
@@ -245,11 +247,16 @@ def _switch(rank, world, case):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("case", ["exclusive", "inclusive", "matrix"])
+@pytest.mark.parametrize("case", ["exclusive", "inclusive", "matrix", "a2a"])
 def test_a_cached_signature_switch_on_nccl_gives_nan_and_raises_on_both_ranks(case):
     if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
         pytest.skip("needs 2 CUDA GPUs")
     r0, r1 = run_distributed(_switch, 2, case, backend="nccl", timeout=120)
+    if case == "a2a":  # both ranks receive: both find the other signature
+        for r in (r0, r1):
+            assert r["nan"] and r["outcome"] and r["outcome"][0] == "CommunicatorError", r
+            assert "different arguments" in r["outcome"][1] and r["elapsed"] < 3.0, r
+        return
     assert r0["finite"], r0  # the head received nothing: its result is its own
     assert r1["nan"], r1     # the receiver found the other signature: NaN, not a wrong number
     assert r1["outcome"] and r1["outcome"][0] == "CommunicatorError" and "different arguments" in r1["outcome"][1], r1

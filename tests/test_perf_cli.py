@@ -89,7 +89,7 @@ BAD_ARGS = [
     (["-o", "a2a", "-K", "2"], "-K is an option of -o scan"),
     (["-o", "a2a", "-r"], "-r is an option of -o scan"),
     (["-S", "maybe"], "-S (signature): expected on, off or both"),
-    (["-o", "a2a", "-S", "on"], "-S is an option of -o scan"),
+    (["-o", "a2a", "-S", "maybe"], "-S (signature): expected on, off or both"),
     (["-H", "4"], "-H is an option of -o a2a, not of -o scan"),
     (["--chunks=2"], "-k is an option of -o a2a"),
     (["-o", "a2a", "-H", "0"], "-H (heads)"),
@@ -168,7 +168,8 @@ def test_two_gpu_run_is_exact(tmp_path, extra):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("extra", [[], ["-B", "2", "-H", "6", "-k", "1,4", "-d", "bfloat16"], ["-G", "2", "-C", "1", "-T", "gather"]],
+@pytest.mark.parametrize("extra", [[], ["-B", "2", "-H", "6", "-k", "1,4", "-d", "bfloat16", "-S", "both"],
+                                   ["-G", "2", "-C", "1", "-T", "gather", "-S", "both"]],
                          ids=["default", "batch2-uneven-heads-bf16", "graph-gather"])
 def test_two_gpu_a2a_run_is_exact(tmp_path, extra):
     if _gpu_count() < 2:
@@ -182,6 +183,8 @@ def test_two_gpu_a2a_run_is_exact(tmp_path, extra):
     assert doc["nranks"] == 2 and doc["wrong_total"] == 0 and doc["op"] == "a2a"
     ops = {r["op"] for r in doc["rows"] if "skipped" not in r}
     want = {"nccl-alltoall", "a2a-gather"} if "gather" in extra else {"nccl-alltoall", "a2a-scatter", "a2a-gather"}
+    if "both" in extra:  # -S both: every a2a row also without the in-band signature
+        want |= {f"{op}-nosig" for op in want if op.startswith("a2a-")}
     assert ops == want, ops
     for r in doc["rows"]:
         if "skipped" in r:

@@ -24,6 +24,7 @@ struct A2AOptions {
   int tensors = 3;
   std::vector<int> chunks = {1};
   std::vector<allscanA2ADirection_t> directions = {allscanA2AScatterHeads, allscanA2AGatherHeads};
+  SignatureRows signature;  // -S
 } opts;
 
 const char* directionName(int d) { return d == allscanA2AScatterHeads ? "scatter" : "gather"; }
@@ -46,6 +47,7 @@ void parse(int letter, const char* arg) {
       }
       break;
     }
+    case 'S': parseSignatureRows(&opts.signature, arg); break;
     case 'T': {
       opts.directions.clear();
       for (const auto& t : splitList(arg)) {
@@ -149,6 +151,7 @@ class A2ABench : public Bench {
 
   void setup() override {
     const int P = c.nranks;
+    ASCHECK(allscanCommCreate(c.nccl, &comm_));  // the signed rows' signature table and status
     // The most heads this rank holds over the chunks of any -k: sizes the head-sharded buffer.
     size_t maxHeads = 0;
     for (int k : opts.chunks) {
@@ -198,20 +201,24 @@ class A2ABench : public Bench {
     rows.push_back(fl);
     for (auto dir : opts.directions) {
       for (int k : opts.chunks) {
-        Row r;
-        r.kind = KIND_A2A;
-        r.method = dir;
-        r.K = static_cast<int>(plans_.size());
-        r.name = std::string("a2a-") + directionName(dir);
-        r.kLabel = std::to_string(k);
-        r.busFactor = static_cast<double>(P - 1) / P;
-        r.inSummary = true;
-        r.skip = skip;
-        r.jsonFields = ",\"method\":\"" + std::string(directionName(dir)) + "\",\"K\":" + std::to_string(k) +
-                       ",\"K_auto\":false";
-        r.jsonTail = tail;
-        plans_.push_back(makePlan(dir, k));
-        rows.push_back(r);
+        for (bool unsig : {false, true}) {
+          if (unsig ? !opts.signature.off : !opts.signature.on) continue;
+          Row r;
+          r.kind = KIND_A2A;
+          r.method = dir;
+          r.K = static_cast<int>(plans_.size());
+          r.unsigned_ = unsig;
+          r.name = std::string("a2a-") + directionName(dir) + (unsig ? "-nosig" : "");
+          r.kLabel = std::to_string(k);
+          r.busFactor = static_cast<double>(P - 1) / P;
+          r.inSummary = !unsig || !opts.signature.on;
+          r.skip = skip;
+          r.jsonFields = ",\"method\":\"" + std::string(directionName(dir)) + "\",\"K\":" + std::to_string(k) +
+                         ",\"K_auto\":false,\"signature\":" + (unsig ? "false" : "true");
+          r.jsonTail = tail;
+          plans_.push_back(makePlan(dir, k, unsig));
+          rows.push_back(r);
+        }
       }
     }
     (void)count;
@@ -278,6 +285,7 @@ class A2ABench : public Bench {
   }
 
   void teardown() override {
+    ASCHECK(allscanCommDestroy(comm_));
     if (ws_) CUDACHECK(cudaFree(ws_));
     CUDACHECK(cudaFree(seqIn_));
     CUDACHECK(cudaFree(seqOut_));
@@ -291,7 +299,7 @@ class A2ABench : public Bench {
     for (auto d : opts.directions) ds += std::string(ds.empty() ? "" : ",") + "\"" + directionName(d) + "\"";
     return ",\"heads\":" + std::to_string(opts.heads) + ",\"head_dim\":" + std::to_string(opts.headDim) +
            ",\"batch\":" + std::to_string(opts.batch) + ",\"tensors\":" + std::to_string(opts.tensors) +
-           ",\"chunks\":[" + ks + "],\"directions\":[" + ds + "]";
+           ",\"chunks\":[" + ks + "],\"directions\":[" + ds + "],\"signature\":\"" + opts.signature.label() + "\"";
   }
 
  private:
@@ -315,7 +323,7 @@ class A2ABench : public Bench {
     return maps;
   }
 
-  std::unique_ptr<Plan> makePlan(allscanA2ADirection_t dir, int k) const {
+  std::unique_ptr<Plan> makePlan(allscanA2ADirection_t dir, int k, bool unsig) const {
     auto plan = std::make_unique<Plan>();
     plan->dir = dir;
     plan->chunks = k;
@@ -334,6 +342,8 @@ class A2ABench : public Bench {
       a.head_dim = opts.headDim;
       a.dtype = c.o->dtype;
       a.num_tensors = opts.tensors;
+      a.check_comm = unsig ? nullptr : comm_;
+      a.signature = unsig ? 0 : kPerfSignature;
       const int n = plan->hi[j][c.rank] - plan->lo[j][c.rank];
       for (int t = 0; t < opts.tensors; ++t) {
         char* seq = static_cast<char*>(dir == allscanA2AScatterHeads ? seqIn_ : seqOut_) + t * tensorElems * c.es;
@@ -386,6 +396,7 @@ class A2ABench : public Bench {
     CUDACHECK(cudaGetLastError());
   }
 
+  allscanComm_t comm_ = nullptr;
   size_t requested_ = 0;
   size_t seqLocal_ = 0;
   std::vector<std::unique_ptr<Plan>> plans_;
@@ -414,7 +425,8 @@ const Collective kA2ACollective = {
      {'k', "chunks", required_argument, "<list>",
       "head chunk counts, comma-separated: the heads cut into k chunks,\n"
       "                              one call each, back to back (default 1)"},
-     {'T', "directions", required_argument, "<list>", "scatter,gather or all (default all)"}},
+     {'T', "directions", required_argument, "<list>", "scatter,gather or all (default all)"},
+     kSignatureOption},
     parse,
     validate,
     [](RankCtx& c) -> std::unique_ptr<Bench> { return std::make_unique<A2ABench>(c); }};

@@ -48,16 +48,9 @@ bool parseChainOption(ChainOptions* o, int letter, const char* arg) {
       o->methods = uniq;
       return true;
     }
-    case 'S': {
-      const std::string s(arg);
-      if (s == "on" || s == "off" || s == "both") {
-        o->signedRows = s != "off";
-        o->unsignedRows = s != "on";
-      } else {
-        argError("-S (signature): expected on, off or both, got '" + s + "'");
-      }
+    case 'S':
+      parseSignatureRows(&o->signature, arg);
       return true;
-    }
     case 'L': {
       std::string s(arg);
       if (s == "calibrate") {
@@ -100,8 +93,7 @@ std::vector<std::string> chainHeader(const ChainOptions& o, const LinkModel& m) 
   for (int k : o.fixedK) ks += "," + std::to_string(k);
   std::string ms;
   for (auto x : o.methods) ms += (ms.empty() ? "" : ",") + std::string(methodName(x));
-  const char* sig = o.signedRows ? (o.unsignedRows ? "both" : "on") : "off";
-  std::vector<std::string> lines = {"#  methods " + ms + "  K " + ks + "  signature " + sig};
+  std::vector<std::string> lines = {"#  methods " + ms + "  K " + ks + "  signature " + o.signature.label()};
   char buf[256];
   if (m.isSet)
     snprintf(buf, sizeof(buf), "#  link model (%s): latency %.3f us, %.6g us/byte (%.1f GB/s)",
@@ -117,8 +109,7 @@ std::string chainConfigJson(const ChainOptions& o) {
   for (int k : o.fixedK) ks += (ks.empty() ? "" : ",") + std::to_string(k);
   std::string ms;
   for (auto m : o.methods) ms += std::string(ms.empty() ? "" : ",") + "\"" + methodName(m) + "\"";
-  const char* sig = o.signedRows ? (o.unsignedRows ? "both" : "on") : "off";
-  return ",\"methods\":[" + ms + "],\"fixed_K\":[" + ks + "],\"signature\":\"" + sig + "\"";
+  return ",\"methods\":[" + ms + "],\"fixed_K\":[" + ks + "],\"signature\":\"" + o.signature.label() + "\"";
 }
 
 std::string linkModelJson(const ChainOptions& o, const LinkModel& m) {
@@ -142,14 +133,14 @@ std::vector<Row> methodRows(const ChainOptions& o, const std::string& prefix, in
     if (m == allscanPipelined) Ks.insert(Ks.end(), o.fixedK.begin(), o.fixedK.end());
     for (int K : Ks) {
       for (bool unsig : {false, true}) {
-        if (unsig ? !o.unsignedRows : !o.signedRows) continue;
+        if (unsig ? !o.signature.off : !o.signature.on) continue;
         Row r;
         r.kind = kind;
         r.method = m;
         r.K = K;
         r.unsigned_ = unsig;
         r.name = prefix + "-" + methodName(m) + (unsig ? "-nosig" : "");
-        r.inSummary = m == allscanPipelined && K == 0 && (!unsig || !o.signedRows);
+        r.inSummary = m == allscanPipelined && K == 0 && (!unsig || !o.signature.on);
         rows.push_back(r);
       }
     }

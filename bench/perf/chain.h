@@ -21,12 +21,8 @@ struct ChainOptions {
   int reverse = 0;
   LinkMode link = LINK_CALIBRATE;
   double linkLatencyUs = 0, linkUsPerByte = 0;
-  bool signedRows = true;    // scan rows with a signature (the library's default)
-  bool unsignedRows = false;  // scan rows without one (ALLSCAN_CHECK=never): "<name>-nosig"
+  SignatureRows signature;  // -S
 };
-
-// The signature the signed rows pass (any non-zero value equal on every rank).
-constexpr unsigned long long kPerfSignature = 0x5ca45ca45ca45ca4ULL;
 
 // -K, -m, -r, -S and -L as OptionSpecs (for a Collective's option list).
 inline constexpr OptionSpec kBlocksOption = {
@@ -37,10 +33,6 @@ inline constexpr OptionSpec kMethodsOption = {
     'm', "methods", required_argument, "<list>", "scan methods: pipelined,serial,allgather or all (default all)"};
 inline constexpr OptionSpec kReverseOption = {
     'r', "reverse", optional_argument, "0|1", "reverse scan (rank p+1 -> p); -r alone means 1 (default 0)"};
-inline constexpr OptionSpec kSignatureOption = {
-    'S', "signature", required_argument, "on|off|both",
-    "scan rows with the in-band signature check (on, the\n"
-    "                              library's default), without it (off: rows named -nosig), or both (default on)"};
 inline constexpr OptionSpec kLinkModelOption = {
     'L', "link_model", required_argument, "<m>",
     "calibrate | none | <latency_us>,<us_per_byte>: the link model\n"

@@ -91,6 +91,13 @@ long parseInt(const char* flag, const char* s, long lo, long hi, const char* wha
   return v;
 }
 
+void parseSignatureRows(SignatureRows* s, const char* arg) {
+  const std::string v(arg);
+  if (v != "on" && v != "off" && v != "both") argError("-S (signature): expected on, off or both, got '" + v + "'");
+  s->on = v != "off";
+  s->off = v != "on";
+}
+
 std::vector<std::string> splitList(const std::string& s) {
   std::vector<std::string> out;
   size_t start = 0;

@@ -6,6 +6,7 @@
 #pragma once
 
 #include <allscan/allscan.h>
+#include <getopt.h>
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -207,6 +208,21 @@ struct OptionSpec {
   const char* metavar;  // the value in the usage, e.g. "<list>"
   const char* help;     // the usage line(s) after the flag column
 };
+
+// -S: the collective's rows with the in-band signature check (the library's default), without it
+// (rows named "<name>-nosig", as ALLSCAN_CHECK=trust), or both, interleaved in one run.
+struct SignatureRows {
+  bool on = true;
+  bool off = false;
+  const char* label() const { return on ? (off ? "both" : "on") : "off"; }
+};
+inline constexpr OptionSpec kSignatureOption = {
+    'S', "signature", required_argument, "on|off|both",
+    "rows with the in-band signature check (on, the library's\n"
+    "                              default), without it (off: rows named -nosig), or both (default on)"};
+void parseSignatureRows(SignatureRows* s, const char* arg);  // throws ArgError naming -S
+// The signature the signed rows pass (any non-zero value equal on every rank).
+constexpr unsigned long long kPerfSignature = 0x5ca45ca45ca45ca4ULL;
 
 struct Collective {
   const char* name;          // -o value

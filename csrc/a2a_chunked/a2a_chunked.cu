@@ -9,6 +9,7 @@
 
 #include "common/acc.cuh"
 #include "common/error.h"
+#include "common/signature.h"
 #include "common/watch.h"
 
 using allscan::detail::Acc;
@@ -126,6 +127,38 @@ __global__ void sumPiecesKernel(const SumBatch batch) {
   }
 }
 
+// The in-band signature check (common/signature.h): n received signatures; on any difference
+// every output (up to 4, `count[t]` elements each) becomes NaN. Writes nothing otherwise.
+struct PoisonBatch {
+  const unsigned long long* got;
+  int n;
+  unsigned long long expect;
+  allscan::detail::MismatchRecord* record;
+  int num;
+  void* out[ALLSCAN_A2A_MAX_TENSORS];
+  uint64_t count[ALLSCAN_A2A_MAX_TENSORS];
+};
+
+template <typename T>
+__global__ void poisonKernel(const PoisonBatch p) {
+  int bad = -1;
+  for (int i = 0; i < p.n && bad < 0; ++i)
+    if (p.got[i] != p.expect) bad = i;
+  if (bad < 0) return;
+  if (blockIdx.x == 0 && threadIdx.x == 0) {
+    p.record->expected = p.expect;
+    p.record->got = p.got[bad];
+    __threadfence_system();
+    p.record->set = 1;
+  }
+  using A = typename Acc<T>::type;
+  const T nan = fromAcc<T>(allscan::detail::quietNan(A(0)));
+  const uint64_t stride = static_cast<uint64_t>(gridDim.x) * blockDim.x;
+  for (int t = 0; t < p.num; ++t)
+    for (uint64_t i = static_cast<uint64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < p.count[t]; i += stride)
+      static_cast<T*>(p.out[t])[i] = nan;
+}
+
 // ------------------------------------------------------------------------------------------------
 // Host side: the plan of one call
 // ------------------------------------------------------------------------------------------------
@@ -143,6 +176,7 @@ struct Plan {
   int64_t row_bytes = 0;
   std::vector<CopySeg> pack;    // before the NCCL group
   std::vector<Transfer> xfers;  // the NCCL group, in (tensor, peer) order
+  unsigned long long* sig_recv = nullptr;  // [nranks]: the signatures received (when checked)
   std::vector<CopySeg> unpack;  // after the NCCL group
   std::vector<SumBatch> sums;   // after the NCCL group (one per summing tensor)
 };
@@ -204,6 +238,9 @@ allscanResult_t checkArgs(int nranks, int rank, allscanA2ADirection_t dir, const
       }
     }
   }
+  if (a->signature != 0 && a->check_comm == nullptr)
+    return setErrorf(allscanInvalidArgument, "allscanA2A: check_comm is NULL but signature is set (the check needs the "
+                     "allscan communicator's signature table)");
   return allscanSuccess;
 }
 
@@ -350,6 +387,8 @@ void buildPlan(int nranks, int me, allscanA2ADirection_t dir, const allscanA2AAr
       if (sum && Sl > 0 && (sb.num > 0 || x.accumulate) && sb.h_end > sb.h_begin) plan->sums.push_back(sb);
     }
   }
+  if (a->signature != 0 && a->check_comm != nullptr && nranks > 1)
+    plan->sig_recv = reinterpret_cast<unsigned long long*>(take(sizeof(unsigned long long) * nranks));
   plan->workspace_bytes = off;
 }
 
@@ -492,11 +531,30 @@ static allscanResult_t a2aIssue(ncclComm_t comm, allscanA2ADirection_t direction
       return setErrorf(allscanInvalidArgument, "allscanA2A: overlapping head maps or accumulate are supported up to %d ranks",
                   kMaxSumPieces);
 
+  allscan::detail::SigSlots sig;
+  if (real.sig_recv != nullptr) {
+    allscan::detail::SignatureTable* table = allscan::detail::signaturesOf(args->check_comm);
+    ALLSCAN_CHECK(allscan::detail::mismatchStatus(table));
+    ALLSCAN_CHECK(allscan::detail::signatureSlots(table, args->signature, stream, &sig));
+  }
   r = launchCopies(real.pack, args->batch, real.row_bytes, stream);
   if (r != allscanSuccess) return r;
+  int received = 0;  // signatures received, in peer order
   if (!real.xfers.empty()) {
     ALLSCAN_NCCL_CHECK(comm, ncclGroupStart());
     ncclResult_t e = ncclSuccess;
+    if (sig.on()) {
+      // One signature to and from every peer this call exchanges data with, ahead of that data.
+      std::vector<char> to(nranks, 0), from(nranks, 0);
+      for (const Transfer& t : real.xfers) {
+        to[t.peer] |= t.send_bytes > 0;
+        from[t.peer] |= t.recv_bytes > 0;
+      }
+      for (int p = 0; p < nranks && e == ncclSuccess; ++p) {
+        if (to[p]) e = ncclSend(sig.send, 1, ncclUint64, p, comm, stream);
+        if (from[p] && e == ncclSuccess) e = ncclRecv(real.sig_recv + received++, 1, ncclUint64, p, comm, stream);
+      }
+    }
     for (const Transfer& t : real.xfers) {
       if (t.send_bytes && e == ncclSuccess) e = ncclSend(t.send, t.send_bytes, ncclUint8, t.peer, comm, stream);
       if (t.recv_bytes && e == ncclSuccess) e = ncclRecv(t.recv, t.recv_bytes, ncclUint8, t.peer, comm, stream);
@@ -512,6 +570,31 @@ static allscanResult_t a2aIssue(ncclComm_t comm, allscanA2ADirection_t direction
   for (const SumBatch& s : real.sums) {
     r = launchSum(s, args->dtype, stream);
     if (r != allscanSuccess) return r;
+  }
+  if (received > 0) {
+    PoisonBatch pb;
+    std::memset(&pb, 0, sizeof(pb));
+    pb.got = real.sig_recv;
+    pb.n = received;
+    pb.expect = sig.check.expect;
+    pb.record = sig.check.record;
+    pb.num = args->num_tensors;
+    const int me = rank;
+    for (int t = 0; t < args->num_tensors; ++t) {
+      const allscanA2ATensor_t& x = args->tensors[t];
+      const uint64_t rows = direction == allscanA2AScatterHeads
+                                ? static_cast<uint64_t>(args->seq_local) * nranks * (x.head_hi[me] - x.head_lo[me])
+                                : static_cast<uint64_t>(args->seq_local) * x.num_heads;
+      pb.out[t] = x.output;
+      pb.count[t] = x.output != nullptr ? static_cast<uint64_t>(args->batch) * rows * args->head_dim : 0;
+    }
+    switch (args->dtype) {
+      case allscanFloat32: poisonKernel<float><<<32, 256, 0, stream>>>(pb); break;
+      case allscanFloat64: poisonKernel<double><<<32, 256, 0, stream>>>(pb); break;
+      case allscanFloat16: poisonKernel<__half><<<32, 256, 0, stream>>>(pb); break;
+      case allscanBfloat16: poisonKernel<__nv_bfloat16><<<32, 256, 0, stream>>>(pb); break;
+    }
+    ALLSCAN_CUDA_CHECK(cudaGetLastError());
   }
   if (args->done_event != nullptr) ALLSCAN_CUDA_CHECK(cudaEventRecord(args->done_event, stream));
   return allscanSuccess;

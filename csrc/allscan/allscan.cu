@@ -361,6 +361,12 @@ allscanResult_t scanIssue(allscanComm* comm, const allscanScanArgs_t* a, void* w
 }
 }  // namespace
 
+namespace allscan {
+namespace detail {
+SignatureTable* signaturesOf(const allscanComm* comm) { return comm != nullptr ? comm->signatures : nullptr; }
+}  // namespace detail
+}  // namespace allscan
+
 // ------------------------------------------------------------------------------------------------
 // C API
 // ------------------------------------------------------------------------------------------------

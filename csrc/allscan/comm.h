@@ -15,7 +15,7 @@
 
 #include "allscan/allscan.h"
 #include "common/error.h"
-#include "signature.h"
+#include "common/signature.h"
 
 struct allscanComm {
   ncclComm_t nccl = nullptr;  // borrowed, never destroyed here (null for a detached communicator)

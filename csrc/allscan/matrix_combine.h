@@ -8,7 +8,7 @@
 #include <cstddef>
 
 #include "allscan/common.h"
-#include "signature.h"
+#include "common/signature.h"
 
 namespace allscan {
 namespace matrix {

@@ -11,7 +11,7 @@
 #include "comm.h"
 #include "common/error.h"
 #include "head_result.h"
-#include "signature.h"
+#include "common/signature.h"
 
 namespace allscan {
 namespace detail {

@@ -79,14 +79,16 @@ void bindA2A(py::module_& m) {
   m.def(
       "a2a_workspace_size",
       [](int nranks, int rank, int direction, int batch, int seq_local, int head_dim, int dtype,
-         const std::vector<TensorSpec>& tensors) {
+         const std::vector<TensorSpec>& tensors, uintptr_t check_comm, unsigned long long signature) {
         Built b = build(nranks, batch, seq_local, head_dim, dtype, tensors);
+        b.args.check_comm = reinterpret_cast<allscanComm*>(check_comm);
+        b.args.signature = signature;
         size_t bytes = 0;
         check(allscanA2AWorkspaceSize(nranks, rank, static_cast<allscanA2ADirection_t>(direction), &b.args, &bytes));
         return bytes;
       },
       py::arg("nranks"), py::arg("rank"), py::arg("direction"), py::arg("batch"), py::arg("seq_local"),
-      py::arg("head_dim"), py::arg("dtype"), py::arg("tensors"),
+      py::arg("head_dim"), py::arg("dtype"), py::arg("tensors"), py::arg("check_comm") = 0, py::arg("signature") = 0,
       "Workspace bytes of one a2a call; tensors are (input_ptr, output_ptr, num_heads, head_lo, head_hi, accumulate).");
   m.def(
       "a2a_check_args",
@@ -101,9 +103,11 @@ void bindA2A(py::module_& m) {
       "a2a",
       [](uintptr_t comm, int nranks, int direction, int batch, int seq_local, int head_dim, int dtype,
          const std::vector<TensorSpec>& tensors, uintptr_t workspace, size_t workspace_bytes, uintptr_t stream,
-         uintptr_t event) {
+         uintptr_t event, uintptr_t check_comm, unsigned long long signature) {
         Built b = build(nranks, batch, seq_local, head_dim, dtype, tensors);
         b.args.done_event = reinterpret_cast<cudaEvent_t>(event);
+        b.args.check_comm = reinterpret_cast<allscanComm*>(check_comm);
+        b.args.signature = signature;
         allscanResult_t r;
         {
           py::gil_scoped_release release;
@@ -114,6 +118,6 @@ void bindA2A(py::module_& m) {
       },
       py::arg("comm"), py::arg("nranks"), py::arg("direction"), py::arg("batch"), py::arg("seq_local"),
       py::arg("head_dim"), py::arg("dtype"), py::arg("tensors"), py::arg("workspace"), py::arg("workspace_bytes"),
-      py::arg("stream"), py::arg("event") = 0,
+      py::arg("stream"), py::arg("event") = 0, py::arg("check_comm") = 0, py::arg("signature") = 0,
       "Chunked all-to-all (0: scatter-heads, 1: gather-heads) on an NCCL communicator, enqueued on stream.");
 }

@@ -9,6 +9,7 @@
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 import os
@@ -348,7 +349,12 @@ def signature_hash(op: str, fields: Sequence[Tuple[str, int]]) -> int:
     with ``ALLSCAN_CHECK=never``."""
     if settings.check in ("never", "trust"):
         return 0
-    text = op + ":" + ",".join(f"{name}={int(v)}" for name, v in fields)
+    return _hash_fields(op, tuple((name, int(v)) for name, v in fields))
+
+
+@functools.lru_cache(maxsize=MAX_CHECKED_SIGNATURES)
+def _hash_fields(op: str, fields: Tuple[Tuple[str, int], ...]) -> int:
+    text = op + ":" + ",".join(f"{name}={v}" for name, v in fields)
     value = int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little")
     return value or 1
 

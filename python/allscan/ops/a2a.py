@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from .. import _C, _comm
-from .._contract import DTYPE_CODES, announce_invalid, check_across_ranks, dtype_code, settings
+from .._contract import DTYPE_CODES, announce_invalid, check_across_ranks, dtype_code, settings, signature_hash
 from .._threads import one_thread
 from . import _a2a_dist
 from ._a2a_dist import GATHER, SCATTER, HeadMap, Range, overlaps
@@ -207,7 +207,7 @@ def _use_cpp(group, x: torch.Tensor) -> bool:
 
 def _cpp_a2a(direction: int, xs: Sequence[torch.Tensor], maps: Sequence[HeadMap], num_heads: Sequence[int],
              group, outs: Optional[Sequence[torch.Tensor]], accumulate: Sequence[bool],
-             stream: Optional["torch.cuda.Stream"] = None, event=None) -> List[torch.Tensor]:
+             stream: Optional["torch.cuda.Stream"] = None, event=None, signature: int = 0) -> List[torch.Tensor]:
     x0 = xs[0]
     device = x0.device
     comm = _comm.get_communicator(group, device)
@@ -228,7 +228,8 @@ def _cpp_a2a(direction: int, xs: Sequence[torch.Tensor], maps: Sequence[HeadMap]
         for x, o, hm, H, acc in zip(xs, outs, maps, num_heads, accumulate)
     ]
     stream = stream if stream is not None else torch.cuda.current_stream(device)
-    ws_bytes = _C.a2a_workspace_size(P, me, direction, B, Sl, D, code, specs)
+    ws_bytes = _C.a2a_workspace_size(P, me, direction, B, Sl, D, code, specs, check_comm=comm.handle,
+                                     signature=signature)
     ws_ptr = 0
     ws = None
     if ws_bytes:
@@ -241,7 +242,8 @@ def _cpp_a2a(direction: int, xs: Sequence[torch.Tensor], maps: Sequence[HeadMap]
     # handle: torch.cuda.Event creates its cudaEvent lazily on first record(), so a fresh event's
     # `cuda_event` is 0, the C++ side then recorded nothing, and a stream.wait_event() on it was a
     # silent no-op (the Ulysses pipeline read its scatter buffers before the all-to-all wrote them).
-    _C.a2a(comm.nccl, P, direction, B, Sl, D, code, specs, ws_ptr, ws_bytes, stream.cuda_stream, 0)
+    _C.a2a(comm.nccl, P, direction, B, Sl, D, code, specs, ws_ptr, ws_bytes, stream.cuda_stream, 0,
+           check_comm=comm.handle, signature=signature)
     if event is not None:
         event.record(stream)
     return list(outs)
@@ -291,10 +293,14 @@ def _a2a_multi(direction, xs, maps, num_heads, group, outs, accumulate, names, s
             device = xs[0].device if xs and isinstance(xs[0], torch.Tensor) else torch.device("cpu")
             announce_invalid(group, device, op, str(e))
         raise
+    fields = _signature(direction, xs, maps, num_heads, accumulate)
     if check:
-        check_across_ranks(group, xs[0].device, op, _signature(direction, xs, maps, num_heads, accumulate))
+        check_across_ranks(group, xs[0].device, op, fields)
     if _use_cpp(group, xs[0]):
-        return _cpp_a2a(direction, xs, maps, num_heads, group, outs, accumulate, stream, event)
+        # The in-band signature travels whether or not this call checked on the host (the Ulysses
+        # layer checks once per forward, then moves its chunks with check=False).
+        return _cpp_a2a(direction, xs, maps, num_heads, group, outs, accumulate, stream, event,
+                        signature_hash(op, fields))
     if stream is not None and xs[0].is_cuda:
         with torch.cuda.stream(stream):
             res = _a2a_dist.all_to_all(direction, xs, maps, num_heads, group, outs, accumulate)

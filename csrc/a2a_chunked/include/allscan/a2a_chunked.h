@@ -28,7 +28,10 @@
  * gives a device workspace of allscanA2AWorkspaceSize() bytes. Safe to capture in a CUDA graph.
  *
  * All ranks must make the same calls with the same B, S_local, D, dtype, H and head maps (NCCL would
- * hang otherwise; the Python layer checks this across ranks).
+ * hang otherwise; the Python layer checks this across ranks). With `signature` and `check_comm` set,
+ * each rank sends the signature to every peer ahead of its data and one kernel after the call
+ * compares what arrived: on a difference every output of the call is NaN and the communicator
+ * wrapper's status (allscanCommStatus) turns to allscanMismatch, as for the scan.
  * No libtorch here: raw device pointers, cudaStream_t and ncclComm_t.
  */
 #ifndef ALLSCAN_A2A_CHUNKED_H_
@@ -72,6 +75,11 @@ typedef struct {
   int num_tensors;           /* 1..ALLSCAN_A2A_MAX_TENSORS */
   allscanA2ATensor_t tensors[ALLSCAN_A2A_MAX_TENSORS];
   cudaEvent_t done_event;    /* optional: recorded on the stream once the call's work is enqueued */
+  struct allscanComm* check_comm; /* optional: the allscan communicator (allscanCommCreate on the same
+                                 NCCL communicator) whose signature table and status the check uses */
+  unsigned long long signature;   /* 0 (no check) or a hash of the arguments, equal on every rank
+                                 (allscanScanArgs_t.signature); needs check_comm; adds nranks * 8
+                                 bytes to the workspace */
 } allscanA2AArgs_t;
 
 /* The message of the last error of an allscan call on this thread (names the argument); the same

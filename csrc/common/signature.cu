@@ -1,5 +1,5 @@
 // The in-band signature check (see signature.h).
-#include "signature.h"
+#include "common/signature.h"
 
 #include <cstdio>
 #include <new>

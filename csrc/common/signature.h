@@ -1,4 +1,4 @@
-// The in-band signature check of the chain schedules (allscanScanArgs_t.signature, internal).
+// The in-band signature check (allscanScanArgs_t.signature, allscanA2AArgs_t.signature; internal).
 //
 // A rank that reuses a signature its peers checked before, but with other arguments, is invisible
 // to a check made once per signature on the host. So every pipelined or serial call with a
@@ -8,6 +8,9 @@
 // what they send on, so the poison travels down the chain) and set a record in host-mapped memory
 // that the next call on the communicator (and allscanCommStatus) reports as allscanMismatch. An
 // exclusive result received straight into y is written by no combine: one small kernel poisons it.
+//
+// The chunked all-to-all does the same with every peer it exchanges with: a header to each before
+// its data, one kernel after the call that compares them all and poisons every output.
 //
 // A disagreement that changes the bytes of a transfer hangs in NCCL before any kernel can compare:
 // the watch's timeout bounds it (allscanWatchCreate).
@@ -26,7 +29,9 @@
 #include <unordered_map>
 #include <vector>
 
-#include "allscan/allscan.h"
+#include "allscan/common.h"
+
+struct allscanComm;
 
 namespace allscan {
 namespace detail {
@@ -79,6 +84,9 @@ struct SignatureTable {
   int next_send = 0;
   int next_recv = 0;
 };
+
+// The table of an allscan communicator (null for one rank or a detached one); allscan.cu.
+SignatureTable* signaturesOf(const allscanComm* comm);
 
 // Allocates the table (at communicator creation, outside any capture); freed by freeSignatures.
 allscanResult_t createSignatures(SignatureTable** out);
