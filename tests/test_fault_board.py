@@ -25,7 +25,8 @@ def _board_case(rank, world, case):
     board = FaultBoard(poll_s=POLL, skip_grace_s=GRACE)
     failed = []
     local = []
-    target = Target(rank=rank, size=world, local_failure=lambda: local[0] if local else None,
+    calls = [5]  # calls issued on the communicator so far: a skip names the next one
+    target = Target(rank=rank, size=world, calls=lambda: calls[0], local_failure=lambda: local[0] if local else None,
                     fail=lambda code, reason: failed.append((code, reason)))
     key = f"test/{case}"
     board.register(key, target, store)
@@ -61,6 +62,13 @@ def _board_case(rank, world, case):
         t0 = time.monotonic()
         if rank == 2:
             board.report_skip(key, "round 2 on rank 2")
+        elapsed = wait_failed(GRACE + 3.0)
+    elif case == "different-calls":
+        # Rank 0 skips call 5; ranks 1 and 2 make call 5, then skip call 6: as many skips each, but
+        # not of the same call, so the group is out of step and every rank must fail.
+        if rank != 0:
+            calls[0] = 6
+        board.report_skip(key, f"bad on rank {rank}")
         elapsed = wait_failed(GRACE + 3.0)
     board.stop()
     dist.barrier()
@@ -102,3 +110,11 @@ def test_skip_rounds_stay_aligned_after_a_round_every_rank_made():
     assert "round 2 on rank 2" in results[2]["failed"][0][1] and "rank(s) [0, 1] did not" in results[2]["failed"][0][1]
     for r in results[:2]:
         assert r["failed"][0][1].startswith("rank 2 reported: round 2 on rank 2"), r
+
+
+def test_skips_of_different_calls_fail_every_rank():
+    """As many skips on every rank, but not of the same call: counting skips would pair rank 0's
+    next call with the others' skipped one and carry on out of step."""
+    results = run_distributed(_board_case, WORLD, "different-calls", timeout=60)
+    for r in results:
+        assert len(r["failed"]) == 1 and "did not within" in r["failed"][0][1], r

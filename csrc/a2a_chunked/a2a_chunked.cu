@@ -533,6 +533,8 @@ static allscanResult_t a2aIssue(ncclComm_t comm, allscanA2ADirection_t direction
 
   allscan::detail::SigSlots sig;
   if (real.sig_recv != nullptr) {
+    if (allscan::detail::ncclOf(args->check_comm) != comm)
+      return setErrorf(allscanInvalidArgument, "allscanA2A: check_comm wraps another NCCL communicator than comm");
     allscan::detail::SignatureTable* table = allscan::detail::signaturesOf(args->check_comm);
     ALLSCAN_CHECK(allscan::detail::mismatchStatus(table));
     ALLSCAN_CHECK(allscan::detail::signatureSlots(table, args->signature, stream, &sig));

@@ -364,6 +364,7 @@ allscanResult_t scanIssue(allscanComm* comm, const allscanScanArgs_t* a, void* w
 namespace allscan {
 namespace detail {
 SignatureTable* signaturesOf(const allscanComm* comm) { return comm != nullptr ? comm->signatures : nullptr; }
+ncclComm_t ncclOf(const allscanComm* comm) { return comm != nullptr ? comm->nccl : nullptr; }
 }  // namespace detail
 }  // namespace allscan
 

@@ -37,6 +37,7 @@ allscanResult_t createSignatures(SignatureTable** out) {
   }
   t->record->set = 0;
   t->sig_in.assign(SignatureTable::kSendSlots, 0);
+  t->written.assign(SignatureTable::kSendSlots, 0);
   *out = t;
   return allscanSuccess;
 }
@@ -62,8 +63,15 @@ allscanResult_t signatureSlots(SignatureTable* t, uint64_t signature, cudaStream
     if (t->sig_in[slot] != 0) t->slot_of.erase(t->sig_in[slot]);
     t->sig_in[slot] = signature;
     t->slot_of[signature] = slot;
+    t->written[slot] = 0;
+  }
+  if (!t->written[slot]) {
+    // Until an eager call wrote it: a write captured into a graph runs only when the graph does.
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    ALLSCAN_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
     storeSignature<<<1, 1, 0, stream>>>(t->dev + slot, signature);
     ALLSCAN_CUDA_CHECK(cudaGetLastError());
+    if (capture == cudaStreamCaptureStatusNone) t->written[slot] = 1;
   }
   const int recv = SignatureTable::kSendSlots + t->next_recv;
   t->next_recv = (t->next_recv + 1) % SignatureTable::kRecvSlots;

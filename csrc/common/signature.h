@@ -16,13 +16,17 @@
 // the watch's timeout bounds it (allscanWatchCreate).
 //
 // The value sent lives in a per-communicator device table, one slot per distinct signature, written
-// once (by a one-thread kernel on the call's stream, so a capture replays the same write): kSendSlots
-// slots, reused round robin beyond that (a graph captured with a signature whose slot was since
-// reused sees a false mismatch: NaN and an error, never a wrong value). Received values land in a
-// ring of kRecvSlots slots.
+// by a one-thread kernel on the call's stream until an eager call has written it (a write captured
+// into a graph runs only when the graph does, so it does not count). kSendSlots slots, reused round
+// robin beyond that: a graph captured before its signature's slot was reused then sends the new
+// signature and its peers see a mismatch (NaN and an error, loud): after 16384 distinct signatures on
+// one communicator, capture graphs again. Received values land in a ring
+// of kRecvSlots slots, not cleared between calls: after an abort the watch did not make (a borrowed
+// communicator), a receive that never completed may read an old value.
 #pragma once
 
 #include <cuda_runtime.h>
+#include <nccl.h>
 
 #include <cstdint>
 #include <string>
@@ -80,13 +84,16 @@ struct SignatureTable {
   unsigned long long* dev = nullptr;  // [kSendSlots | kRecvSlots]
   MismatchRecord* record = nullptr;   // host-mapped (the same address on the device: UVA)
   std::unordered_map<uint64_t, int> slot_of;
-  std::vector<uint64_t> sig_in;  // the signature each send slot holds (0: none)
+  std::vector<uint64_t> sig_in;  // the signature each send slot is assigned to (0: none)
+  std::vector<char> written;     // whether an eager call wrote it (a captured write may never run)
   int next_send = 0;
   int next_recv = 0;
 };
 
-// The table of an allscan communicator (null for one rank or a detached one); allscan.cu.
+// The table of an allscan communicator (null for one rank or a detached one) and the NCCL
+// communicator it wraps; allscan.cu.
 SignatureTable* signaturesOf(const allscanComm* comm);
+ncclComm_t ncclOf(const allscanComm* comm);
 
 // Allocates the table (at communicator creation, outside any capture); freed by freeSignatures.
 allscanResult_t createSignatures(SignatureTable** out);

@@ -49,6 +49,7 @@ struct allscanWatch {
   std::atomic<int64_t> issuing_since{0};  // ns since the clock's epoch while a call issues, else 0
   std::atomic<bool> failed{false};
   std::atomic<bool> aborted{false};
+  std::atomic<unsigned long long> calls{0};  // calls issued successfully (captured ones included)
   allscanResult_t code = allscanTimeout;  // what later calls return once failed
   std::string reason;
   bool stop = false;
@@ -97,7 +98,9 @@ bool failWith(allscanWatch* w, allscanResult_t code, const std::string& reason) 
 
 void fail(allscanWatch* w, const char* what, double waited_s) {
   char buf[512];
-  std::snprintf(buf, sizeof(buf), "%s on this NCCL communicator for %.1f s (timeout %.1f s): a peer died or is stuck",
+  std::snprintf(buf, sizeof(buf),
+                "%s on this NCCL communicator for %.1f s (timeout %.1f s): a peer died or is stuck, or the ranks "
+                "called a collective with arguments whose transfers differ in size",
                 what, waited_s, w->timeout_s);
   failWith(w, allscanTimeout, buf);
 }
@@ -158,7 +161,8 @@ allscanWatch_t watchBegin(ncclComm_t nccl, allscanResult_t* result) {
   return nullptr;
 }
 
-void watchEnd(allscanWatch_t w, cudaStream_t stream) {
+void watchEnd(allscanWatch_t w, cudaStream_t stream, bool issued) {
+  if (issued) w->calls.fetch_add(1);
   // Recorded whether or not the call succeeded: a call that failed half way may have enqueued work.
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
   if (cudaStreamIsCapturing(stream, &capture) != cudaSuccess) {
@@ -262,6 +266,17 @@ extern "C" ALLSCAN_API allscanResult_t allscanWatchFail(allscanWatch_t w, allsca
   ALLSCAN_ARG_CHECK(code == allscanTimeout || code == allscanMismatch || code == allscanRemoteError,
                     "code: expected allscanTimeout, allscanMismatch or allscanRemoteError, got " +
                         std::to_string(static_cast<int>(code)));
+  // The abort's CUDA calls must not invalidate a graph another thread is capturing (as in the watch
+  // thread): relaxed capture mode for this thread while it runs.
+  cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
+  cudaThreadExchangeStreamCaptureMode(&mode);
   allscan::detail::failWith(w, code, reason != nullptr ? reason : "failed by the caller");
+  cudaThreadExchangeStreamCaptureMode(&mode);
+  return allscanSuccess;
+}
+
+extern "C" ALLSCAN_API allscanResult_t allscanWatchCalls(allscanWatch_t w, unsigned long long* calls) {
+  ALLSCAN_ARG_CHECK(w != nullptr && calls != nullptr, "watch/calls: null pointer");
+  *calls = w->calls.load();
   return allscanSuccess;
 }

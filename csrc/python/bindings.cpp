@@ -157,6 +157,11 @@ PYBIND11_MODULE(_C, m) {
     py::gil_scoped_release release;  // an abort may wait for a call being issued
     check(allscanWatchFail(ptr<allscanWatch>(w), static_cast<allscanResult_t>(code), reason.c_str()));
   });
+  m.def("watch_calls", [](std::uintptr_t w) {
+    unsigned long long n = 0;
+    check(allscanWatchCalls(ptr<allscanWatch>(w), &n));
+    return n;
+  });
   m.def("comm_create", [](std::uintptr_t nccl) {
     allscanComm_t c = nullptr;
     check(allscanCommCreate(ptr<ncclComm>(nccl), &c));

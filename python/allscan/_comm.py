@@ -43,6 +43,7 @@ __all__ = [
 
 _lock = threading.Lock()
 _comms: Dict[Tuple[str, int], "Communicator"] = {}
+_borrowed_made: Dict[str, int] = {}  # group name -> borrowed communicators made (their board keys)
 
 
 def _default_group():
@@ -201,7 +202,7 @@ def _local_failure(comm: Communicator):
     return None
 
 
-def _put_on_board(comm: Communicator, key: str, fresh: bool) -> None:
+def _put_on_board(comm: Communicator, key: str) -> None:
     """Register a watched communicator on the fault board (no store: no board, the watch alone)."""
     try:
         store = dist.distributed_c10d._get_default_store()
@@ -210,10 +211,11 @@ def _put_on_board(comm: Communicator, key: str, fresh: bool) -> None:
     target = _faults.Target(
         rank=comm.rank,
         size=comm.size,
+        calls=lambda: _C.watch_calls(comm.watch),
         local_failure=lambda: _local_failure(comm),
         fail=lambda code, reason: _C.watch_fail(comm.watch, code, reason),
     )
-    _faults.board().register(key, target, store, seen=0 if fresh else None)
+    _faults.board().register(key, target, store)
     comm.fault_key = key
 
 
@@ -228,7 +230,7 @@ def report_local_error(group, device: torch.device, reason: str) -> None:
     if comm is not None and comm.fault_key and comm.group_ref is not None and comm.group_ref() is group:
         board = _faults.board()
         board.report_skip(comm.fault_key, reason)
-        board.wait_skip(comm.fault_key, board.skip_grace_s + 2 * board.poll_s + 1.0)
+        board.wait_skip(comm.fault_key, board.skip_grace_s + 4 * board.poll_s + 1.0)
 
 
 def check_env() -> None:
@@ -289,7 +291,10 @@ def get_communicator(group, device: torch.device) -> Communicator:
 
     nccl = _borrow_torch_comm(group, device) if settings.comm == "borrowed" else 0
     owned = nccl == 0
-    board_key = f"allscan/fault/borrowed/{name}"  # the group's name: the same on every rank
+    # The group's name and how many borrowed communicators this process made for it: the same on
+    # every rank (they make them together), new for each.
+    _borrowed_made[name] = _borrowed_made.get(name, 0) + 1
+    board_key = f"allscan/fault/borrowed/{name}/{_borrowed_made[name]}"
     if owned:
         nccl, board_key = _create_owned_comm(group, device)
     handle = int(_C.comm_create(nccl))
@@ -307,7 +312,7 @@ def get_communicator(group, device: torch.device) -> Communicator:
         if comm.size > 1:
             comm.watch = _watch(nccl, owned, group, device)
             if comm.watch:
-                _put_on_board(comm, board_key, fresh=owned)
+                _put_on_board(comm, board_key)
         if _C.comm_rank(handle) != comm.rank or _C.comm_size(handle) != comm.size:
             raise RuntimeError(
                 f"allscan: the NCCL communicator of group {name!r} has rank/size "

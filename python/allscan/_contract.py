@@ -306,15 +306,17 @@ def _show(name: str, value: int) -> str:
 
 def check_across_ranks(group, device: torch.device, op: str, fields: Sequence[Tuple[str, int]]) -> None:
     """Raise ``ValueError`` on every rank if the ranks of ``group`` pass different ``fields``
-    ((name, int) pairs, at most 29) to ``op``, naming each field that differs and every rank's value.
+    ((name, int) pairs, at most 28) to ``op``, naming each field that differs and every rank's value.
 
-    Obeys ``settings.check`` (``first``: on NCCL once per signature and group, cached in an LRU of
-    :data:`MAX_CHECKED_SIGNATURES`, elsewhere every call; ``always``: every call; ``never``: no
-    check). Under CUDA graph capture it exchanges nothing: a signature checked before capture passes,
+    Obeys ``settings.check`` (``first`` and ``trust``: on NCCL once per signature and group, cached
+    in an LRU of :data:`MAX_CHECKED_SIGNATURES`, elsewhere every call; ``always``: every call;
+    ``never``: no check). The fields include whether this rank sends the in-band signature
+    (``first``/``always`` do, ``trust`` does not): ranks that disagree on it would mismatch in NCCL. Under CUDA graph capture it exchanges nothing: a signature checked before capture passes,
     a new one raises ``RuntimeError``. Collective whenever it exchanges."""
     mode = settings.check
     if mode == "never" or dist.get_world_size(group) == 1:
         return
+    fields = list(fields) + [("in-band signature (ALLSCAN_CHECK first/always: 1, trust: 0)", int(mode != "trust"))]
     values = tuple(int(v) for _, v in fields)
     if len(values) > _WIDTH - _HEADER:
         raise ValueError(f"check_across_ranks: {op} passes {len(values)} fields, at most {_WIDTH - _HEADER}")
@@ -346,7 +348,7 @@ def signature_hash(op: str, fields: Sequence[Tuple[str, int]]) -> int:
     """The 64-bit value the core's chain schedules send ahead of their first block so that a
     receiver can tell a call made with other arguments (``allscanScanArgs_t.signature``): a hash of
     ``op`` and ``fields`` (equal on every rank exactly when the fields are); 0 (no in-band check)
-    with ``ALLSCAN_CHECK=never``."""
+    with ``ALLSCAN_CHECK=trust`` or ``never``."""
     if settings.check in ("never", "trust"):
         return 0
     return _hash_fields(op, tuple((name, int(v)) for name, v in fields))
@@ -392,12 +394,12 @@ def announce_invalid(group, device: torch.device, op: str, reason: str = "") -> 
     instead. Nothing under capture, or alone."""
     if dist.get_world_size(group) == 1:
         return
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return  # nothing runs before the graph is replayed
     if not peers_exchange(group, device):
         from . import _comm  # noqa: PLC0415 - _comm imports this module
 
         _comm.report_local_error(group, device, f"allscan.{op}: {reason or 'its own arguments failed a check'}")
-        return
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         return
     _gather_rows(group, device, [_INVALID, _op_code(op)] + [0] * (_WIDTH - 2))
 

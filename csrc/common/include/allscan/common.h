@@ -74,7 +74,8 @@ static inline ncclDataType_t allscanNcclDataType(allscanDataType_t dtype) {
  * peer died or is stuck), the watch fails: with
  * `abort_on_timeout` it calls ncclCommAbort (the kernels in flight return, their results are
  * undefined, and the communicator is gone: do not destroy it); every later allscan call on the
- * communicator returns allscanTimeout with the reason in allscanGetLastError. Only a communicator
+ * communicator returns allscanTimeout (or the code allscanWatchFail gave) with the reason in
+ * allscanGetLastError. Only a communicator
  * the caller owns should be aborted. Calls issued under CUDA graph capture are not watched.
  */
 typedef struct allscanWatch* allscanWatch_t;
@@ -93,6 +94,9 @@ ALLSCAN_API allscanResult_t allscanWatchStatus(allscanWatch_t watch, int* aborte
  * nothing when it failed already. For the caller's fault propagation: another rank reported a
  * failure, or this rank found one the watch cannot see. */
 ALLSCAN_API allscanResult_t allscanWatchFail(allscanWatch_t watch, allscanResult_t code, const char* reason);
+/* The number of allscan calls issued on the watched communicator so far (each one that enqueued its
+ * work, captured ones included): ranks that made the same calls agree on it. */
+ALLSCAN_API allscanResult_t allscanWatchCalls(allscanWatch_t watch, unsigned long long* calls);
 
 #ifdef __cplusplus
 } /* extern "C" */
