@@ -306,3 +306,15 @@ def test_the_in_band_signature_is_a_stable_nonzero_hash_of_the_fields():
             assert signature_hash("scan", [("tensor numel", 16)]) == 0
     finally:
         settings.check = saved
+
+
+def _modes_disagree(rank, world):
+    settings.check = "first" if rank == 0 else "trust"  # rank 0 would send the signature, rank 1 not
+    with pytest.raises(ValueError, match=r"ranks disagree on in-band signature .*rank 0: 1, rank 1: 0"):
+        allscan.scan(torch.ones(4), torch.full((4,), 0.5))
+
+
+def test_ranks_that_disagree_on_the_in_band_signature_raise_on_every_rank():
+    """`trust` sends no signature ahead of a scan's first block, `first` does: on NCCL their
+    transfers would not match, so the host check compares the modes."""
+    run_distributed(_modes_disagree, 2)

@@ -137,7 +137,7 @@ VARIABLES: Tuple[Variable, ...] = (
              "`always`: every call (one small all-gather and a host synchronisation), a rank whose own "
              "arguments fail joins the exchange so the others raise too, and Ulysses attention repeats "
              "each two-stream forward on one stream and compares. `never`: no check (no in-band "
-             "signature either).",
+             "signature either). The same on every rank (the host check compares `trust` with the others).",
              _choice("first", "trust", "always", "never"), "first"),
     Variable("ALLSCAN_COMM", "comm", "`owned`, `borrowed`", "`owned`", _FIRST_USE,
              "The NCCL communicator of a group: one allscan creates and owns (so a timed-out one can be "
