@@ -345,6 +345,7 @@ def destroy_communicators() -> None:
             c.destroy()
         except Exception:  # noqa: BLE001 - best effort at exit
             pass
+    _faults.board().stop()  # nothing left to watch; the next communicator starts it again
 
 
 atexit.register(destroy_communicators)

@@ -94,11 +94,13 @@ class FaultBoard:
             with e.use:
                 pass
 
-    def stop(self) -> None:
+    def stop(self, timeout: float = 1.0) -> None:
+        """Stop the thread (a later registration starts it again); waits at most ``timeout`` for a
+        round in progress (a dead store may hold it)."""
         self._stop.set()
         t = self._thread
         if t is not None and t is not threading.current_thread():
-            t.join(timeout=5)
+            t.join(timeout=timeout)
         self._thread = None
 
     # -- reports --------------------------------------------------------------------------------
@@ -222,7 +224,10 @@ class FaultBoard:
         self._fail(key, e, _remote_code(), why, post=why)
 
     def _run(self) -> None:
-        while not self._stop.wait(self.poll_s):
+        # A thread that outlived a stop() (a round held by a dead store) leaves once it sees it was
+        # replaced, so two threads never work the same entries.
+        me = threading.current_thread()
+        while not self._stop.wait(self.poll_s) and self._thread is me:
             self.tick()
 
 
