@@ -118,3 +118,26 @@ def test_skips_of_different_calls_fail_every_rank():
     results = run_distributed(_board_case, WORLD, "different-calls", timeout=60)
     for r in results:
         assert len(r["failed"]) == 1 and "did not within" in r["failed"][0][1], r
+
+
+def test_a_report_numbered_but_never_written_does_not_hide_the_next():
+    """A poster that dies between numbering its report and writing it leaves a gap; the reports
+    after it still arrive (the gap is passed over after a while)."""
+    import torch.distributed as dist
+
+    from allscan import _C
+    from allscan._faults import FaultBoard, Target
+
+    store = dist.HashStore()
+    failed = []
+    board = FaultBoard(poll_s=0.05, skip_grace_s=GRACE)
+    board.register("test/gap", Target(rank=0, size=2, calls=lambda: 0, local_failure=lambda: None,
+                                      fail=lambda code, reason: failed.append((code, reason))), store)
+    store.add("test/gap/n", 1)  # numbered by a poster that died before writing it
+    n = store.add("test/gap/n", 1)
+    store.set(f"test/gap/{n}", "1\nfatal\n0\nboom")
+    t0 = time.monotonic()
+    while not failed and time.monotonic() - t0 < 10:
+        time.sleep(0.02)
+    board.stop()
+    assert failed == [(_C.REMOTE_ERROR, "rank 1 reported: boom")], failed

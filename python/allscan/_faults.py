@@ -33,6 +33,7 @@ __all__ = ["POLL_S", "SKIP_GRACE_S", "Target", "FaultBoard", "board"]
 POLL_S = 0.25  # how often the thread looks at the store and at the communicators
 SKIP_GRACE_S = 3.0  # every rank reports the same skipped call within this, or the skipping ranks give up
 FATAL, SKIP = "fatal", "skip"
+_GAP_S = 2.0  # a report numbered but not written for this long is passed over
 
 
 @dataclass
@@ -52,7 +53,8 @@ class Target:
 class _Entry:
     target: Target
     use: threading.Lock = field(default_factory=threading.Lock)  # held while the target is called
-    seen: int = 0                  # reports read
+    seen: int = 0                  # reports read (or skipped: numbered but never written)
+    gap_since: Optional[float] = None  # when reading first stopped at a number not written yet
     failed: bool = False
     my_skip: Optional[Tuple[int, float, str]] = None  # (call index, when, reason) of an unresolved own skip
     skippers: Dict[int, Set[int]] = field(default_factory=dict)  # call index -> ranks that skipped it
@@ -193,10 +195,19 @@ class FaultBoard:
             self._fail(key, e, code, reason, post=reason)
             return
         n = int(store.add(key + "/n", 0))
+        now = time.monotonic()
         while e.seen < n:
             name = f"{key}/{e.seen + 1}"
             if not store.check([name]):
-                break  # numbered, not written yet (or its poster died in between): next round
+                # Numbered, not written yet: next round. A poster that died (or failed) between
+                # numbering and writing leaves a gap for good: passed over after _GAP_S.
+                e.gap_since = e.gap_since or now
+                if now - e.gap_since < _GAP_S:
+                    break
+                e.seen += 1
+                e.gap_since = None
+                continue
+            e.gap_since = None
             rank, kind, index, reason = store.get(name).decode().split("\n", 3)
             e.seen += 1
             if int(rank) == e.target.rank:
