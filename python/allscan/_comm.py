@@ -291,12 +291,13 @@ def get_communicator(group, device: torch.device) -> Communicator:
 
     nccl = _borrow_torch_comm(group, device) if settings.comm == "borrowed" else 0
     owned = nccl == 0
-    # The group's name and how many borrowed communicators this process made for it: the same on
-    # every rank (they make them together), new for each.
-    _borrowed_made[name] = _borrowed_made.get(name, 0) + 1
-    board_key = f"allscan/fault/borrowed/{name}/{_borrowed_made[name]}"
     if owned:
         nccl, board_key = _create_owned_comm(group, device)
+    else:
+        # The group's name and how many borrowed communicators this process made for it: the same
+        # on every rank (they make them together), new for each.
+        _borrowed_made[name] = _borrowed_made.get(name, 0) + 1
+        board_key = f"allscan/fault/borrowed/{name}/{_borrowed_made[name]}"
     handle = int(_C.comm_create(nccl))
     comm = Communicator(
         group_name=name,

@@ -311,8 +311,9 @@ def check_across_ranks(group, device: torch.device, op: str, fields: Sequence[Tu
     Obeys ``settings.check`` (``first`` and ``trust``: on NCCL once per signature and group, cached
     in an LRU of :data:`MAX_CHECKED_SIGNATURES`, elsewhere every call; ``always``: every call;
     ``never``: no check). The fields include whether this rank sends the in-band signature
-    (``first``/``always`` do, ``trust`` does not): ranks that disagree on it would mismatch in NCCL. Under CUDA graph capture it exchanges nothing: a signature checked before capture passes,
-    a new one raises ``RuntimeError``. Collective whenever it exchanges."""
+    (``first``/``always`` do, ``trust`` does not): ranks that disagree on it would mismatch in NCCL.
+    Under CUDA graph capture it exchanges nothing: a signature checked before capture passes, a new
+    one raises ``RuntimeError``. Collective whenever it exchanges."""
     mode = settings.check
     if mode == "never" or dist.get_world_size(group) == 1:
         return

@@ -293,14 +293,16 @@ def _a2a_multi(direction, xs, maps, num_heads, group, outs, accumulate, names, s
             device = xs[0].device if xs and isinstance(xs[0], torch.Tensor) else torch.device("cpu")
             announce_invalid(group, device, op, str(e))
         raise
-    fields = _signature(direction, xs, maps, num_heads, accumulate)
+    cpp = _use_cpp(group, xs[0])
+    signs = cpp and settings.check not in ("trust", "never")
+    fields = _signature(direction, xs, maps, num_heads, accumulate) if check or signs else None
     if check:
         check_across_ranks(group, xs[0].device, op, fields)
-    if _use_cpp(group, xs[0]):
+    if cpp:
         # The in-band signature travels whether or not this call checked on the host (the Ulysses
         # layer checks once per forward, then moves its chunks with check=False).
         return _cpp_a2a(direction, xs, maps, num_heads, group, outs, accumulate, stream, event,
-                        signature_hash(op, fields))
+                        signature_hash(op, fields) if signs else 0)
     if stream is not None and xs[0].is_cuda:
         with torch.cuda.stream(stream):
             res = _a2a_dist.all_to_all(direction, xs, maps, num_heads, group, outs, accumulate)
