@@ -11,8 +11,8 @@ column block by column block::
     final' = [h_local | M]         h_local: the final state from h0;  M = A_T ... A_1 (the transition)
 
 which is all the matrix All-Scan needs (``h_local``, ``M``) and all that folding the incoming state in
-needs (``o += Q' S_in``, ``final = h_local + M S_in``): fla's kernels, fla's autograd, one call, no
-second pass over the shard after the scan. The price is K more value columns in that call for the
+needs (``o += Q' S_in``, one Triton kernel each way: :mod:`.fold_in`; ``final = h_local + M S_in``):
+fla's kernels, fla's autograd, one call, no second pass over the shard after the scan. The price is K more value columns in that call for the
 first segment of a shard (the only one an incoming state reaches); ``bench/README.md`` has the
 measured cost. Packed sequences after the first run in one more call with local ``cu_seqlens``.
 """
@@ -105,16 +105,17 @@ class FlaDelta:
 
     @staticmethod
     def add_incoming(sp, o: torch.Tensor, S_in: Optional[torch.Tensor]):
+        from .fold_in import fold_incoming
+
         finals = list(sp.finals)
         if S_in is None:
             return o, finals
-        dt = sp.finals[0].dtype  # fp32: the states' dtype
-        S_in = S_in.to(dt)
-        first = o[:, :sp.T0].to(dt) + torch.einsum("bthk,bhkv->bthv", sp.q_eff.to(dt), S_in)
+        S_in = S_in.to(sp.finals[0].dtype)  # fp32: the states' dtype
+        first = fold_incoming(o[:, :sp.T0], sp.q_eff, S_in)
         finals[0] = finals[0] + sp.transition @ S_in
         if sp.T0 == o.shape[1]:  # one segment (the common case): no concatenation copy
-            return first.to(o.dtype), finals
-        return torch.cat([first.to(o.dtype), o[:, sp.T0:]], 1), finals
+            return first, finals
+        return torch.cat([first, o[:, sp.T0:]], 1), finals
 
 
 def fla_context_parallel(fn, kw, q, k, v, g, beta, scale, group, cu_seqlens, T_global):
