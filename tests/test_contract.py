@@ -47,6 +47,9 @@ BAD = [
     ("ALLSCAN_SELF_FILL_MAX_BYTES", "1073741825", "from 0 to 1073741824"),
     ("ALLSCAN_FILL_CTAS", "-1", "expected a CTA count from 0 to 1024, got '-1'"),
     ("ALLSCAN_FILL_CTAS", "1025", "from 0 to 1024"),
+    ("ALLSCAN_DEVICE_PATH", "on", "expected auto, off, got 'on'"),
+    ("ALLSCAN_DEVICE_TIMEOUT_S", "0", "expected seconds, more than 0 and at most 1e6, got '0'"),
+    ("ALLSCAN_DEVICE_TIMEOUT_S", "10s", "expected seconds"),
     ("ALLSCAN_GLA_BACKEND", "triton", "expected auto, fla, torch, got 'triton'"),
     ("ALLSCAN_GLA_FUSED", "yes", "expected 0 or 1, got 'yes'"),
     ("ALLSCAN_GLA_FUSED_OUTPUT", "true", "expected 0 or 1"),
@@ -95,7 +98,7 @@ def test_defaults(clean_env):
     got = {v.attr: getattr(settings, v.attr) for v in VARIABLES if v.attr}
     assert got == {
         "check": "first", "comm": "owned", "timeout": "group", "link_model": None, "head_fill": "auto", "self_fill_max_bytes": 8 << 20, "fill_ctas": 8,
-        "gla_backend": "auto", "gla_fused": True, "gla_fused_output": True, "fla_autotune": None,
+        "device_path": "auto", "device_timeout_s": 10.0, "gla_backend": "auto", "gla_fused": True, "gla_fused_output": True, "fla_autotune": None,
         "ulysses_streams": True, "a2a_impl": "auto", "perf_binary": None,
     }
 

@@ -68,6 +68,7 @@ BAD_ARGS = [
     (["-d", "int8"], "-d (datatype)"),
     (["-m", "nosuch"], "-m (methods)"),
     (["-m", "pipelined,nosuch"], "-m (methods)"),
+    (["-o", "matrix", "-m", "device"], "device serves the diagonal scan (-o scan) only"),
     (["-K", "-3"], "-K (blocks)"),
     (["-K", "0"], "-K (blocks)"),
     (["-K", "auto,65"], "-K (blocks)"),
@@ -117,8 +118,8 @@ def test_bad_argument_is_a_clear_error_before_cuda(args, needle):
 
 def test_good_arguments_reach_the_device_check():
     # Valid arguments get past parsing; with no visible GPU the binary fails with a clear device error.
-    p = _run("-b", "4K", "-e", "64K", "-f", "2", "-g", "2", "-K", "auto,2,4", "-m", "all", "-D", "head",
-             "-d", "bf16", "-r", "-G", "2", "-L", "5.0,3e-6")
+    p = _run("-b", "4K", "-e", "64K", "-f", "2", "-g", "2", "-K", "auto,2,4", "-m", "all,device", "-D", "head",
+             "-d", "bf16", "-r", "-G", "2", "-L", "5.0,3e-6", "-x", "chain,device")
     assert p.returncode == 1, (p.stdout, p.stderr)
     assert "for usage" not in p.stderr, p.stderr  # not an argument error
     assert "cuda" in p.stderr.lower() or "-g (ngpus)" in p.stderr, p.stderr
@@ -165,6 +166,27 @@ def test_two_gpu_run_is_exact(tmp_path, extra):
         assert "skipped" not in r, r
         assert r["wrong"] == 0, r
         assert r["time_us"] > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("extra", [[], ["-r", "-d", "bfloat16", "-K", "auto,3"], ["-G", "2", "-D", "none"]],
+                         ids=["default", "reverse-bf16", "graph"])
+def test_two_gpu_device_path_run_is_exact(tmp_path, extra):
+    if _gpu_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    out = tmp_path / "perf.json"
+    p = _run("-b", "4K", "-e", "16M", "-f", "64", "-g", "2", "-n", "5", "-w", "2", "-N", "2", "-m", "pipelined,device",
+             "-j", str(out), *extra, hide_gpus=False, timeout=300)
+    assert p.returncode == 0, p.stdout + p.stderr
+    doc = json.loads(out.read_text())
+    assert doc["wrong_total"] == 0
+    ops = {r["op"] for r in doc["rows"]}
+    assert {"p2p-chain", "dev-chain", "scan-pipelined", "scan-device"} <= ops
+    for r in doc["rows"]:
+        assert "skipped" not in r, r
+        assert r["wrong"] == 0, r
+    # the device path ran (not its NCCL fallback): the K column says dev
+    assert "dev:" in p.stdout, p.stdout
 
 
 @pytest.mark.gpu

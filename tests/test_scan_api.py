@@ -123,7 +123,7 @@ def _mismatch(rank, P, kind):
     with pytest_raises(ValueError, "ranks passed different arguments") as r:
         allscan.scan(x, g, **kwargs)
     field = {"shape": "tensor numel (rank 0: 24, rank 1: 30)", "dtype": "tensor dtype (rank 0: float32, rank 1: float64)",
-             "gamma": "gamma dtype (rank 0: float32, rank 1: none)", "method": "method (0 pipelined, 1 serial, 2 allgather) "
+             "gamma": "gamma dtype (rank 0: float32, rank 1: none)", "method": "method (0 pipelined, 1 serial, 2 allgather, 3 device) "
              "(rank 0: 0, rank 1: 2)", "blocks": "num_blocks (0 auto) (rank 0: 2, rank 1: 3)"}[kind]
     assert field in r.message, r.message  # names the field and each rank's value
     return True
@@ -209,6 +209,9 @@ def test_choose_num_blocks_minimises_the_model():
     ("ALLSCAN_SELF_FILL_MAX_BYTES", "1073741825", "expected a byte count up to 1073741824"),
     ("ALLSCAN_FILL_CTAS", "-1", "to 1024, got '-1'"),
     ("ALLSCAN_FILL_CTAS", "1025", "to 1024, got '1025'"),
+    ("ALLSCAN_DEVICE_PATH", "on", "expected auto or off, got 'on'"),
+    ("ALLSCAN_DEVICE_TIMEOUT_S", "0", "at most 1e6, got '0'"),
+    ("ALLSCAN_DEVICE_TIMEOUT_S", "nan", "at most 1e6, got 'nan'"),
 ])
 def test_core_rejects_what_the_settings_reject(monkeypatch, var, value, needle):
     # The core reads these itself when it makes a communicator, with the same rules as the settings.
@@ -248,6 +251,9 @@ def test_core_argument_checks():
         assert ws(0, reverse=True) == 0 and ws(3, reverse=True) == 0 and ws(3, init=1, reverse=True) == 512
         assert ws(1, reverse=True) == 512 and ws(0, init=1) == 512
         assert ws(1, method=C.SERIAL) == 512 and ws(3, method=C.SERIAL) == 0
+        # the device path needs none of its own; its fallback (pipelined) what pipelined needs
+        assert [ws(r, method=C.DEVICE) for r in range(4)] == [ws(r) for r in range(4)]
+        assert C.device_path(h) == (0, "")  # not tried: no device call on this communicator
         with pytest.raises(ValueError, match="g_count: 7 must divide count 100"):
             C.workspace_size(h, 100, f32, 1, 7, f32, 0, False, False, 0, C.PIPELINED)
         with pytest.raises(ValueError, match="g_dtype: expected float32 or the state's dtype"):

@@ -14,6 +14,7 @@ const char* methodName(allscanMethod_t m) {
     case allscanPipelined: return "pipelined";
     case allscanSerial: return "serial";
     case allscanAllGather: return "allgather";
+    case allscanDevice: return "device";
   }
   return "?";
 }
@@ -39,8 +40,10 @@ bool parseChainOption(ChainOptions* o, int letter, const char* arg) {
         if (t == "pipelined") o->methods.push_back(allscanPipelined);
         else if (t == "serial") o->methods.push_back(allscanSerial);
         else if (t == "allgather") o->methods.push_back(allscanAllGather);
+        else if (t == "device") o->methods.push_back(allscanDevice);
         else if (t == "all") o->methods = {allscanPipelined, allscanSerial, allscanAllGather};
-        else argError("-m (methods): expected a comma-separated list of pipelined, serial, allgather (or all), got '" + t + "'");
+        else argError("-m (methods): expected a comma-separated list of pipelined, serial, allgather, device (or all: "
+                      "the first three), got '" + t + "'");
       }
       std::vector<allscanMethod_t> uniq;
       for (auto m : o->methods)

@@ -30,7 +30,8 @@ inline constexpr OptionSpec kBlocksOption = {
     "pipelined block counts: 'auto' or comma-separated integers 1..64;\n"
     "                              the automatic K is always timed (default auto)"};
 inline constexpr OptionSpec kMethodsOption = {
-    'm', "methods", required_argument, "<list>", "scan methods: pipelined,serial,allgather or all (default all)"};
+    'm', "methods", required_argument, "<list>", "scan methods: pipelined,serial,allgather,device or all\n"
+    "                              (default all: the first three; device: -o scan only)"};
 inline constexpr OptionSpec kReverseOption = {
     'r', "reverse", optional_argument, "0|1", "reverse scan (rank p+1 -> p); -r alone means 1 (default 0)"};
 inline constexpr OptionSpec kLinkModelOption = {
@@ -43,7 +44,7 @@ bool parseChainOption(ChainOptions* o, int letter, const char* arg);
 // After every option: at least one method.
 void validateChainOptions(const ChainOptions& o);
 
-const char* methodName(allscanMethod_t m);  // pipelined, serial, allgather
+const char* methodName(allscanMethod_t m);  // pipelined, serial, allgather, device
 
 // The link model the automatic K comes from: set (-L a,b), calibrated (collective), or none.
 struct LinkModel {

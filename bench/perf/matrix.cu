@@ -26,7 +26,11 @@ void parse(int letter, const char* arg) {
   if (letter == 'V') opts.n = static_cast<int>(parseInt("-V (vdim)", arg, 1, 4096, "the state's K = V, 1..4096"));
 }
 
-void validate(const Options&) { validateChainOptions(opts.chain); }
+void validate(const Options&) {
+  validateChainOptions(opts.chain);
+  for (auto m : opts.chain.methods)
+    if (m == allscanDevice) argError("-m (methods): device serves the diagonal scan (-o scan) only");
+}
 
 // ------------------------------------------------------------------------------------------------
 // Exactly representable transitions and the GPU-side check

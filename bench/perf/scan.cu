@@ -6,6 +6,8 @@
 //   scan-pipelined  allscanScan, automatic block count and every fixed -K
 //   scan-serial     allscanScan, LASP-1 pattern
 //   scan-allgather  allscanScan, LASP-2 pattern
+//   dev-chain       the device path's floor: allscanDeviceNeighborExchange(chain=1) (-x device, or -m device)
+//   scan-device     allscanScan, device-initiated over NVLink (-m device); K shows dev:<CTAs> or nccl
 #include <getopt.h>
 
 #include <algorithm>
@@ -19,15 +21,15 @@
 namespace perf {
 namespace {
 
-enum Ref { REF_CHAIN = 0, REF_RING = 1, REF_ALLGATHER = 2, REF_ALLREDUCE = 3, REF_COUNT = 4 };
-const char* kRefNames[REF_COUNT] = {"chain", "ring", "allgather", "allreduce"};
+enum Ref { REF_CHAIN = 0, REF_RING = 1, REF_ALLGATHER = 2, REF_ALLREDUCE = 3, REF_DEVICE = 4, REF_COUNT = 5 };
+const char* kRefNames[REF_COUNT] = {"chain", "ring", "allgather", "allreduce", "device"};
 
 enum Decay { DECAY_NONE = 0, DECAY_HEAD = 1, DECAY_KEY = 2, DECAY_FULL = 3 };
 const char* kDecayNames[4] = {"none", "head", "key", "full"};
 
 struct ScanOptions {
   ChainOptions chain;  // -K, -m, -r, -L
-  bool refs[REF_COUNT] = {true, true, true, true};
+  bool refs[REF_COUNT] = {true, true, true, true, false};
   Decay decay = DECAY_KEY;
   int dv = 128;  // trailing dims of the [H, Dk, Dv] view are gcd(count, dv), gcd(count/Dv, dv)
 } opts;
@@ -49,21 +51,25 @@ void parse(int letter, const char* arg) {
       for (const auto& t : splitList(arg)) {
         bool ok = false;
         if (t == "all") {
-          for (bool& b : opts.refs) b = true;
+          for (int k = 0; k < REF_DEVICE; ++k) opts.refs[k] = true;
           ok = true;
         } else if (t == "none") {
           ok = true;
         }
         for (int k = 0; k < REF_COUNT; ++k)
           if (t == kRefNames[k]) opts.refs[k] = true, ok = true;
-        if (!ok) argError("-x (refs): expected a comma-separated list of chain, ring, allgather, allreduce (or all, none), got '" + t + "'");
+        if (!ok) argError("-x (refs): expected a comma-separated list of chain, ring, allgather, allreduce, device (or all: the first four, none), got '" + t + "'");
       }
       break;
     }
   }
 }
 
-void validate(const Options&) { validateChainOptions(opts.chain); }
+void validate(const Options&) {
+  validateChainOptions(opts.chain);
+  for (auto m : opts.chain.methods)
+    if (m == allscanDevice) opts.refs[REF_DEVICE] = true;  // the device path's floor beside it
+}
 
 // The [H, Dk, Dv] view of a state of `count` elements and the decay's element count for a form.
 struct Layout {
@@ -184,7 +190,7 @@ void launchCheck(allscanDataType_t t, const void* out, const CheckParams& p, uns
 // ------------------------------------------------------------------------------------------------
 // One rank's rows
 // ------------------------------------------------------------------------------------------------
-enum OpKind { OP_CHAIN, OP_RING, OP_ALLGATHER, OP_ALLREDUCE, OP_SCAN };
+enum OpKind { OP_CHAIN, OP_RING, OP_ALLGATHER, OP_ALLREDUCE, OP_SCAN, OP_DEVICE_CHAIN };
 
 class ScanBench : public ChainBench {
  public:
@@ -198,7 +204,7 @@ class ScanBench : public ChainBench {
     const size_t maxBytes = maxCount * c.es;
     CUDACHECK(cudaMalloc(&x_, maxBytes));
     CUDACHECK(cudaMalloc(&y_, maxBytes));
-    if (so.refs[REF_CHAIN] || so.refs[REF_RING]) CUDACHECK(cudaMalloc(&recv_, maxBytes));
+    if (so.refs[REF_CHAIN] || so.refs[REF_RING] || so.refs[REF_DEVICE]) CUDACHECK(cudaMalloc(&recv_, maxBytes));
     if (so.refs[REF_ALLGATHER]) CUDACHECK(cudaMalloc(&ag_, maxBytes * c.nranks));
     if (so.refs[REF_ALLREDUCE]) CUDACHECK(cudaMalloc(&ar_, maxBytes));
     if (so.decay != DECAY_NONE) {
@@ -207,6 +213,16 @@ class ScanBench : public ChainBench {
       CUDACHECK(cudaGetLastError());
     }
     launchFillX(c.o->dtype, x_, maxCount, c.rank, c.stream);
+    if (so.refs[REF_DEVICE] && c.nranks > 1) {
+      // Prepares the device path's window at the largest size, outside any timed loop (collective).
+      if (allscanDeviceNeighborExchange(comm_, x_, recv_, maxBytes, so.chain.reverse, 1, 0, c.stream) != allscanSuccess)
+        deviceSkip_ = allscanGetLastError();
+      CUDACHECK(cudaStreamSynchronize(c.stream));
+    }
+    int state = 0;
+    const char* why = nullptr;
+    ASCHECK(allscanDevicePath(comm_, &state, &why));
+    deviceLabel_ = state == 1 ? "dev" : "nccl";
   }
 
   std::vector<std::string> header() override {
@@ -239,6 +255,10 @@ class ScanBench : public ChainBench {
     if (so.refs[REF_RING]) ref(OP_RING, "p2p-ring", 1.0, 2);
     if (so.refs[REF_ALLGATHER]) ref(OP_ALLGATHER, "nccl-allgather", static_cast<double>(P - 1), 0);
     if (so.refs[REF_ALLREDUCE]) ref(OP_ALLREDUCE, "nccl-allreduce", 2.0 * (P - 1) / P, 0);
+    if (so.refs[REF_DEVICE]) {
+      ref(OP_DEVICE_CHAIN, "dev-chain", 1.0, 0);
+      rows.back().skip = deviceSkip_;
+    }
     for (Row& r : methodRows(so.chain, "scan", OP_SCAN)) {
       const auto m = static_cast<allscanMethod_t>(r.method);
       allscanScanArgs_t a = scanArgs(r, count);
@@ -249,6 +269,7 @@ class ScanBench : public ChainBench {
         else Keff = r.K;
       }
       labelScanRow(&r, m, r.K, Keff);
+      if (m == allscanDevice) r.kLabel = deviceLabel_ + ":" + (r.K == 0 ? "auto" : std::to_string(r.K));
       rows.push_back(r);
     }
     const Layout& L = layout_;
@@ -276,6 +297,7 @@ class ScanBench : public ChainBench {
     switch (r.kind) {
       case OP_CHAIN: ASCHECK(allscanNeighborExchange(comm_, x_, recv_, bytes, reverse, 1, c.stream)); break;
       case OP_RING: ASCHECK(allscanNeighborExchange(comm_, x_, recv_, bytes, reverse, 0, c.stream)); break;
+      case OP_DEVICE_CHAIN: ASCHECK(allscanDeviceNeighborExchange(comm_, x_, recv_, bytes, reverse, 1, 0, c.stream)); break;
       case OP_ALLGATHER: NCCLCHECK(ncclAllGather(x_, ag_, count, nt, c.nccl, c.stream)); break;
       case OP_ALLREDUCE: NCCLCHECK(ncclAllReduce(x_, ar_, count, nt, ncclSum, c.nccl, c.stream)); break;
       case OP_SCAN: {
@@ -300,6 +322,7 @@ class ScanBench : public ChainBench {
     switch (r.kind) {
       case OP_CHAIN: p.mode = CHK_RECV_CHAIN; outp = recv_; break;
       case OP_RING: p.mode = CHK_RECV_RING; outp = recv_; break;
+      case OP_DEVICE_CHAIN: p.mode = CHK_RECV_CHAIN; outp = recv_; break;
       case OP_ALLGATHER: p.mode = CHK_ALLGATHER; outp = ag_; outBytes = bytes * P; break;
       case OP_ALLREDUCE: p.mode = CHK_ALLREDUCE; outp = ar_; break;
       case OP_SCAN: p.mode = CHK_SCAN; outp = y_; break;
@@ -307,7 +330,7 @@ class ScanBench : public ChainBench {
     CUDACHECK(cudaMemsetAsync(outp, 0xff, outBytes, c.stream));
     launch(r, count);
     // One rank: nothing is sent; the ring "receives" its own state trivially. Nothing to check.
-    if (!(P == 1 && (r.kind == OP_CHAIN || r.kind == OP_RING))) launchCheck(c.o->dtype, outp, p, wrong, c.stream);
+    if (!(P == 1 && (r.kind == OP_CHAIN || r.kind == OP_RING || r.kind == OP_DEVICE_CHAIN))) launchCheck(c.o->dtype, outp, p, wrong, c.stream);
   }
 
   void teardown() override {
@@ -340,6 +363,8 @@ class ScanBench : public ChainBench {
   }
 
   Layout layout_{};
+  std::string deviceSkip_;           // why dev-chain cannot run ("" when it can)
+  std::string deviceLabel_ = "nccl";  // the K column of scan-device: dev (device path) or nccl (fallback)
   void* ag_ = nullptr;
   void* ar_ = nullptr;
   float* g_ = nullptr;
@@ -357,8 +382,9 @@ const Collective kScanCollective = {
     {kBlocksOption,
      kMethodsOption,
      {'x', "refs", required_argument, "<list>",
-      "reference rows: chain,ring,allgather,allreduce, all or none\n"
-      "                              (default all; 'chain' is the floor of the vs_floor column)"},
+      "reference rows: chain,ring,allgather,allreduce,device, all or none\n"
+      "                              (default all: the first four; 'chain' is the floor of the\n"
+      "                              vs_floor column; device: the device path's copy, on with -m device)"},
      kReverseOption,
      kSignatureOption,
      {'D', "decay", required_argument, "<form>",

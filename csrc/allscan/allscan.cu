@@ -9,6 +9,7 @@
 #include <string>
 
 #include "comm.h"
+#include "device_path.h"
 #include "head_result.h"
 #include "pipeline.h"
 #include "common/acc.cuh"
@@ -430,8 +431,15 @@ allscanResult_t allscanCommDestroy(allscanComm_t comm) {
   if (comm->zeros) cudaFree(comm->zeros);
   for (void* p : comm->retired) cudaFree(p);
   freeSignatures(comm->signatures);
+  devicePathDestroy(comm);
   cudaGetLastError();  // nothing left for the caller's next launch check to misreport
   delete comm;  // the NCCL communicator is borrowed: not destroyed here
+  return allscanSuccess;
+}
+
+allscanResult_t allscanCommForgetNccl(allscanComm_t comm) {
+  ALLSCAN_ARG_CHECK(comm != nullptr, "comm: null communicator");
+  comm->nccl = nullptr;
   return allscanSuccess;
 }
 
@@ -443,6 +451,7 @@ allscanResult_t allscanCommRank(allscanComm_t comm, int* rank) {
 
 allscanResult_t allscanCommStatus(allscanComm_t comm) {
   ALLSCAN_ARG_CHECK(comm != nullptr, "comm: null communicator");
+  ALLSCAN_CHECK(devicePathStatus(comm));
   return mismatchStatus(comm->signatures);
 }
 
@@ -517,10 +526,41 @@ allscanResult_t allscanScan(allscanComm_t comm, const allscanScanArgs_t* a, void
   ALLSCAN_CHECK(checkWorkspace(need, workspace, workspace_bytes, "allscanWorkspaceSize"));
   if (comm->nranks == 1) return scanOneRank(a, stream);
   ALLSCAN_CHECK(checkAttached(comm));
+  if (a->method == allscanDevice) {
+    const size_t bytes = a->count * dtypeSize(a->dtype);
+    if (devicePathReady(comm, bytes, stream))
+      return watched(comm->nccl, stream, [&] { return devicePathScan(comm, a, stream); });
+  }
   // The watch's failure first: after an abort, a receive that never completed looks like a mismatch.
   return watched(comm->nccl, stream, [&] {
     ALLSCAN_CHECK(mismatchStatus(comm->signatures));
+    ALLSCAN_CHECK(devicePathStatus(comm));
     return scanIssue(comm, a, workspace, stream);
+  });
+}
+
+allscanResult_t allscanDevicePath(allscanComm_t comm, int* state, const char** reason) {
+  ALLSCAN_ARG_CHECK(comm != nullptr && state != nullptr, "comm/state: null pointer");
+  const char* why = devicePathReason(comm);
+  const bool tried = comm->device != nullptr;
+  *state = !tried ? 0 : (*why == '\0' ? 1 : -1);
+  if (reason != nullptr) *reason = why;
+  return allscanSuccess;
+}
+
+allscanResult_t allscanDeviceNeighborExchange(allscanComm_t comm, const void* sendbuf, void* recvbuf, size_t bytes,
+                                              int reverse, int chain, int num_ctas, cudaStream_t stream) {
+  ALLSCAN_ARG_CHECK(comm != nullptr, "comm: null communicator");
+  ALLSCAN_ARG_CHECK(reverse == 0 || reverse == 1, "reverse: expected 0 or 1");
+  ALLSCAN_ARG_CHECK(num_ctas >= 0, "num_ctas: expected 0 (auto) or a positive CTA count");
+  if (comm->nranks == 1 || bytes == 0) return allscanSuccess;
+  ALLSCAN_CHECK(checkAttached(comm));
+  ALLSCAN_ARG_CHECK(sendbuf != nullptr && recvbuf != nullptr, "sendbuf/recvbuf: null pointer");
+  if (!devicePathReady(comm, bytes, stream))
+    return setError(allscanInvalidArgument, std::string("allscanDeviceNeighborExchange: the device path is not "
+                                                        "available: ") + devicePathReason(comm));
+  return watched(comm->nccl, stream, [&] {
+    return devicePathExchange(comm, sendbuf, recvbuf, bytes, reverse, chain, num_ctas, stream);
   });
 }
 

@@ -98,6 +98,19 @@ allscanResult_t readEnv(allscanComm* c) {
                       std::string("ALLSCAN_SELF_FILL_MAX_BYTES: expected a byte count up to ") +
                           std::to_string(kMaxSelfFill) + ", got '" + v + "'");
   }
+  if (const char* v = getEnv("ALLSCAN_DEVICE_PATH")) {
+    const std::string m(v);
+    ALLSCAN_ARG_CHECK(m == "auto" || m == "off", "ALLSCAN_DEVICE_PATH: expected auto or off, got '" + m + "'");
+    c->device_path_off = m == "off";
+  }
+  if (const char* v = getEnv("ALLSCAN_DEVICE_TIMEOUT_S")) {
+    char* end = nullptr;
+    errno = 0;
+    const double s = std::strtod(v, &end);
+    ALLSCAN_ARG_CHECK(errno == 0 && end != v && *end == '\0' && s > 0.0 && s <= 1e6,
+                      std::string("ALLSCAN_DEVICE_TIMEOUT_S: expected seconds, more than 0 and at most 1e6, got '") + v + "'");
+    c->device_timeout_s = s;
+  }
   return allscanSuccess;
 }
 

@@ -17,6 +17,12 @@
 #include "common/error.h"
 #include "common/signature.h"
 
+namespace allscan {
+namespace detail {
+struct DevicePath;  // device_path.h
+}  // namespace detail
+}  // namespace allscan
+
 struct allscanComm {
   ncclComm_t nccl = nullptr;  // borrowed, never destroyed here (null for a detached communicator)
   int rank = 0;
@@ -43,6 +49,11 @@ struct allscanComm {
   std::vector<void*> retired;
   // The in-band signature check (signature.h); null for a detached or one-rank communicator.
   allscan::detail::SignatureTable* signatures = nullptr;
+  // The device-initiated path (allscanDevice): its windows, made by the first call that uses it;
+  // ALLSCAN_DEVICE_PATH=off (always the NCCL path) and ALLSCAN_DEVICE_TIMEOUT_S (its spins' bound).
+  allscan::detail::DevicePath* device = nullptr;
+  bool device_path_off = false;
+  double device_timeout_s = 10.0;
 };
 
 namespace allscan {
@@ -73,8 +84,10 @@ template <typename Args> allscanResult_t checkTarget(const allscanComm* comm, co
 }
 
 template <typename Args> allscanResult_t checkSchedule(const Args* a) {
-  ALLSCAN_ARG_CHECK(a->method == allscanPipelined || a->method == allscanSerial || a->method == allscanAllGather,
-                    "method: expected allscanPipelined, allscanSerial or allscanAllGather, got " + std::to_string(static_cast<int>(a->method)));
+  ALLSCAN_ARG_CHECK(a->method == allscanPipelined || a->method == allscanSerial || a->method == allscanAllGather ||
+                        a->method == allscanDevice,
+                    "method: expected allscanPipelined, allscanSerial, allscanAllGather or allscanDevice, got " +
+                        std::to_string(static_cast<int>(a->method)));
   ALLSCAN_ARG_CHECK(a->num_blocks >= 0, "num_blocks: expected 0 (auto) or a positive block count, got " + std::to_string(a->num_blocks));
   ALLSCAN_ARG_CHECK(a->reverse == 0 || a->reverse == 1, "reverse: expected 0 or 1");
   ALLSCAN_ARG_CHECK(a->inclusive == 0 || a->inclusive == 1, "inclusive: expected 0 or 1");
@@ -115,7 +128,8 @@ int effectiveBlocks(const allscanComm* comm, int numBlocks, size_t bytes);
 // The blocks a scan of `bytes` bytes is sent in: effectiveBlocks for the pipelined method, one for
 // the serial and all-gather methods.
 inline int methodBlocks(const allscanComm* comm, allscanMethod_t method, int numBlocks, size_t bytes) {
-  return method == allscanPipelined ? effectiveBlocks(comm, numBlocks, bytes) : 1;
+  // allscanDevice's fallback is the pipelined method
+  return method == allscanPipelined || method == allscanDevice ? effectiveBlocks(comm, numBlocks, bytes) : 1;
 }
 
 // This rank's place in the chain of a forward (rank p-1 -> p) or reverse (p+1 -> p) scan.
@@ -143,7 +157,8 @@ allscanResult_t copyOrZero(void* y, const void* src, size_t bytes, cudaStream_t 
 // (readEnv); allscanInvalidArgument naming the variable when one does not parse.
 allscanResult_t newComm(int rank, int nranks, allscanComm** out);
 
-// Reads ALLSCAN_FILL_CTAS, ALLSCAN_HEAD_FILL and ALLSCAN_SELF_FILL_MAX_BYTES into `c` (when the
+// Reads ALLSCAN_FILL_CTAS, ALLSCAN_HEAD_FILL, ALLSCAN_SELF_FILL_MAX_BYTES, ALLSCAN_DEVICE_PATH and
+// ALLSCAN_DEVICE_TIMEOUT_S into `c` (when the
 // communicator is made); a value that does not parse is allscanInvalidArgument naming the
 // variable, never silently the default.
 allscanResult_t readEnv(allscanComm* c);

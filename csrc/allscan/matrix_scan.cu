@@ -96,6 +96,9 @@ allscanResult_t checkArgs(const allscanComm* comm, const allscanMatrixScanArgs_t
                     std::string("m_dtype: expected float32 or the state's dtype (") + dtypeName(a->dtype) + "), got " +
                         std::to_string(static_cast<int>(a->m_dtype)));
   ALLSCAN_CHECK(checkSchedule(a));
+  ALLSCAN_ARG_CHECK(a->method != allscanDevice,
+                    "method: allscanDevice serves the diagonal scan (allscanScan) only; expected allscanPipelined, "
+                    "allscanSerial or allscanAllGather");
   ALLSCAN_ARG_CHECK(a->transpose_m == 0 || a->transpose_m == 1, "transpose_m: expected 0 or 1");
   size_t bk = 0, n = 0, mk = 0, mn = 0, bytes = 0;
   ALLSCAN_ARG_CHECK(!mulOverflows(a->batch, a->k, &bk) && !mulOverflows(bk, a->v, &n) &&

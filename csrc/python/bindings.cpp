@@ -99,6 +99,7 @@ PYBIND11_MODULE(_C, m) {
   m.attr("PIPELINED") = static_cast<int>(allscanPipelined);
   m.attr("SERIAL") = static_cast<int>(allscanSerial);
   m.attr("ALLGATHER") = static_cast<int>(allscanAllGather);
+  m.attr("DEVICE") = static_cast<int>(allscanDevice);
   m.attr("MAX_BLOCKS") = static_cast<int>(allscanMaxBlocks);
   m.attr("MIN_BLOCK_BYTES") = static_cast<int>(allscanMinBlockBytes);
 
@@ -173,11 +174,18 @@ PYBIND11_MODULE(_C, m) {
     return reinterpret_cast<std::uintptr_t>(c);
   });
   m.def("comm_destroy", [](std::uintptr_t c) { check(allscanCommDestroy(ptr<allscanComm>(c))); });
+  m.def("comm_forget_nccl", [](std::uintptr_t c) { check(allscanCommForgetNccl(ptr<allscanComm>(c))); });
   m.def("comm_rank", [](std::uintptr_t c) { int r; check(allscanCommRank(ptr<allscanComm>(c), &r)); return r; });
   m.def("comm_size", [](std::uintptr_t c) { int n; check(allscanCommSize(ptr<allscanComm>(c), &n)); return n; });
   m.def("comm_status", [](std::uintptr_t c) { check(allscanCommStatus(ptr<allscanComm>(c))); },
         "raise CommunicatorError once a call on this rank received another rank's mismatched signature");
 
+  m.def("device_path", [](std::uintptr_t c) {
+    int state = 0;
+    const char* reason = nullptr;
+    check(allscanDevicePath(ptr<allscanComm>(c), &state, &reason));
+    return py::make_tuple(state, std::string(reason != nullptr ? reason : ""));
+  }, "allscanDevicePath: (1 device-initiated / 0 not tried / -1 the NCCL path, why)");
   m.def("set_link_model", [](std::uintptr_t c, double a, double b) { check(allscanSetLinkModel(ptr<allscanComm>(c), a, b)); });
   m.def("get_link_model", [](std::uintptr_t c) {
     double a = 0, b = 0;

@@ -38,7 +38,7 @@ from . import _C, a2a  # noqa: E402
 from ._C import CommunicatorError  # noqa: E402  (a group's NCCL communicator failed: mismatch, a peer's report)
 from ._C import CommunicatorTimeout  # noqa: E402  (a CommunicatorError: a collective on NCCL timed out)
 from ._contract import settings  # noqa: E402
-from .ops.scan import ScanHandle, destroy_communicators, scan, set_check_every_call  # noqa: E402
+from .ops.scan import ScanHandle, destroy_communicators, device_path, scan, set_check_every_call  # noqa: E402
 from .reference import scan_reference  # noqa: E402
 
 # The one version: the C API header's ALLSCAN_VERSION_* macros (the wheel's metadata reads them too).
@@ -59,6 +59,7 @@ def __getattr__(name):
 __all__ = [
     "scan",
     "ScanHandle",
+    "device_path",
     "set_check_every_call",
     "destroy_communicators",
     "scan_reference",

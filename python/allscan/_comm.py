@@ -118,6 +118,10 @@ class Communicator:
             aborted = _C.watch_destroy(self.watch)  # after its thread stopped: an abort cannot follow
             self.watch = 0
         if self.handle:
+            # NCCL's own resources (the device path's windows) go with an aborted communicator, and
+            # with a borrowed one whose group is gone: then the core must not call NCCL.
+            if aborted or (not self.owned and (self.group_ref is None or self.group_ref() is None)):
+                _C.comm_forget_nccl(self.handle)
             _C.comm_destroy(self.handle)
             self.handle = 0
         if self.owned and self.nccl and not aborted:  # ncclCommAbort freed an aborted one

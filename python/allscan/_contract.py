@@ -103,6 +103,16 @@ def _count(limit: int, what: str) -> Callable[[str, str], int]:
     return parse
 
 
+def _seconds(name: str, v: str) -> float:
+    try:
+        s = float(v)
+    except ValueError:
+        s = float("nan")
+    if not (math.isfinite(s) and 0 < s <= 1e6):
+        raise ValueError(f"{name}: expected seconds, more than 0 and at most 1e6, got {v!r}")
+    return s
+
+
 def _link_model(name: str, v: str) -> Tuple[float, float]:
     try:
         a, b = (float(s) for s in v.split(","))
@@ -162,6 +172,14 @@ VARIABLES: Tuple[Variable, ...] = (
     Variable("ALLSCAN_FILL_CTAS", "fill_ctas", "0 to 1024", "8", _COMM,
              "CTAs of the head's side fill (0: in series after the send).",
              _count(MAX_FILL_CTAS, "a CTA count"), 8),
+    Variable("ALLSCAN_DEVICE_PATH", "device_path", "`auto`, `off`", "`auto`", _COMM,
+             "`allscan.scan(method=\"device\")`: device-initiated over NVLink where every rank is load/store "
+             "accessible (`auto`), or always the pipelined NCCL path (`off`).",
+             _choice("auto", "off"), "auto"),
+    Variable("ALLSCAN_DEVICE_TIMEOUT_S", "device_timeout_s", "seconds, more than 0 and at most 1e6", "10", _COMM,
+             "The device path's bound on waiting for a neighbour: then its results are NaN and later calls "
+             "on the communicator raise `allscan.CommunicatorTimeout`.",
+             _seconds, 10.0),
     Variable("ALLSCAN_GLA_BACKEND", "gla_backend", "`auto`, `fla`, `torch`", "`auto`", _FIRST_USE,
              "The GLA layer's local kernels: fla-core on CUDA when importable (`auto`), or forced.",
              _choice("auto", "fla", "torch"), "auto"),

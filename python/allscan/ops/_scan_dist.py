@@ -116,7 +116,9 @@ def scan(
     num_blocks: int,
     method: str,
 ) -> torch.Tensor:
-    """The All-Scan of contiguous ``x`` over ``group`` with torch.distributed point-to-point calls."""
+    """The All-Scan of contiguous ``x`` over ``group`` with torch.distributed point-to-point calls
+    (``method="device"``, the core's NVLink path, is the pipelined method here)."""
+    method = "pipelined" if method == "device" else method
     staged = x.is_cuda  # e.g. a gloo group with CUDA tensors: go through the host
     if staged:
         dev = x.device

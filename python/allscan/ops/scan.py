@@ -24,9 +24,9 @@ from ._launch import (_raw_stream, check_num_blocks, forget_plans, nccl_prefligh
                       stream_ptr, validated_group)
 
 __all__ = ["scan", "ScanHandle", "set_check_every_call", "destroy_communicators", "ScanLaunchPlan", "plan_for",
-           "launch", "run", "METHODS"]
+           "launch", "run", "METHODS", "device_path"]
 
-METHODS = ("pipelined", "serial", "allgather")
+METHODS = ("pipelined", "serial", "allgather", "device")
 _OP = "scan"
 _MAX_DIMS = 8  # dimensions of the state compared one by one; further ones by a hash
 
@@ -87,7 +87,7 @@ def _signature(x, g, init, reverse, inclusive, num_blocks, method) -> List[Tuple
         ("init given", int(init is not None)),
         ("reverse", int(reverse)),
         ("inclusive", int(inclusive)),
-        ("method (0 pipelined, 1 serial, 2 allgather)", METHODS.index(method)),
+        ("method (0 pipelined, 1 serial, 2 allgather, 3 device)", METHODS.index(method)),
         ("num_blocks (0 auto)", num_blocks),
     ]
     return fields
@@ -401,8 +401,10 @@ def scan(
     Returns y_p (the state entering rank p), or g_p * y_p + x_p with ``inclusive=True``. Arithmetic
     is fp32 (fp64 for fp64 tensors), rounded to the tensor's dtype at each rank boundary; every method
     gives bitwise the same answer. ``method``: "pipelined" (ZeCO All-Scan, ``num_blocks`` blocks,
-    chosen from the link model when None), "serial" (LASP-1 pattern) or "allgather" (LASP-2
-    pattern). Differentiable in ``tensor``, ``gamma`` and ``init`` (through the reverse All-Scan).
+    chosen from the link model when None), "serial" (LASP-1 pattern), "allgather" (LASP-2
+    pattern) or "device" (on NCCL: one kernel per rank storing into the next rank's memory over
+    NVLink, ``num_blocks`` its CTA count; where the ranks are not all load/store accessible, the
+    pipelined method: :func:`device_path` says which ran; diagonal decays only). Differentiable in ``tensor``, ``gamma`` and ``init`` (through the reverse All-Scan).
     Every rank must pass the same shapes, dtypes and options; a mismatch raises ``ValueError`` on
     every rank (see ``ALLSCAN_CHECK`` and :func:`set_check_every_call`).
 
@@ -415,6 +417,15 @@ def scan(
         return _scan(tensor, gamma, group, transition, reverse, inclusive, init, num_blocks, method, async_op)
     with one_thread(group, _OP) as busy:
         return _scan(tensor, gamma, busy.group, transition, reverse, inclusive, init, num_blocks, method, async_op)
+
+
+def device_path(group=None, device=None) -> str:
+    """Which path ``method="device"`` took on ``group``'s communicator (None: the default group) on
+    ``device`` (None: the current CUDA device): ``"device"`` (NVLink load/store, one kernel per
+    rank), ``"nccl: <why not>"`` (the pipelined NCCL path), or ``"not tried"`` (no such call yet)."""
+    dev = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
+    state, why = _C.device_path(_comm.get_communicator(group, dev).handle)
+    return {1: "device", 0: "not tried"}.get(state, f"nccl: {why}")
 
 
 def _scan(tensor, gamma, group, transition, reverse, inclusive, init, num_blocks, method, async_op):

@@ -48,6 +48,16 @@ typedef enum {
   allscanSerial = 1,
   /* LASP-2 pattern: all-gather every rank's state and decay, combine locally */
   allscanAllGather = 2,
+  /* device-initiated (diagonal scans only): one kernel per rank reads the incoming state from its
+     NCCL window and stores its result straight into the next rank's window over NVLink (NCCL's
+     device API, LSA pointers); where every rank is not load/store accessible, or the loaded NCCL
+     is not the one compiled against, or ALLSCAN_DEVICE_PATH=off: allscanPipelined
+     (allscanDevicePath says which and why). num_blocks is its CTA count (0: one per 64 KiB, at
+     most 128). The first call, and one with a larger state than any before, is collective and
+     synchronising (it registers the window): make it eagerly before capturing a graph. A
+     neighbour that never publishes fails the call after ALLSCAN_DEVICE_TIMEOUT_S (default 10)
+     seconds with allscanTimeout on a later call. */
+  allscanDevice = 3,
 } allscanMethod_t;
 
 /* One call's arguments. Zero-initialise and fill in; unused pointers stay NULL. */
@@ -84,6 +94,9 @@ ALLSCAN_API allscanResult_t allscanCommCreate(ncclComm_t nccl, allscanComm_t* co
  * sizes and argument checks without a GPU). Calls that need NCCL fail on it. */
 ALLSCAN_API allscanResult_t allscanCommCreateDetached(int rank, int nranks, allscanComm_t* comm);
 ALLSCAN_API allscanResult_t allscanCommDestroy(allscanComm_t comm);
+/* The NCCL communicator is gone (aborted or destroyed): allscanCommDestroy then frees what allscan
+ * holds without calling NCCL (the device path's windows went with it). */
+ALLSCAN_API allscanResult_t allscanCommForgetNccl(allscanComm_t comm);
 ALLSCAN_API allscanResult_t allscanCommRank(allscanComm_t comm, int* rank);
 ALLSCAN_API allscanResult_t allscanCommSize(allscanComm_t comm, int* nranks);
 /* allscanSuccess, or allscanMismatch (message in allscanGetLastError) once a call on this rank
@@ -131,6 +144,18 @@ ALLSCAN_API allscanResult_t allscanCheckArgs(allscanComm_t comm, const allscanSc
  * 8388608, at most 1 GiB), ALLSCAN_FILL_CTAS (the side fill's CTAs, default 8; 0 = in series). */
 ALLSCAN_API allscanResult_t allscanScan(allscanComm_t comm, const allscanScanArgs_t* args, void* workspace,
                             size_t workspace_bytes, cudaStream_t stream);
+
+/* Whether allscanDevice runs device-initiated on this communicator: *state 1 (yes), 0 (not tried
+ * yet: no allscanDevice call so far), -1 (no: it falls back to allscanPipelined, *reason says why;
+ * "" otherwise). A host read. */
+ALLSCAN_API allscanResult_t allscanDevicePath(allscanComm_t comm, int* state, const char** reason);
+
+/* The device path's floor: allscanNeighborExchange's transfers done as allscanDevice does them
+ * (stores into the neighbour's window and a flag per 64 KiB, `num_ctas` CTAs, 0: as the scan
+ * chooses), no combine. Collective; allscanInvalidArgument when the path is not available. */
+ALLSCAN_API allscanResult_t allscanDeviceNeighborExchange(allscanComm_t comm, const void* sendbuf, void* recvbuf,
+                                              size_t bytes, int reverse, int chain, int num_ctas,
+                                              cudaStream_t stream);
 
 /* The floor the benchmarks compare with: every rank sends `bytes` to its successor and receives as
  * many from its predecessor (a ring shift; `reverse` flips it), one NCCL group call. With
