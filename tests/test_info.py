@@ -28,7 +28,10 @@ def test_nccl_versions():
     assert nccl_version_text(22809) == "2.28.9"
     assert nccl_version_text(23203) == "2.32.3"
     assert nccl_version_text(2708) == "2.7.8"
-    assert nccl_match(22809, 22809) == "match"
+    assert nccl_match(22809, 22809) == "match (the device path can run)"
+    assert nccl_match(22803, 22803).startswith("match (no device API")
+    assert nccl_match(22809, 22808).startswith("compatible: compiled against 2.28.9, loaded 2.28.8")
+    assert nccl_match(22809, 22803).startswith("differ")  # 2.28.3's device structs differ
     assert nccl_match(23203, 22809) == ("differ: compiled against 2.32.3, loaded 2.28.9; "
-                                        "version-sensitive paths stay off")
+                                        "the device path stays off")
     assert nccl_match(22809, None) == "no NCCL loaded"

@@ -32,14 +32,20 @@ def nccl_version_text(code: int) -> str:
 
 
 def nccl_match(compiled: int, loaded: Optional[int]) -> str:
-    """Whether the NCCL loaded is the one compiled against: what version-sensitive paths (the NCCL
-    device API, whose structs change between releases) must check before they run."""
+    """Whether the NCCL loaded is the one compiled against, as the device path (``method="device"``,
+    NCCL's device API, whose structs change between releases) judges it: it runs with the same
+    major.minor, from 2.28.7 on (the core's own check, which ``allscan.device_path`` reports)."""
     if loaded is None:
         return "no NCCL loaded"
+    if compiled == loaded and compiled >= 22807:
+        return "match (the device path can run)"
     if compiled == loaded:
-        return "match"
+        return "match (no device API before 2.28.7: the device path stays off)"
+    if compiled // 100 == loaded // 100 and min(compiled, loaded) >= 22807:
+        return (f"compatible: compiled against {nccl_version_text(compiled)}, loaded {nccl_version_text(loaded)} "
+                "(same major.minor: the device path can run)")
     return (f"differ: compiled against {nccl_version_text(compiled)}, loaded {nccl_version_text(loaded)}; "
-            "version-sensitive paths stay off")
+            "the device path stays off")
 
 
 def _loaded_library(fragment: str) -> Optional[str]:

@@ -105,13 +105,17 @@ class FlaDelta:
 
     @staticmethod
     def add_incoming(sp, o: torch.Tensor, S_in: Optional[torch.Tensor]):
-        from .fold_in import fold_incoming
-
         finals = list(sp.finals)
         if S_in is None:
             return o, finals
-        S_in = S_in.to(sp.finals[0].dtype)  # fp32: the states' dtype
-        first = fold_incoming(o[:, :sp.T0], sp.q_eff, S_in)
+        dt = sp.finals[0].dtype  # fp32: the states' dtype (fp64 in the CPU tests of this algebra)
+        S_in = S_in.to(dt)
+        if o.is_cuda and dt == torch.float32:
+            from .fold_in import fold_incoming
+
+            first = fold_incoming(o[:, :sp.T0], sp.q_eff, S_in)
+        else:  # what the kernel computes, in torch ops (CPU, float64)
+            first = (o[:, :sp.T0].to(dt) + torch.einsum("bthk,bhkv->bthv", sp.q_eff.to(dt), S_in)).to(o.dtype)
         finals[0] = finals[0] + sp.transition @ S_in
         if sp.T0 == o.shape[1]:  # one segment (the common case): no concatenation copy
             return first, finals
