@@ -365,3 +365,48 @@ def test_async_overlaps_computation(async_times):
     for t in async_times:
         # Overlapped: clearly less than running one after the other.
         assert t["scan+stream"] < 0.9 * (t["scan"] + t["stream"]), t
+
+
+def _eager_fast_path(rank, P):
+    import importlib
+
+    S = importlib.import_module("allscan.ops.scan")  # the module (allscan.ops.scan is also the function)
+
+    dev = torch.device("cuda", torch.cuda.current_device())
+    xs, gs, init = _inputs(P, torch.float32, (2, 4), 21, dev)
+    ref = scan_reference(xs, gs, init)
+    S._eager.clear()
+    assert torch.equal(allscan.scan(xs[rank], gs[rank], init=init), ref[rank])  # the full path fills the cache
+    assert len(S._eager) == 1
+    for _ in range(3):  # the fast path: straight to the core
+        assert torch.equal(allscan.scan(xs[rank], gs[rank], init=init), ref[rank])
+    assert len(S._eager) == 1
+    # Calls the fast path must leave to the full path, each still right:
+    # a gradient to take (through the op),
+    xr = xs[rank].clone().requires_grad_(True)
+    y = allscan.scan(xr, gs[rank], init=init)
+    assert torch.equal(y.detach(), ref[rank]) and y.grad_fn is not None
+    # non-contiguous tensors of the cached shape (the full path makes them contiguous),
+    xt = xs[rank].transpose(-1, -2).contiguous().transpose(-1, -2)
+    assert not xt.is_contiguous() and torch.equal(allscan.scan(xt, gs[rank], init=init), ref[rank])
+    # a bad argument of a cached shape is still named (the fast path keys on what the checks check),
+    with pytest.raises(ValueError, match="method must be one of"):
+        allscan.scan(xs[rank], gs[rank], init=init, method="nosuch")
+    # and every-call checks: the fast path is never taken
+    allscan.set_check_every_call(True)
+    try:
+        assert torch.equal(allscan.scan(xs[rank], gs[rank], init=init), ref[rank])
+    finally:
+        allscan.set_check_every_call(False)
+    # a CUDA tensor on a gloo group never uses an NCCL plan, so never the fast path
+    if P > 1:
+        gloo = dist.new_group(backend="gloo")
+        n = len(S._eager)
+        assert torch.equal(allscan.scan(xs[rank], gs[rank], gloo, init=init), ref[rank])
+        assert len(S._eager) == n
+
+
+def test_eager_fast_path():
+    P = min(2, torch.cuda.device_count())
+    _need(1)
+    run_distributed(_eager_fast_path, P, backend="nccl", timeout=300)

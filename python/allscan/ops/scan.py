@@ -131,12 +131,16 @@ def _prepare(x, g, init, group, reverse, inclusive, num_blocks, method) -> ScanL
     return ScanLaunchPlan(group, comm, dt, gdt, midx, ws, signature_hash(_OP, fields))
 
 
+def _plan_key(x, g, init, group, reverse, inclusive, num_blocks, method) -> tuple:
+    return (group.group_name, id(group), x.device, x.shape, x.dtype, None if g is None else (g.shape, g.dtype),
+            init is None, reverse, inclusive, num_blocks, method)
+
+
 def plan_for(x, g, init, group, reverse, inclusive, num_blocks, method) -> ScanLaunchPlan:
     """The plan of this signature: cached, prepared on first use (which checks the signature across
     ranks, so collective then), re-prepared when the check runs every call, off NCCL (where
     ``first`` checks every call) or when the group was re-created."""
-    key = (group.group_name, id(group), x.device, x.shape, x.dtype, None if g is None else (g.shape, g.dtype),
-           init is None, reverse, inclusive, num_blocks, method)
+    key = _plan_key(x, g, init, group, reverse, inclusive, num_blocks, method)
     plan = _plans.get(key)
     if not plan_is_current(plan, group):
         plan = _prepare(x, g, init, group, reverse, inclusive, num_blocks, method)
@@ -416,7 +420,59 @@ def scan(
     if torch.compiler.is_compiling():  # traced into a graph: no host-thread bookkeeping there
         return _scan(tensor, gamma, group, transition, reverse, inclusive, init, num_blocks, method, async_op)
     with one_thread(group, _OP) as busy:
-        return _scan(tensor, gamma, busy.group, transition, reverse, inclusive, init, num_blocks, method, async_op)
+        simple = (transition is None and not async_op and _plain_args(tensor, gamma, init, reverse, inclusive,
+                                                                        num_blocks, method))
+        if simple:
+            key = _eager_key(tensor, gamma, busy.group, reverse, inclusive, init, num_blocks, method)
+            plan = _eager.get(key)
+            if plan is not None and _eager_ready(plan, busy.group, tensor, gamma, init):
+                return launch(plan, tensor, gamma, init, reverse, inclusive, 0 if num_blocks is None else num_blocks)
+        y = _scan(tensor, gamma, busy.group, transition, reverse, inclusive, init, num_blocks, method, async_op)
+        if simple and _eager_ready(None, busy.group, tensor, gamma, init):
+            plan = _plans.get(_plan_key(tensor, gamma, init, busy.group, reverse, inclusive,
+                                        0 if num_blocks is None else num_blocks, method))
+            if plan is not None and plan_is_current(plan, busy.group):
+                _eager[key] = plan
+        return y
+
+
+# ------------------------------------------------------------------------------------------------
+# The eager fast path: a call whose arguments (shapes, dtypes, devices, options) have an NCCL plan
+# passed every check of the first call made with them, so it goes straight to the core (issue 14:
+# the host's time per call). Everything else takes the full path, which fills this cache.
+# ------------------------------------------------------------------------------------------------
+_eager: Dict[tuple, ScanLaunchPlan] = plan_cache()
+
+
+def _plain_args(tensor, gamma, init, reverse, inclusive, num_blocks, method) -> bool:
+    """Arguments of the types the fast path keys on (anything else takes the full path, whose checks
+    name what is wrong)."""
+    return (isinstance(tensor, torch.Tensor) and (gamma is None or isinstance(gamma, torch.Tensor))
+            and (init is None or isinstance(init, torch.Tensor)) and type(reverse) is bool
+            and type(inclusive) is bool and (num_blocks is None or type(num_blocks) is int) and type(method) is str)
+
+
+def _eager_key(tensor, gamma, group, reverse, inclusive, init, num_blocks, method) -> tuple:
+    return (id(group), tensor.shape, tensor.dtype, tensor.device,
+            None if gamma is None else (gamma.shape, gamma.dtype, gamma.device),
+            None if init is None else (init.shape, init.dtype, init.device), reverse, inclusive, num_blocks, method)
+
+
+def _eager_ready(plan, group, tensor, gamma, init) -> bool:
+    """Whether this call may take the fast path with ``plan`` (None: whether it could with any):
+    eager, nothing to differentiate, contiguous tensors on the current device, an NCCL plan still
+    current for this group (checks run every call with ``ALLSCAN_CHECK=always``: never ready)."""
+    if plan is not None and not plan_is_current(plan, group):
+        return False
+    if not tensor.is_cuda or tensor.numel() == 0:
+        return False
+    if torch.is_grad_enabled() and (tensor.requires_grad or (gamma is not None and gamma.requires_grad)
+                                    or (init is not None and init.requires_grad)):
+        return False
+    if not (tensor.is_contiguous() and (gamma is None or gamma.is_contiguous())
+            and (init is None or init.is_contiguous())):
+        return False
+    return tensor.device.index == torch.cuda.current_device()
 
 
 def device_path(group=None, device=None) -> str:
