@@ -457,3 +457,16 @@ def test_a_second_thread_in_a_busy_group_raises(single_rank):
         t.join(30)
     assert seen["nested"] == [1.0, 1.0, 1.0]
     assert allscan.scan(torch.ones(3), inclusive=True).tolist() == [1.0, 1.0, 1.0]
+
+
+def _device_path_query(rank, P):
+    # a query on one rank alone, with no NCCL communicator: no collective, "not tried"
+    if rank == 0:
+        assert allscan.device_path() == "not tried"
+    y = allscan.scan(torch.ones(4) * (rank + 1), method="device")  # gloo: the pipelined method
+    assert torch.equal(y, torch.full((4,), float(rank * (rank + 1) // 2)))
+    return allscan.device_path()
+
+
+def test_device_path_query_and_device_method_on_gloo():
+    assert run_distributed(_device_path_query, 3) == ["not tried"] * 3

@@ -262,6 +262,17 @@ def check_device(group, device: torch.device) -> None:
         )
 
 
+def find_communicator(group, device: torch.device) -> Optional[Communicator]:
+    """The communicator of ``group`` on ``device`` if one exists (never creates one: no collective)."""
+    group = normalize_group(group)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    with _lock:
+        comm = _comms.get((group.group_name, index))
+    if comm is None or comm.group_ref is None or comm.group_ref() is not group:
+        return None
+    return comm
+
+
 def get_communicator(group, device: torch.device) -> Communicator:
     """The cached communicator of ``group`` on ``device`` (created collectively on first use)."""
     group = normalize_group(group)

@@ -478,9 +478,17 @@ def _eager_ready(plan, group, tensor, gamma, init) -> bool:
 def device_path(group=None, device=None) -> str:
     """Which path ``method="device"`` took on ``group``'s communicator (None: the default group) on
     ``device`` (None: the current CUDA device): ``"device"`` (NVLink load/store, one kernel per
-    rank), ``"nccl: <why not>"`` (the pipelined NCCL path), or ``"not tried"`` (no such call yet)."""
-    dev = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
-    state, why = _C.device_path(_comm.get_communicator(group, dev).handle)
+    rank), ``"nccl: <why not>"`` (the pipelined NCCL path), or ``"not tried"`` (no such call on it yet,
+    or no CUDA). A host query: no collective, on any rank alone."""
+    if device is None:
+        if not torch.cuda.is_available():
+            return "not tried"
+        device = torch.cuda.current_device()
+    dev = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+    comm = _comm.find_communicator(group, dev)  # a query: never creates one (that is collective)
+    if comm is None:
+        return "not tried"
+    state, why = _C.device_path(comm.handle)
     return {1: "device", 0: "not tried"}.get(state, f"nccl: {why}")
 
 
