@@ -95,6 +95,16 @@ def _sizes_graphs_grads(rank, P):
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(y, scan_reference(xs, [g] * P)[rank]), it
+    # An async call (on the side stream) and a call on the current stream right after it, same
+    # direction: the second waits for the first (they share the window)
+    n = 1 << 20
+    xa = [torch.randn(n, generator=torch.Generator(device=dev).manual_seed(70 + q), device=dev) for q in range(P)]
+    xb = [torch.randn(n, generator=torch.Generator(device=dev).manual_seed(80 + q), device=dev) for q in range(P)]
+    for _ in range(5):
+        h = allscan.scan(xa[rank], g, method="device", async_op=True)
+        yb = allscan.scan(xb[rank], g, method="device")
+        assert torch.equal(h.wait(), scan_reference(xa, [g] * P)[rank])
+        assert torch.equal(yb, scan_reference(xb, [g] * P)[rank])
     # Gradients: the backward's reverse scan takes the device path too.
     xs, gs, init = _inputs(P, torch.float32, (2, 4), 11, dev)
     outs = {}

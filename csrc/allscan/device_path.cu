@@ -43,6 +43,10 @@ struct DevicePath {
   std::vector<char*> peers;  // every rank's window base, as this rank addresses it
   unsigned* err = nullptr;   // host-mapped
   unsigned* err_dev = nullptr;
+  // The last eager call of each direction: a call on another stream waits for it (two calls of one
+  // direction must not run at once: they share the window's regions and call numbers).
+  cudaEvent_t last[2] = {nullptr, nullptr};
+  cudaStream_t last_stream[2] = {nullptr, nullptr};
   unsigned long long timeout_ns = 10ull * 1000 * 1000 * 1000;
   struct Window {
     void* buf;
@@ -269,6 +273,27 @@ Params baseParams(allscanComm* comm, int reverse, int recv_in, int send_out) {
 
 }  // namespace
 
+namespace {
+// Eager calls only: under capture the graph's own order holds (and an event recorded outside a
+// capture cannot be waited on inside it).
+allscanResult_t orderAfterLast(DevicePath* d, int dir, cudaStream_t stream) {
+  if (capturing(stream) || d->last[dir] == nullptr || d->last_stream[dir] == stream) return allscanSuccess;
+  if (cudaStreamWaitEvent(stream, d->last[dir], 0) != cudaSuccess)
+    return setError(allscanCudaError, "allscanScan (device path): ordering after the previous call failed");
+  return allscanSuccess;
+}
+
+cudaError_t recordLast(DevicePath* d, int dir, cudaStream_t stream) {
+  if (capturing(stream)) return cudaSuccess;
+  if (d->last[dir] == nullptr) {
+    const cudaError_t e = cudaEventCreateWithFlags(&d->last[dir], cudaEventDisableTiming);
+    if (e != cudaSuccess) return e;
+  }
+  d->last_stream[dir] = stream;
+  return cudaEventRecord(d->last[dir], stream);
+}
+}  // namespace
+
 allscanResult_t devicePathScan(allscanComm* comm, const allscanScanArgs_t* a, cudaStream_t stream) {
   ALLSCAN_CHECK(devicePathStatus(comm));
   const ChainPos pos = chainPos(comm, a->reverse);
@@ -284,7 +309,9 @@ allscanResult_t devicePathScan(allscanComm* comm, const allscanScanArgs_t* a, cu
   p.inclusive = a->inclusive;
   p.sig = a->signature;
   partition(&p, a->count, esize, ctas);
-  const cudaError_t e = launch(p, a->dtype, a->g_dtype, ctas, stream);
+  ALLSCAN_CHECK(orderAfterLast(comm->device, a->reverse, stream));
+  cudaError_t e = launch(p, a->dtype, a->g_dtype, ctas, stream);
+  if (e == cudaSuccess) e = recordLast(comm->device, a->reverse, stream);
   if (e != cudaSuccess) return setError(allscanCudaError, std::string("allscanScan (device path): ") + cudaGetErrorString(e));
   return allscanSuccess;
 }
@@ -298,7 +325,9 @@ allscanResult_t devicePathExchange(allscanComm* comm, const void* sendbuf, void*
   Params p = baseParams(comm, reverse, recv, send);
   p.x = sendbuf;
   p.recv = recvbuf;
-  const cudaError_t e = launchExchange(p, bytes, ctasFor(bytes, num_ctas), stream);
+  ALLSCAN_CHECK(orderAfterLast(comm->device, reverse, stream));
+  cudaError_t e = launchExchange(p, bytes, ctasFor(bytes, num_ctas), stream);
+  if (e == cudaSuccess) e = recordLast(comm->device, reverse, stream);
   if (e != cudaSuccess) return setError(allscanCudaError, std::string("device path exchange: ") + cudaGetErrorString(e));
   return allscanSuccess;
 }
@@ -316,6 +345,8 @@ void devicePathDestroy(allscanComm* comm) {
     ncclMemFree(w.buf);
   }
 #endif
+  for (cudaEvent_t ev : d->last)
+    if (ev != nullptr) cudaEventDestroy(ev);
   if (d->flag != nullptr) cudaFree(d->flag);
   if (d->err != nullptr) cudaFreeHost(d->err);
   cudaGetLastError();

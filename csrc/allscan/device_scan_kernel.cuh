@@ -19,7 +19,8 @@
 //      received from it: a chain's head acknowledges the tail too, so a ring call can follow).
 // Every spin is bounded (ALLSCAN_DEVICE_TIMEOUT_S): on expiry the CTA stops waiting, writes NaN
 // and records the failure in host-mapped memory, which the next call on the communicator reports.
-// Calls in one direction must not overlap in time (stream-ordered, as the host issues them).
+// Calls in one direction must not run at once: the host orders each eager call after the previous
+// one of its direction (device_path.cu); graph replays are ordered by whoever launches them.
 #pragma once
 
 #include <cuda_runtime.h>
