@@ -98,7 +98,7 @@ def test_defaults(clean_env):
     got = {v.attr: getattr(settings, v.attr) for v in VARIABLES if v.attr}
     assert got == {
         "check": "first", "comm": "owned", "timeout": "group", "link_model": None, "head_fill": "auto", "self_fill_max_bytes": 8 << 20, "fill_ctas": 8,
-        "device_path": "auto", "device_timeout_s": 10.0, "gla_backend": "auto", "gla_fused": True, "gla_fused_output": True, "fla_autotune": None,
+        "device_path": "auto", "device_timeout_s": 600.0, "gla_backend": "auto", "gla_fused": True, "gla_fused_output": True, "fla_autotune": None,
         "ulysses_streams": True, "a2a_impl": "auto", "perf_binary": None,
     }
 

@@ -11,7 +11,7 @@ import torch
 pytest.importorskip("triton")
 
 # (B, T, H, K, V): T not a multiple of the 64-token block, K and V not powers of two, several heads
-SHAPES = [(1, 70, 2, 16, 32), (2, 130, 3, 24, 40), (1, 200, 1, 32, 16)]
+SHAPES = [(1, 70, 2, 16, 32), (2, 130, 3, 24, 40), (1, 200, 1, 32, 16), (1, 90, 1, 16, 200)]
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 
 
@@ -62,4 +62,5 @@ def test_fold_in_interpreted_on_cpu():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_fold_in_on_gpu():
-    check_fold_in("cuda", shapes=SHAPES + [(1, 4096, 4, 128, 128), (2, 1000, 16, 128, 128)])
+    # the layers' sizes: K = V = 128 (the benchmarks), K = 256, V = 512 (GatedDeltaNet's defaults)
+    check_fold_in("cuda", shapes=SHAPES + [(1, 4096, 4, 128, 128), (2, 1000, 16, 128, 128), (1, 700, 2, 256, 512)])

@@ -526,13 +526,12 @@ allscanResult_t allscanScan(allscanComm_t comm, const allscanScanArgs_t* a, void
   ALLSCAN_CHECK(checkWorkspace(need, workspace, workspace_bytes, "allscanWorkspaceSize"));
   if (comm->nranks == 1) return scanOneRank(a, stream);
   ALLSCAN_CHECK(checkAttached(comm));
-  if (a->method == allscanDevice) {
-    const size_t bytes = a->count * dtypeSize(a->dtype);
-    if (devicePathReady(comm, bytes, stream))
-      return watched(comm->nccl, stream, [&] { return devicePathScan(comm, a, stream); });
-  }
-  // The watch's failure first: after an abort, a receive that never completed looks like a mismatch.
+  // Inside the watch: a failed communicator refuses before the device path's (collective) setup,
+  // and the watch bounds that setup as it bounds an NCCL call. The watch's failure first: after an
+  // abort, a receive that never completed looks like a mismatch.
   return watched(comm->nccl, stream, [&] {
+    if (a->method == allscanDevice && devicePathReady(comm, a->count * dtypeSize(a->dtype), stream))
+      return devicePathScan(comm, a, stream);
     ALLSCAN_CHECK(mismatchStatus(comm->signatures));
     ALLSCAN_CHECK(devicePathStatus(comm));
     return scanIssue(comm, a, workspace, stream);
@@ -556,10 +555,10 @@ allscanResult_t allscanDeviceNeighborExchange(allscanComm_t comm, const void* se
   if (comm->nranks == 1 || bytes == 0) return allscanSuccess;
   ALLSCAN_CHECK(checkAttached(comm));
   ALLSCAN_ARG_CHECK(sendbuf != nullptr && recvbuf != nullptr, "sendbuf/recvbuf: null pointer");
-  if (!devicePathReady(comm, bytes, stream))
-    return setError(allscanInvalidArgument, std::string("allscanDeviceNeighborExchange: the device path is not "
-                                                        "available: ") + devicePathReason(comm));
   return watched(comm->nccl, stream, [&] {
+    if (!devicePathReady(comm, bytes, stream))
+      return setError(allscanInvalidArgument, std::string("allscanDeviceNeighborExchange: the device path is not "
+                                                          "available: ") + devicePathReason(comm));
     return devicePathExchange(comm, sendbuf, recvbuf, bytes, reverse, chain, num_ctas, stream);
   });
 }

@@ -53,7 +53,7 @@ struct allscanComm {
   // ALLSCAN_DEVICE_PATH=off (always the NCCL path) and ALLSCAN_DEVICE_TIMEOUT_S (its spins' bound).
   allscan::detail::DevicePath* device = nullptr;
   bool device_path_off = false;
-  double device_timeout_s = 10.0;
+  double device_timeout_s = 600.0;  // as torch's default NCCL timeout: a slow peer is not a dead one
 };
 
 namespace allscan {

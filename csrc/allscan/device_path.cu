@@ -10,7 +10,10 @@
 #include <string>
 #include <vector>
 
+#include <dlfcn.h>
 #include <nccl.h>
+
+#include <type_traits>
 
 #include "comm.h"
 #include "device_scan_kernel.cuh"
@@ -34,12 +37,45 @@ namespace detail {
 
 using namespace device;
 
+#if ALLSCAN_DEVICE_API
+// NCCL's device-API host functions, looked up in the loaded NCCL at run time (after the version
+// check), so that a core built against 2.28+ still loads beside an older NCCL (then: the NCCL path).
+struct DeviceApi {
+  decltype(&ncclMemAlloc) memAlloc = nullptr;
+  decltype(&ncclMemFree) memFree = nullptr;
+  decltype(&ncclCommWindowRegister) windowRegister = nullptr;
+  decltype(&ncclCommWindowDeregister) windowDeregister = nullptr;
+  decltype(&ncclDevCommCreate) devCommCreate = nullptr;
+  decltype(&ncclDevCommDestroy) devCommDestroy = nullptr;
+  ncclTeam_t (*teamLsa)(ncclComm_t) = nullptr;  // (ncclTeamLsa is overloaded: host and device)
+  bool complete() const {
+    return memAlloc && memFree && windowRegister && windowDeregister && devCommCreate && devCommDestroy && teamLsa;
+  }
+};
+
+const DeviceApi& deviceApi() {
+  static const DeviceApi api = [] {
+    DeviceApi a;
+    auto get = [](auto& fn, const char* name) { fn = reinterpret_cast<std::remove_reference_t<decltype(fn)>>(dlsym(RTLD_DEFAULT, name)); };
+    get(a.memAlloc, "ncclMemAlloc");
+    get(a.memFree, "ncclMemFree");
+    get(a.windowRegister, "ncclCommWindowRegister");
+    get(a.windowDeregister, "ncclCommWindowDeregister");
+    get(a.devCommCreate, "ncclDevCommCreate");
+    get(a.devCommDestroy, "ncclDevCommDestroy");
+    get(a.teamLsa, "ncclTeamLsa");
+    return a;
+  }();
+  return api;
+}
+#endif
+
 struct DevicePath {
   bool tried = false;
   bool usable = false;
   std::string reason;
   size_t capacity = 0;  // incoming-state bytes per direction of the current window
-  int* flag = nullptr;  // the setup's agreement all-reduce
+  unsigned long long* scratch = nullptr;  // the setup's all-reduces
   std::vector<char*> peers;  // every rank's window base, as this rank addresses it
   unsigned* err = nullptr;   // host-mapped
   unsigned* err_dev = nullptr;
@@ -47,7 +83,7 @@ struct DevicePath {
   // direction must not run at once: they share the window's regions and call numbers).
   cudaEvent_t last[2] = {nullptr, nullptr};
   cudaStream_t last_stream[2] = {nullptr, nullptr};
-  unsigned long long timeout_ns = 10ull * 1000 * 1000 * 1000;
+  unsigned long long timeout_ns = 600ull * 1000 * 1000 * 1000;
   struct Window {
     void* buf;
 #if ALLSCAN_DEVICE_API
@@ -74,41 +110,53 @@ __global__ void peerBasesKernel(ncclWindow_t win, int nranks, char** out) {
   for (int r = threadIdx.x; r < nranks; r += blockDim.x) out[r] = static_cast<char*>(ncclGetLsaPointer(win, 0, r));
 }
 
-// Whether every rank's `ok` holds (an all-reduce on the communicator; host-blocking). The steps of
-// the setup are collective: every rank must take each one or none, whatever failed locally.
-bool agree(allscanComm* comm, DevicePath* d, bool ok, cudaStream_t stream) {
-  int v = ok ? 1 : 0;
-  if (d->flag == nullptr && cudaMalloc(&d->flag, sizeof(int)) != cudaSuccess) {
+// The all-reduce (min or max) of one value over the communicator (host-blocking); false when it
+// could not run. The setup's steps are collective: every rank must take each one or none.
+bool allReduce(allscanComm* comm, DevicePath* d, unsigned long long* v, ncclRedOp_t op, cudaStream_t stream) {
+  if (d->scratch == nullptr && cudaMalloc(&d->scratch, sizeof(unsigned long long)) != cudaSuccess) {
     cudaGetLastError();
-    d->flag = nullptr;
-    return false;  // (the others block in the all-reduce: an allocation of 4 bytes failed)
+    d->scratch = nullptr;
+    return false;  // (the others block in the all-reduce until the watch's timeout: 8 bytes failed)
   }
-  bool good = cudaMemcpyAsync(d->flag, &v, sizeof(int), cudaMemcpyHostToDevice, stream) == cudaSuccess &&
-              ncclSettle(comm->nccl, ncclAllReduce(d->flag, d->flag, 1, ncclInt32, ncclMin, comm->nccl, stream)) ==
-                  ncclSuccess &&
-              cudaMemcpyAsync(&v, d->flag, sizeof(int), cudaMemcpyDeviceToHost, stream) == cudaSuccess &&
-              cudaStreamSynchronize(stream) == cudaSuccess;
+  const bool good =
+      cudaMemcpyAsync(d->scratch, v, sizeof(*v), cudaMemcpyHostToDevice, stream) == cudaSuccess &&
+      ncclSettle(comm->nccl, ncclAllReduce(d->scratch, d->scratch, 1, ncclUint64, op, comm->nccl, stream)) ==
+          ncclSuccess &&
+      cudaMemcpyAsync(v, d->scratch, sizeof(*v), cudaMemcpyDeviceToHost, stream) == cudaSuccess &&
+      cudaStreamSynchronize(stream) == cudaSuccess;
   if (!good) cudaGetLastError();
-  return good && v == 1;
+  return good;
+}
+
+// Whether every rank's `ok` holds.
+bool agree(allscanComm* comm, DevicePath* d, bool ok, cudaStream_t stream) {
+  unsigned long long v = ok ? 1 : 0;
+  return allReduce(comm, d, &v, ncclMin, stream) && v == 1;
 }
 
 // A new window of `capacity` bytes per direction and its peers' bases (collective, host-blocking);
 // false (reason set) on every rank when any rank failed.
 bool newWindow(allscanComm* comm, DevicePath* d, size_t capacity, cudaStream_t stream) {
-  capacity = alignUp(capacity, NCCL_WIN_REQUIRED_ALIGNMENT);  // each direction's region stays aligned
+  // The same window on every rank: the largest capacity any rank asks for (ranks that pass
+  // different sizes, e.g. unchecked, must not address each other's windows differently).
+  unsigned long long want = alignUp(capacity, NCCL_WIN_REQUIRED_ALIGNMENT);  // regions stay aligned
+  if (!allReduce(comm, d, &want, ncclMax, stream)) return unusable(d, "agreeing on the window's size failed");
+  capacity = static_cast<size_t>(want);
   const size_t bytes = kHeaderBytes + 2 * capacity;
   void* buf = nullptr;
-  ncclResult_t r = ncclMemAlloc(&buf, bytes);
-  bool ok = r == ncclSuccess && cudaMemset(buf, 0, bytes) == cudaSuccess && cudaDeviceSynchronize() == cudaSuccess;
+  const DeviceApi& api = deviceApi();
+  ncclResult_t r = api.memAlloc(&buf, bytes);
+  bool ok = r == ncclSuccess && cudaMemsetAsync(buf, 0, bytes, stream) == cudaSuccess &&
+            cudaStreamSynchronize(stream) == cudaSuccess;
   if (!agree(comm, d, ok, stream)) {
-    if (buf != nullptr) ncclMemFree(buf);
+    if (buf != nullptr) api.memFree(buf);
     return unusable(d, "a window of " + std::to_string(bytes) + " bytes could not be allocated on every rank");
   }
   ncclWindow_t win = nullptr;
-  r = ncclSettle(comm->nccl, ncclCommWindowRegister(comm->nccl, buf, bytes, &win, NCCL_WIN_DEFAULT));
+  r = ncclSettle(comm->nccl, api.windowRegister(comm->nccl, buf, bytes, &win, NCCL_WIN_DEFAULT));
   if (!agree(comm, d, r == ncclSuccess && win != nullptr, stream)) {
-    if (r == ncclSuccess) ncclCommWindowDeregister(comm->nccl, win);
-    ncclMemFree(buf);
+    if (r == ncclSuccess) api.windowDeregister(comm->nccl, win);
+    api.memFree(buf);
     return unusable(d, std::string("ncclCommWindowRegister failed on a rank (here: ") + ncclGetErrorString(r) + ")");
   }
   d->windows.push_back(DevicePath::Window{buf, win});  // released with the communicator, whatever follows
@@ -121,7 +169,7 @@ bool newWindow(allscanComm* comm, DevicePath* d, size_t capacity, cudaStream_t s
 #else
     std::memset(&reqs, 0, sizeof(reqs));
 #endif
-    r = ncclSettle(comm->nccl, ncclDevCommCreate(comm->nccl, &reqs, &d->devcomm));
+    r = ncclSettle(comm->nccl, api.devCommCreate(comm->nccl, &reqs, &d->devcomm));
     d->have_devcomm = r == ncclSuccess;
     if (!agree(comm, d, d->have_devcomm && d->devcomm.lsaSize == comm->nranks, stream))
       return unusable(d, std::string("no symmetric memory on every rank (here: ncclDevCommCreate ") +
@@ -157,7 +205,8 @@ std::string staticReason(const allscanComm* comm) {
   if (loaded / 100 != built / 100 || loaded < 22807)
     return "the loaded NCCL (" + std::to_string(loaded) + ") is not the one the device kernels were compiled against (" +
            std::to_string(built) + "; the device API's structs differ between versions)";
-  ncclTeam_t lsa = ncclTeamLsa(comm->nccl);
+  if (!deviceApi().complete()) return "the loaded NCCL lacks the device API's host functions";
+  ncclTeam_t lsa = deviceApi().teamLsa(comm->nccl);
   if (lsa.nRanks != comm->nranks)
     return "not every rank is load/store accessible (LSA team of " + std::to_string(lsa.nRanks) + " of " +
            std::to_string(comm->nranks) + " ranks: no NVLink/P2P between them)";
@@ -335,19 +384,23 @@ allscanResult_t devicePathExchange(allscanComm* comm, const void* sendbuf, void*
 void devicePathDestroy(allscanComm* comm) {
   DevicePath* d = comm->device;
   if (d == nullptr) return;
-  cudaDeviceSynchronize();  // no kernel of this rank uses the windows any more
+  // No eager call of this rank still uses the windows (not the whole device: torch's own work may
+  // be stuck on a dead peer).
+  for (cudaEvent_t ev : d->last)
+    if (ev != nullptr) cudaEventSynchronize(ev);
 #if ALLSCAN_DEVICE_API
   // comm->nccl is null when the NCCL communicator is gone (allscanCommForgetNccl): its windows
   // went with it; only the memory is left to free.
-  if (comm->nccl != nullptr && d->have_devcomm) ncclDevCommDestroy(comm->nccl, &d->devcomm);
+  const DeviceApi& api = deviceApi();
+  if (comm->nccl != nullptr && d->have_devcomm) ncclSettle(comm->nccl, api.devCommDestroy(comm->nccl, &d->devcomm));
   for (auto& w : d->windows) {
-    if (comm->nccl != nullptr) ncclCommWindowDeregister(comm->nccl, w.win);
-    ncclMemFree(w.buf);
+    if (comm->nccl != nullptr) ncclSettle(comm->nccl, api.windowDeregister(comm->nccl, w.win));
+    api.memFree(w.buf);
   }
 #endif
   for (cudaEvent_t ev : d->last)
     if (ev != nullptr) cudaEventDestroy(ev);
-  if (d->flag != nullptr) cudaFree(d->flag);
+  if (d->scratch != nullptr) cudaFree(d->scratch);
   if (d->err != nullptr) cudaFreeHost(d->err);
   cudaGetLastError();
   delete d;

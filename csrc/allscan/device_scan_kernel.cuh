@@ -161,7 +161,8 @@ template <typename W> __device__ void copyRange(const W* src, W* dst, size_t lo,
 
 // One CTA's slice of the scan (EXCHANGE: of the floor, T the word moved), as the file's header says.
 template <typename T, typename G, int VEC, bool EXCHANGE>
-__global__ void __launch_bounds__(kThreads) deviceScanKernel(Params p) {
+__global__ void __launch_bounds__(kThreads) deviceScanKernel(Params params) {
+  Params p = params;  // send_out drops to 0 below if the successor never freed its region
   const int c = blockIdx.x;
   const size_t begin = static_cast<size_t>(c) * p.cta_elems;
   const size_t end = p.count < begin + p.cta_elems ? p.count : begin + p.cta_elems;
@@ -171,15 +172,16 @@ __global__ void __launch_bounds__(kThreads) deviceScanKernel(Params p) {
   unsigned long long* calls = word(p.local, kMaxCtas);
   unsigned long long* done = word(p.local, kMaxCtas + 1);
   const unsigned long long n = *calls + 1;
-  __shared__ int poison;
+  __shared__ int poison, no_send;
   if (threadIdx.x == 0) {
-    poison = 0;
+    poison = no_send = 0;
     if (p.send_out && !waitAtLeast(word(p.local, kMaxCtas + 2), n - 1, p.timeout_ns)) {
       atomicOr(p.err, kErrTimeout);
-      poison = 1;
+      poison = no_send = 1;  // the successor may still read its region: write nothing there
     }
   }
   __syncthreads();
+  if (no_send) p.send_out = 0;
   unsigned long long j = 0;
   for (size_t lo = begin; lo < end; lo += p.sub_elems, ++j) {
     const size_t hi = end < lo + p.sub_elems ? end : lo + p.sub_elems;
@@ -220,6 +222,7 @@ __global__ void __launch_bounds__(kThreads) deviceScanKernel(Params p) {
   if (threadIdx.x == 0) {
     __threadfence();
     if (atomicAdd(done, 1ull) == gridDim.x - 1) {  // the call's last CTA
+      __threadfence();  // every other CTA's reads (before its atomic) precede the acknowledgement
       *done = 0;
       *calls = n;
       storeRelease(word(p.pred, kMaxCtas + 2), n);  // the predecessor may overwrite the region now

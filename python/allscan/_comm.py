@@ -119,8 +119,10 @@ class Communicator:
             self.watch = 0
         if self.handle:
             # NCCL's own resources (the device path's windows) go with an aborted communicator, and
-            # with a borrowed one whose group is gone: then the core must not call NCCL.
-            if aborted or (not self.owned and (self.group_ref is None or self.group_ref() is None)):
+            # with a borrowed one whose group (or torch's whole world) is gone: then the core must not
+            # call NCCL.
+            if aborted or (not self.owned and (self.group_ref is None or self.group_ref() is None
+                                               or not dist.is_initialized())):
                 _C.comm_forget_nccl(self.handle)
             _C.comm_destroy(self.handle)
             self.handle = 0

@@ -176,10 +176,10 @@ VARIABLES: Tuple[Variable, ...] = (
              "`allscan.scan(method=\"device\")`: device-initiated over NVLink where every rank is load/store "
              "accessible (`auto`), or always the pipelined NCCL path (`off`).",
              _choice("auto", "off"), "auto"),
-    Variable("ALLSCAN_DEVICE_TIMEOUT_S", "device_timeout_s", "seconds, more than 0 and at most 1e6", "10", _COMM,
+    Variable("ALLSCAN_DEVICE_TIMEOUT_S", "device_timeout_s", "seconds, more than 0 and at most 1e6", "600", _COMM,
              "The device path's bound on waiting for a neighbour: then its results are NaN and later calls "
              "on the communicator raise `allscan.CommunicatorTimeout`.",
-             _seconds, 10.0),
+             _seconds, 600.0),
     Variable("ALLSCAN_GLA_BACKEND", "gla_backend", "`auto`, `fla`, `torch`", "`auto`", _FIRST_USE,
              "The GLA layer's local kernels: fla-core on CUDA when importable (`auto`), or forced.",
              _choice("auto", "fla", "torch"), "auto"),

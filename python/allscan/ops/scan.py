@@ -424,15 +424,16 @@ def scan(
                                                                         num_blocks, method))
         if simple:
             key = _eager_key(tensor, gamma, busy.group, reverse, inclusive, init, num_blocks, method)
-            plan = _eager.get(key)
-            if plan is not None and _eager_ready(plan, busy.group, tensor, gamma, init):
-                return launch(plan, tensor, gamma, init, reverse, inclusive, 0 if num_blocks is None else num_blocks)
+            hit = _eager.get(key)
+            if hit is not None and _eager_ready(hit[0], busy.group, tensor, gamma, init) and _touch(hit[1]):
+                return launch(hit[0], tensor, gamma, init, reverse, inclusive, 0 if num_blocks is None else num_blocks)
         y = _scan(tensor, gamma, busy.group, transition, reverse, inclusive, init, num_blocks, method, async_op)
         if simple and _eager_ready(None, busy.group, tensor, gamma, init):
-            plan = _plans.get(_plan_key(tensor, gamma, init, busy.group, reverse, inclusive,
-                                        0 if num_blocks is None else num_blocks, method))
+            pkey = _plan_key(tensor, gamma, init, busy.group, reverse, inclusive,
+                             0 if num_blocks is None else num_blocks, method)
+            plan = _plans.get(pkey)
             if plan is not None and plan_is_current(plan, busy.group):
-                _eager[key] = plan
+                _eager[key] = (plan, pkey)
         return y
 
 
@@ -441,7 +442,18 @@ def scan(
 # passed every check of the first call made with them, so it goes straight to the core (issue 14:
 # the host's time per call). Everything else takes the full path, which fills this cache.
 # ------------------------------------------------------------------------------------------------
-_eager: Dict[tuple, ScanLaunchPlan] = plan_cache()
+_eager: Dict[tuple, tuple] = plan_cache()  # key -> (plan, its key in _plans)
+
+
+def _touch(pkey) -> bool:
+    """A fast-path hit uses its plan as the full path would: it stays recent in ``_plans``, so every
+    rank evicts the same signatures (an eviction means a new, collective, check); False when the
+    plan was evicted (then the full path prepares it again, as on every rank)."""
+    try:
+        _plans.move_to_end(pkey)
+    except KeyError:
+        return False
+    return True
 
 
 def _plain_args(tensor, gamma, init, reverse, inclusive, num_blocks, method) -> bool:

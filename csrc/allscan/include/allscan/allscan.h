@@ -55,7 +55,7 @@ typedef enum {
      (allscanDevicePath says which and why). num_blocks is its CTA count (0: one per 64 KiB, at
      most 128). The first call, and one with a larger state than any before, is collective and
      synchronising (it registers the window): make it eagerly before capturing a graph. A
-     neighbour that never publishes fails the call after ALLSCAN_DEVICE_TIMEOUT_S (default 10)
+     neighbour that never publishes fails the call after ALLSCAN_DEVICE_TIMEOUT_S (default 600)
      seconds with allscanTimeout on a later call. */
   allscanDevice = 3,
 } allscanMethod_t;

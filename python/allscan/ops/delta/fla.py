@@ -11,7 +11,7 @@ column block by column block::
     final' = [h_local | M]         h_local: the final state from h0;  M = A_T ... A_1 (the transition)
 
 which is all the matrix All-Scan needs (``h_local``, ``M``) and all that folding the incoming state in
-needs (``o += Q' S_in``, one Triton kernel each way: :mod:`.fold_in`; ``final = h_local + M S_in``):
+needs (``o += Q' S_in``, Triton kernels: :mod:`.fold_in`; ``final = h_local + M S_in``):
 fla's kernels, fla's autograd, one call, no second pass over the shard after the scan. The price is K more value columns in that call for the
 first segment of a shard (the only one an incoming state reaches); ``bench/README.md`` has the
 measured cost. Packed sequences after the first run in one more call with local ``cu_seqlens``.

@@ -1,4 +1,4 @@
-"""Folding the incoming state into a shard's outputs, ``o + Q' S_in``, as one Triton kernel each way.
+"""Folding the incoming state into a shard's outputs, ``o + Q' S_in``, in Triton kernels that read each operand once.
 
 ``Q' [B, T, H, K]`` maps the state entering the shard to every token's output (from the widened fla
 call, :func:`allscan.ops.delta.fla.widened_call`), ``S_in [B, H, K, V]`` fp32 is the state the All-Scan
@@ -42,9 +42,10 @@ def _dot_state(a, s, SPLIT: tl.constexpr):
 
 @triton.jit
 def _tile(base, rows, cols, n_rows, n_cols, s_row, s_col):
-    """Load ``base[rows, cols]`` (zeros outside ``[n_rows, n_cols]``)."""
+    """Load ``base[rows, cols]`` (zeros outside ``[n_rows, n_cols]``), 64-bit offsets."""
     mask = (rows[:, None] < n_rows) & (cols[None, :] < n_cols)
-    return tl.load(base + rows[:, None] * s_row + cols[None, :] * s_col, mask=mask, other=0.0)
+    offs = rows.to(tl.int64)[:, None] * s_row + cols.to(tl.int64)[None, :] * s_col
+    return tl.load(base + offs, mask=mask, other=0.0)
 
 
 @triton.jit
@@ -53,15 +54,15 @@ def _fold_forward(o, qe, s, out, T, H,
                   K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                   SPLIT: tl.constexpr):
     i_t, i_v, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    b, h = i_bh // H, i_bh % H
+    b, h = (i_bh // H).to(tl.int64), (i_bh % H).to(tl.int64)  # offsets past 2^31 elements
     t = i_t * BT + tl.arange(0, BT)
     kk = tl.arange(0, BK)
     vv = i_v * BV + tl.arange(0, BV)
     acc = _tile(o + b * so_b + h * so_h, t, vv, T, V, so_t, 1).to(tl.float32)
     acc += _dot_state(_tile(qe + b * sq_b + h * sq_h, t, kk, T, K, sq_t, 1),
-                      _tile(s + i_bh * K * V, kk, vv, K, V, V, 1), SPLIT)
+                      _tile(s + i_bh.to(tl.int64) * K * V, kk, vv, K, V, V, 1), SPLIT)
     mask = (t[:, None] < T) & (vv[None, :] < V)
-    dst = out + b * sout_b + h * sout_h + t[:, None] * sout_t + vv[None, :]
+    dst = out + b * sout_b + h * sout_h + t.to(tl.int64)[:, None] * sout_t + vv[None, :]
     tl.store(dst, acc.to(out.dtype.element_ty), mask=mask)
 
 
@@ -70,14 +71,16 @@ def _fold_grad_q(do, s, dq, T, H, sd_b, sd_t, sd_h, sq_b, sq_t, sq_h,
                  K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                  SPLIT: tl.constexpr):
     i_t, i_bh = tl.program_id(0), tl.program_id(1)
-    b, h = i_bh // H, i_bh % H
+    b, h = (i_bh // H).to(tl.int64), (i_bh % H).to(tl.int64)
     t = i_t * BT + tl.arange(0, BT)
     kk = tl.arange(0, BK)
-    vv = tl.arange(0, BV)
-    s_t = _tile(s + i_bh * K * V, vv, kk, V, K, 1, V)  # S^T [BV, BK]
-    acc = _dot_state(_tile(do + b * sd_b + h * sd_h, t, vv, T, V, sd_t, 1), s_t, SPLIT)
+    acc = tl.zeros((BT, BK), dtype=tl.float32)
+    for v0 in range(0, V, BV):  # V in column blocks: the state's [V, K] never whole in shared memory
+        vv = v0 + tl.arange(0, BV)
+        s_t = _tile(s + i_bh.to(tl.int64) * K * V, vv, kk, V, K, 1, V)  # S^T [BV, BK]
+        acc += _dot_state(_tile(do + b * sd_b + h * sd_h, t, vv, T, V, sd_t, 1), s_t, SPLIT)
     mask = (t[:, None] < T) & (kk[None, :] < K)
-    dst = dq + b * sq_b + h * sq_h + t[:, None] * sq_t + kk[None, :]
+    dst = dq + b * sq_b + h * sq_h + t.to(tl.int64)[:, None] * sq_t + kk[None, :]
     tl.store(dst, acc.to(dq.dtype.element_ty), mask=mask)
 
 
@@ -88,7 +91,7 @@ def _fold_grad_state(qe, do, part, T, H, T_SPLIT,
                      IEEE: tl.constexpr):
     """One split's ``sum_t Q'_t^T dout_t`` over tokens [i_s * T_SPLIT, (i_s + 1) * T_SPLIT)."""
     i_v, i_s, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    b, h = i_bh // H, i_bh % H
+    b, h = (i_bh // H).to(tl.int64), (i_bh % H).to(tl.int64)
     kk = tl.arange(0, BK)
     vv = i_v * BV + tl.arange(0, BV)
     acc = tl.zeros((BK, BV), dtype=tl.float32)
@@ -102,7 +105,7 @@ def _fold_grad_state(qe, do, part, T, H, T_SPLIT,
         else:  # 16-bit operands: exact products, fp32 sums
             acc += tl.dot(q_t, d)
     mask = (kk[:, None] < K) & (vv[None, :] < V)
-    dst = part + (i_s * tl.num_programs(2) + i_bh) * K * V + kk[:, None] * V + vv[None, :]
+    dst = part + (i_s * tl.num_programs(2) + i_bh).to(tl.int64) * K * V + kk[:, None] * V + vv[None, :]
     tl.store(dst, acc, mask=mask)
 
 
@@ -141,7 +144,7 @@ class _FoldIncoming(torch.autograd.Function):
         V = S.shape[-1]
         if dout.stride(-1) != 1:
             dout = dout.contiguous()
-        BK, BV = _pow2(K), _pow2(V)
+        BK, BV = _pow2(K), min(_pow2(V), 64)
         dq = dS = None
         if ctx.needs_input_grad[1]:
             dq = torch.empty(B, T, H, K, dtype=q_eff.dtype, device=q_eff.device)
@@ -149,7 +152,7 @@ class _FoldIncoming(torch.autograd.Function):
                 dout, S, dq, T, H, *[dout.stride(i) for i in range(3)], *[dq.stride(i) for i in range(3)],
                 K=K, V=V, BT=_BLOCK_T, BK=BK, BV=BV, SPLIT=dout.dtype == torch.bfloat16 and not _INTERPRETED)
         if ctx.needs_input_grad[2]:
-            BVs = min(BV, 64)
+            BVs = BV
             nv = triton.cdiv(V, BVs)
             # enough CTAs to fill the GPU: split the tokens when heads x column blocks are few (on the
             # CPU interpreter a nominal 8 "SMs", so the splits are exercised there too)
