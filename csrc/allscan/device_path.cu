@@ -76,6 +76,7 @@ struct DevicePath {
   std::string reason;
   size_t capacity = 0;  // incoming-state bytes per direction of the current window
   unsigned long long* scratch = nullptr;  // the setup's all-reduces
+  size_t grow_failed = 0;  // the smallest state a larger window could not be made for (0: none)
   std::vector<char*> peers;  // every rank's window base, as this rank addresses it
   unsigned* err = nullptr;   // host-mapped
   unsigned* err_dev = nullptr;
@@ -271,6 +272,7 @@ bool devicePathReady(allscanComm* comm, size_t bytes, cudaStream_t stream) {
   if (!d->usable) return false;
   if (bytes <= d->capacity) return true;
   if (capturing(stream)) return false;  // a larger window is made by an eager call only
+  if (d->grow_failed != 0 && bytes >= d->grow_failed) return false;  // not tried again (a collective)
   // Every rank needs the larger window at the same call (the arguments agree): collective. A
   // failure leaves the smaller window in use (larger states take the NCCL path).
   cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
@@ -278,9 +280,11 @@ bool devicePathReady(allscanComm* comm, size_t bytes, cudaStream_t stream) {
   const size_t keep = d->capacity;
   const bool grown = newWindow(comm, d, std::max(bytes, 2 * d->capacity), stream);
   cudaThreadExchangeStreamCaptureMode(&mode);
-  if (!grown) {
-    d->usable = true;  // the old window still serves states up to its capacity
+  if (!grown) {  // the old window still serves states up to its capacity; larger ones: the NCCL path
+    d->usable = true;
     d->capacity = keep;
+    d->grow_failed = bytes;  // the same on every rank: the failure was agreed
+    d->reason.clear();
   }
   return grown;
 #endif
