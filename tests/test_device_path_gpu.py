@@ -14,25 +14,11 @@ import torch.distributed as dist
 import allscan
 from allscan.reference import scan_reference
 from distributed import run_distributed
+from test_scan_gpu import DTYPES, STATE, _inputs, _need  # the GPU scan tests' dtypes, state, inputs, skip
 
 pytestmark = pytest.mark.gpu
 
-DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
-STATE = (2, 4, 16, 33)  # 4224 elements, odd trailing dimension: the unvectorised tail
 DECAYS = [None, (), (2, 4), STATE]
-
-
-def _need(n):
-    if torch.cuda.device_count() < n:
-        pytest.skip(f"needs {n} GPUs")
-
-
-def _inputs(P, dtype, decay, seed, dev, shape=STATE):
-    gen = torch.Generator(device=dev).manual_seed(seed)
-    xs = [torch.randn(shape, generator=gen, device=dev).to(dtype) for _ in range(P)]
-    gs = None if decay is None else [(0.5 + 0.5 * torch.rand(decay, generator=gen, device=dev)) for _ in range(P)]
-    init = torch.randn(shape, generator=gen, device=dev).to(dtype)
-    return xs, gs, init
 
 
 def _exact(rank, P):
