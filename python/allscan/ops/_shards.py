@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import bisect
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -39,6 +40,18 @@ def sequence_parallel_group(group, op: str):
     return normalize_group(group)
 
 
+_PLACES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _place(group):
+    """(world size, rank) of this process in ``group``: fixed for the group's life, so asked of
+    torch.distributed once (every layer call needs it: host time per call, issue 14)."""
+    place = _PLACES.get(group)
+    if place is None:
+        place = _PLACES[group] = (dist.get_world_size(group), dist.get_rank(group))
+    return place
+
+
 class ShardSegments:
     """This rank's shard of the global sequence, cut into local segments at the sequence boundaries
     (``cu_seqlens``) that fall inside it: the segment bounds, which global sequence each belongs to,
@@ -48,7 +61,7 @@ class ShardSegments:
         if group is None:
             self.world, self.rank = 1, 0
         else:
-            self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
+            self.world, self.rank = _place(group)
         self.group = group
         self.T = T
         self.varlen = cu_seqlens is not None

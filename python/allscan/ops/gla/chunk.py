@@ -114,8 +114,8 @@ class TorchGLA:
         return st.o.to(v.dtype)
 
     @staticmethod
-    def saved(st):
-        return None
+    def saved(st, L1):
+        return ()  # the backward recomputes
 
     # the incoming-state terms over the first L1 tokens (g: the caller's decay, natural log, or None)
     @staticmethod
@@ -131,7 +131,7 @@ class TorchGLA:
         return None
 
     @staticmethod
-    def xgrad(prep, q, g, do, scale, L1):
+    def xgrad(prep, saved, q, g, do, scale, L1):
         return torch_state_grad(q, g, do, scale, L1)
 
     @staticmethod

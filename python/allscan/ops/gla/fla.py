@@ -155,7 +155,8 @@ class FlaGLA:
     name = "fla"
 
     @staticmethod
-    def _mods():
+    @functools.lru_cache(maxsize=None)
+    def _mods():  # once per process: every stage asks for it (host time per call, issue 14)
         apply_autotune_setting()
         from fla.ops.common.chunk_h import chunk_bwd_dh, chunk_fwd_h
         from fla.ops.gla import chunk as gc
@@ -241,8 +242,13 @@ class FlaGLA:
         return o, offs[1].unsqueeze(-1)
 
     @staticmethod
-    def saved(st):
-        return st.A
+    def saved(st, L1):
+        """What the backward keeps of the forward: the intra-chunk attention and, when the forward
+        made them, the chunk offsets of the first L1 tokens (the backward's state gradient reuses them:
+        the same cumulative gates, one launch fewer)."""
+        if getattr(st, "offs_L1", None) == L1:
+            return (st.A,) + tuple(st.offs)
+        return st.A, None, None
 
     @staticmethod
     def _offsets(st, L1):
@@ -278,18 +284,19 @@ class FlaGLA:
         return SimpleNamespace(BT=BT, cu=cu, ci=ci, gcum=gcum)
 
     @staticmethod
-    def xgrad(prep, q, g, do, scale, L1):
+    def xgrad(prep, saved, q, g, do, scale, L1):
         if fused_kernels_enabled():
             try:
                 from .incoming_state import state_grad
-                X, e = state_grad(q, prep.gcum, do, scale, L1, prep.BT)
+                offsets = None if saved[1] is None else saved[1:]
+                X, e = state_grad(q, prep.gcum, do, scale, L1, prep.BT, offsets=offsets)
                 return X, e.unsqueeze(-1)
             except Exception as e:  # noqa: BLE001
                 _fused_failed(e)
         return torch_state_grad(q, g, do, scale, L1)
 
     @staticmethod
-    def bwd_prepare(prep, saved_A, q, k, v, g, scale, bounds, h0s, do):
+    def bwd_prepare(prep, saved, q, k, v, g, scale, bounds, h0s, do):
         """Everything of the local backward that does not need the gradient of the final state."""
         m = FlaGLA._mods()
         BT, cu, ci, gcum = prep.BT, prep.cu, prep.ci, prep.gcum
@@ -301,7 +308,7 @@ class FlaGLA:
         dA = m.gla.chunk_gla_bwd_dA(v=v, do=do, scale=scale, cu_seqlens=cu, chunk_size=BT, chunk_indices=ci)
         dq, dk = m.gla.chunk_gla_bwd_dqk_intra(q=q, k=k, g=gcum, dA=dA, cu_seqlens=cu, chunk_size=BT,
                                                chunk_indices=ci)
-        return SimpleNamespace(BT=BT, cu=cu, ci=ci, h0=h0, gcum=gcum, h=h, dq=dq, dk=dk, A=saved_A)
+        return SimpleNamespace(BT=BT, cu=cu, ci=ci, h0=h0, gcum=gcum, h=h, dq=dq, dk=dk, A=saved[0])
 
     @staticmethod
     def bwd_finish(p, q, k, v, g, scale, bounds, h0s, do, dhts):

@@ -180,13 +180,14 @@ def correct_output_(o, q, gc, S_in, scale: float, L1: int, BT: int, offsets=None
     return etot
 
 
-def state_grad(q, gc, do, scale: float, L1: int, BT: int, tiles=None):
-    """``(X [B, H, K, V] fp32, exp(total decay) [B, H, K])`` over the first L1 tokens. ``tiles``:
+def state_grad(q, gc, do, scale: float, L1: int, BT: int, offsets=None, tiles=None):
+    """``(X [B, H, K, V] fp32, exp(total decay) [B, H, K])`` over the first L1 tokens. ``offsets``:
+    :func:`chunk_offsets` of (gc, L1, BT) if the caller has it already (the forward's); ``tiles``:
     overrides of :data:`BWD_TILES` (benchmarks)."""
     B, T, H, K = q.shape
     V = do.shape[-1]
     assert do.is_contiguous() and q.is_contiguous() and gc.is_contiguous()
-    off, etot = chunk_offsets(gc, L1, BT)
+    off, etot = offsets if offsets is not None else chunk_offsets(gc, L1, BT)
     NT = off.shape[1]
     t = dict(BWD_TILES, **(tiles or {}))
     BK, BV = _tiles(K, V, t["BK"], t["BV"])

@@ -182,7 +182,8 @@ class ZecoGLAFunction(torch.autograd.Function):
         if segs.continued:  # the incoming state's contribution to the first segment, no recomputation
             if fused is None:
                 evec = be.correct(st, q, g, o, S_in, scale, segs.bounds[1])
-            finals[0] = finals[0] + _scale_state(S_in, evec)
+            if want_final and segs.ends_here[0]:  # the first segment's final state is returned
+                finals[0] = finals[0] + _scale_state(S_in, evec)
 
         final = None
         if want_final:
@@ -194,7 +195,7 @@ class ZecoGLAFunction(torch.autograd.Function):
             else:
                 final = finals[0]
 
-        ctx.save_for_backward(q, k, v, g, h0, S_in, be.saved(st))
+        ctx.save_for_backward(q, k, v, g, h0, S_in, *be.saved(st, segs.bounds[1]))
         ctx.scale, ctx.segs, ctx.method, ctx.gamma = scale, segs, method, gamma
         ctx.h0s_none = [h is None for h in h0s]
         if final is not None:
@@ -208,7 +209,7 @@ class ZecoGLAFunction(torch.autograd.Function):
 
     @staticmethod
     def _backward(ctx, be, do, dfinal):
-        q, k, v, g, h0, S_in, saved = ctx.saved_tensors
+        q, k, v, g, h0, S_in, *saved = ctx.saved_tensors
         scale, segs, method = ctx.scale, ctx.segs, ctx.method
         B, T, H, K = q.shape
         V = v.shape[-1]
@@ -230,11 +231,12 @@ class ZecoGLAFunction(torch.autograd.Function):
         y = None
         prep = be.bwd_begin(q, k, v, gf, segs.bounds)
         if sp:
-            x = q.new_zeros(B, H, K, V, dtype=torch.float32)
             if segs.continued:
-                x, evec = be.xgrad(prep, q, g, do, scale, segs.bounds[1])
+                x, evec = be.xgrad(prep, saved, q, g, do, scale, segs.bounds[1])
                 if dfin[0] is not None:
                     x = x + _scale_state(dfin[0], evec)
+            else:  # nothing of this rank's output depends on the incoming state
+                x = q.new_zeros(B, H, K, V, dtype=torch.float32)
             smethod = _SCAN_METHOD[method]
             if method == "lasp1":
                 y = _scan(x.contiguous(), ctx.gamma, segs.group, reverse=True, method=smethod)
