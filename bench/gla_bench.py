@@ -2,6 +2,7 @@
 """Sequence-parallel GLA operator benchmark (the ZeCO paper's Tables 3-4, on our GPUs).
 
     torchrun --nproc-per-node 2 bench/gla_bench.py --out DIR            # on the GPU machine
+    torchrun --nproc-per-node 2 bench/gla_bench.py --host --out DIR     # host time, eager and captured (gla_host.py)
     python3 bench/gla_bench.py --plot DIR/gla_bench.json --out DIR      # redraw the plot on CPU
 
 Forward + backward time of one GLA operator (B = 1, H = 16, K = V = 128, bf16 by default) with the
@@ -392,12 +393,18 @@ def main():
     ap.add_argument("--plot", default=None, help="redraw the table and plot from this JSON (no GPU)")
     ap.add_argument("--profile", default="", help="T_local values (comma-separated) at which to print where "
                     "the time goes: host issue time and torch.profiler's kernel table for ideal and zeco")
+    ap.add_argument("--host", action="store_true", help="host issue time, eager and CUDA-graph time of ideal and "
+                    "zeco, and zeco's host time by part (bench/gla_host.py); one rank stands in for a middle rank")
     args = ap.parse_args()
     if args.plot:
         redraw(args.plot, args.out, report, plot)
         return
     args.tlocal = [int(x) for x in args.tlocal.split(",")]
     args.profile = [int(x) for x in args.profile.split(",") if x]
+    if args.host:
+        from gla_host import run_host
+        run_host(args, _say)
+        return
     run(args)
 
 
