@@ -196,13 +196,24 @@ def _grads_and_async(rank, P):
             if want is None:  # an input no output of the chain depends on (the tail's x when exclusive)
                 want = torch.zeros(got.shape, dtype=torch.float64)
             assert _rel(got.cpu(), want) <= 1e-5 or want.norm() == 0 and got.abs().max() == 0, where + " " + what
-    # async_op: the handle's result equals the synchronous one.
+    # async_op: the handle's result equals the synchronous one, and so do the gradients through it
+    # (the side stream by handle, autograd without the dispatcher).
     x, m = xs[rank].to(dev), ms[rank].to(dev)
     h = allscan.scan(x, transition=m, async_op=True)
     assert torch.equal(h.wait(), allscan.scan(x, transition=m))
+    for inclusive in (False, True):
+        got = {}
+        for async_op in (False, True):
+            x, m, i0 = (t.to(dev).requires_grad_() for t in (xs[rank], ms[rank], init))
+            out = allscan.scan(x, transition=m, init=i0, inclusive=inclusive, async_op=async_op)
+            y = out.wait() if async_op else out
+            (y * ws[rank].to(dev)).sum().backward()
+            got[async_op] = (y.detach(), x.grad, m.grad, i0.grad)
+        for a, b, what in zip(got[False], got[True], ("y", "dx", "dM", "dinit")):
+            assert torch.equal(a, b), f"async vs sync, inclusive={inclusive}: {what}"
 
 
-@pytest.mark.parametrize("P", [2, 3])
+@pytest.mark.parametrize("P", [1, 2, 3])
 def test_gradients_and_async(P):
     _need(P)
     run_distributed(_grads_and_async, P, backend="nccl", timeout=600)

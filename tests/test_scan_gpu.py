@@ -415,3 +415,28 @@ def test_eager_fast_path():
     P = min(2, torch.cuda.device_count())
     _need(1)
     run_distributed(_eager_fast_path, P, backend="nccl", timeout=300)
+
+
+def _async_grads(rank, P):
+    """async_op with gradients: the result and the gradients of x, gamma and init through the handle
+    (the side stream by handle, autograd without the dispatcher) equal the synchronous call's."""
+    dev = torch.device("cuda", torch.cuda.current_device())
+    xs, gs, init = _inputs(P, torch.float32, (2, 4), 21, dev)
+    w = torch.randn(STATE, generator=torch.Generator(device=dev).manual_seed(22 + rank), device=dev)
+    for inclusive in (False, True):
+        got = {}
+        for async_op in (False, True):
+            x, g, i0 = (t.clone().requires_grad_() for t in (xs[rank], gs[rank], init))
+            out = allscan.scan(x, g, init=i0, inclusive=inclusive, async_op=async_op)
+            y = out.wait() if async_op else out
+            (y * w).sum().backward()
+            got[async_op] = (y.detach(), x.grad, g.grad, i0.grad)
+        for a, b, what in zip(got[False], got[True], ("y", "dx", "dgamma", "dinit")):
+            assert torch.equal(a, b), f"rank {rank}, inclusive={inclusive}: async {what} differs from sync"
+    return True
+
+
+@pytest.mark.parametrize("P", [1, 2])
+def test_async_gradients_equal_sync(P):
+    _need(P)
+    assert run_distributed(_async_grads, P, backend="nccl", timeout=300) == [True] * P

@@ -240,7 +240,10 @@ def _setup_context(ctx, inputs, output):
     ctx.save_for_backward(g, output if need_y else None)
 
 
-def _backward(ctx, dy):
+def _backward(ctx, dy, reverse_scan=None):
+    """The op's gradient; ``reverse_scan`` runs the reverse scan (default: the op, differentiable and
+    traceable; the eager autograd path passes :func:`_eager_reverse`)."""
+    reverse_scan = reverse_scan or scan_op
     if ctx.inclusive:
         raise RuntimeError(
             "allscan::scan with inclusive=True has no registered gradient; allscan.scan() computes the "
@@ -250,7 +253,7 @@ def _backward(ctx, dy):
     dy = dy.contiguous()
     # The gradient of the forward scan with respect to x is the reverse exclusive scan of the
     # incoming gradient with the same decays: r_{p-1} = g_p * r_p + dy_p, r at the chain's end = 0.
-    dx = scan_op(dy, g, None, ctx.group_name, not ctx.reverse, False, ctx.num_blocks, ctx.method)
+    dx = reverse_scan(dy, g, None, ctx.group_name, not ctx.reverse, False, ctx.num_blocks, ctx.method)
     dg = dinit = None
     if ctx.needs_input_grad[1] and g is not None:
         acc = acc_dtype(dy.dtype)
@@ -352,6 +355,29 @@ def async_handle(group, x: torch.Tensor, inputs, impl) -> ScanHandle:
     return ScanHandle(out, ev)
 
 
+def by_handle_ok(group, x: torch.Tensor) -> bool:
+    """Whether an async call on ``x`` can go to the side stream by handle (:func:`side_stream_handle`):
+    eager, NCCL, on the current device."""
+    return (x.is_cuda and _raw_stream is not None and not torch.compiler.is_compiling()
+            and x.device.index == torch.cuda.current_device() and _comm.uses_nccl(group, x))
+
+
+def side_stream_handle(x: torch.Tensor, inputs, launch) -> ScanHandle:
+    """``launch(side)`` (the scan enqueued on ``side``, returning its output) on the side stream, after
+    the current stream's work, without switching torch's current stream (tens of microseconds of
+    Python per call otherwise); ``inputs`` (None allowed) and the output stay valid until the side
+    stream is done with them."""
+    side = _side_stream(x.device)
+    caller = _raw_stream(x.device.index)
+    _C.stream_wait(side.cuda_stream, caller)
+    out = launch(side)
+    raw = _C.event_record(side.cuda_stream)
+    for t in (*inputs, out):
+        if t is not None:
+            t.record_stream(side)  # freed only after the side stream is done with them
+    return ScanHandle(out, raw=raw, caller_stream=caller)
+
+
 def _needs_grad(*ts) -> bool:
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in ts)
 
@@ -361,11 +387,44 @@ def _is_chain_head(group, reverse: bool) -> bool:
     return rank == (world - 1 if reverse else 0)
 
 
-def _scan_impl(x, g, init, name, reverse, inclusive, num_blocks, method, group=None):
+class _EagerScan(torch.autograd.Function):
+    """An eager call that needs a gradient: the op's own forward, context and backward, without the
+    dispatcher's round trip (tens of microseconds per call); torch.compile traces the op."""
+
+    @staticmethod
+    def forward(x, g, init, name, reverse, inclusive, num_blocks, method, group, stream):
+        return run(x, g, init, name, reverse, inclusive, num_blocks, method, group, stream)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        _setup_context(ctx, inputs[:8], output)
+
+    @staticmethod
+    def backward(ctx, dy):
+        return _backward(ctx, dy, _eager_reverse) + (None, None)
+
+
+def _eager_reverse(*args):
+    """The backward's reverse scan in an eager backward: without the dispatcher, unless a double
+    backward needs it differentiable (grad mode on)."""
+    return scan_op(*args) if torch.is_grad_enabled() else run(*args)
+
+
+def _scan_impl(x, g, init, name, reverse, inclusive, num_blocks, method, group=None, stream=None):
+    """The scan of contiguous tensors (on ``stream`` when given: eager NCCL calls, never an
+    inclusive one that needs a gradient)."""
     needs_grad = _needs_grad(x, g, init)
+    eager = not torch.compiler.is_compiling()
+    if not needs_grad and eager:
+        # Eager and nothing to differentiate: the op's own implementation, without the dispatcher
+        # round trip (tens of microseconds). torch.compile goes through the op.
+        return run(x, g, init, name, reverse, inclusive, num_blocks, method, group, stream)
+    if eager and not inclusive:
+        return _EagerScan.apply(x, g, init, name, reverse, False, num_blocks, method, group, stream)
     if inclusive and needs_grad:
         # Differentiable composite: the exclusive scan, then the rank's own combine.
-        y = scan_op(x, g, init, name, reverse, False, num_blocks, method)
+        y = (_EagerScan.apply(x, g, init, name, reverse, False, num_blocks, method, group, None) if eager
+             else scan_op(x, g, init, name, reverse, False, num_blocks, method))
         acc = acc_dtype(x.dtype)
         if init is None and _is_chain_head(group if group is not None else _comm.resolve_group(name), reverse):
             # nothing enters the head: its inclusive result is its own x, whatever its decay (an inf
@@ -374,10 +433,6 @@ def _scan_impl(x, g, init, name, reverse, inclusive, num_blocks, method, group=N
         if g is None:
             return (y.to(acc) + x.to(acc)).to(x.dtype)
         return (expand_decay(g, x.dim()).to(acc) * y.to(acc) + x.to(acc)).to(x.dtype)
-    if not needs_grad and not torch.compiler.is_compiling():
-        # Eager and nothing to differentiate: the op's own implementation, without the dispatcher
-        # round trip (tens of microseconds). Autograd and torch.compile go through the op.
-        return run(x, g, init, name, reverse, inclusive, num_blocks, method, group)
     return scan_op(x, g, init, name, reverse, inclusive, num_blocks, method)
 
 
@@ -519,17 +574,7 @@ def _scan(tensor, gamma, group, transition, reverse, inclusive, init, num_blocks
     k = 0 if num_blocks is None else int(num_blocks)
     if not async_op:
         return _scan_impl(x, g, i0, name, reverse, inclusive, k, method, group)
-    if (x.is_cuda and _comm.uses_nccl(group, x) and _raw_stream is not None and not torch.compiler.is_compiling()
-            and x.device.index == torch.cuda.current_device() and not _needs_grad(x, g, i0)):
-        # Nothing to differentiate, eager: the scan goes to the side stream by handle, without
-        # switching torch's current stream (tens of microseconds of Python per call otherwise).
-        side = _side_stream(x.device)
-        caller = _raw_stream(x.device.index)
-        _C.stream_wait(side.cuda_stream, caller)
-        out = run(x, g, i0, name, reverse, inclusive, k, method, group, stream=side)
-        raw = _C.event_record(side.cuda_stream)
-        for t in (x, g, i0, out):
-            if t is not None:
-                t.record_stream(side)  # freed only after the side stream is done with them
-        return ScanHandle(out, raw=raw, caller_stream=caller)
+    if by_handle_ok(group, x) and not (inclusive and _needs_grad(x, g, i0)):
+        return side_stream_handle(x, (x, g, i0), lambda side: _scan_impl(x, g, i0, name, reverse, inclusive, k,
+                                                                         method, group, side))
     return async_handle(group, x, (x, g, i0), lambda: _scan_impl(x, g, i0, name, reverse, inclusive, k, method, group))

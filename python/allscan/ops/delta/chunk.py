@@ -175,12 +175,15 @@ class TorchDelta:
         return torch.cat([chunk_outputs(cp) for cp in sp.segments], 1)
 
     @staticmethod
-    def add_incoming(sp, o: torch.Tensor, S_in: Optional[torch.Tensor]):
+    def add_incoming(sp, o: torch.Tensor, S_in: Optional[torch.Tensor], need_final: bool = True):
         """Stage 3: the first segment's incoming state folded in. Returns ``(o, finals)``, one final
-        state per segment."""
+        state per segment (the first one's with the incoming state when ``need_final``: the caller
+        returns it)."""
         finals = list(sp.finals)
         if S_in is None:
             return o, finals
         first = sp.segments[0]
-        o0, finals[0] = add_incoming(first, o[:, :first.T], S_in)
+        o0, final0 = add_incoming(first, o[:, :first.T], S_in)
+        if need_final:
+            finals[0] = final0
         return torch.cat([o0, o[:, first.T:]], 1), finals

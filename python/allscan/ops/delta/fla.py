@@ -104,7 +104,9 @@ class FlaDelta:
         return torch.cat(sp.outputs, 1) if len(sp.outputs) > 1 else sp.outputs[0]
 
     @staticmethod
-    def add_incoming(sp, o: torch.Tensor, S_in: Optional[torch.Tensor]):
+    def add_incoming(sp, o: torch.Tensor, S_in: Optional[torch.Tensor], need_final: bool = True):
+        """Stage 3 (:meth:`TorchDelta.add_incoming`); the first segment's final state is updated only
+        when the caller returns it (``need_final``)."""
         finals = list(sp.finals)
         if S_in is None:
             return o, finals
@@ -116,7 +118,8 @@ class FlaDelta:
             first = fold_incoming(o[:, :sp.T0], sp.q_eff, S_in)
         else:  # what the kernel computes, in torch ops (CPU, float64)
             first = (o[:, :sp.T0].to(dt) + torch.einsum("bthk,bhkv->bthv", sp.q_eff.to(dt), S_in)).to(o.dtype)
-        finals[0] = finals[0] + sp.transition @ S_in
+        if need_final:
+            finals[0] = finals[0] + sp.transition @ S_in
         if sp.T0 == o.shape[1]:  # one segment (the common case): no concatenation copy
             return first, finals
         return torch.cat([first, o[:, sp.T0:]], 1), finals

@@ -253,7 +253,7 @@ def _sharded(q, k, v, g, beta, opts, scale, segs, group, h0s, init, method, outp
     o = be.local_outputs(sp)  # overlaps the scan on CUDA
     if handle is not None:
         S_in = handle.wait()
-    o, finals = be.add_incoming(sp, o, S_in)
+    o, finals = be.add_incoming(sp, o, S_in, need_final=output_final_state and segs.ends_here[0])
 
     final = None
     if output_final_state:
