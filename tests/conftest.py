@@ -9,7 +9,8 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 @pytest.fixture(scope="module")
 def single_rank():
-    """A one-rank gloo group in this process (the default group; made once, kept for later modules)."""
+    """A one-rank gloo group in this process (the default group), destroyed after the module: later
+    modules (some check what happens without torch.distributed) find the process as it was."""
     import torch.distributed as dist
 
     if not dist.is_initialized():
@@ -19,6 +20,8 @@ def single_rank():
         os.environ["MASTER_PORT"] = str(_free_port())
         dist.init_process_group("gloo", rank=0, world_size=1)
     yield dist.group.WORLD
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def _cuda_count() -> int:

@@ -1,12 +1,14 @@
 """torch.compile traces allscan without a graph break (CPU, gloo; ``fullgraph=True`` makes any graph
-break an error), and the compiled call equals eager. The GPU paths (fla's kernels, allscan's Triton
-kernels, NCCL) are issue 14's: not covered here.
+break an error), and the compiled call equals eager. ``zeco_gla`` is traced as its two custom ops
+(forward, backward), so the compiled layer runs what the eager one runs on every rank; the GPU
+paths (fla's kernels, allscan's Triton kernels, NCCL) run the same ops (tests/test_gla_gpu.py).
 """
 import os
 import sys
 
 import pytest
 import torch
+import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(__file__))
 from distributed import run_distributed  # noqa: E402
@@ -16,7 +18,7 @@ def _inputs(rank, op):
     gen = torch.Generator().manual_seed(rank)
     B, T, H, K = 1, 24, 2, 8
     q, k, v = (torch.randn(B, T, H, K, generator=gen) for _ in range(3))
-    if op == "gla":
+    if op.startswith("gla"):
         return q, k, v, -torch.rand(B, T, H, K, generator=gen) * 0.2
     return (q, torch.nn.functional.normalize(k, dim=-1), v, -torch.rand(B, T, H, generator=gen) * 0.2,
             torch.rand(B, T, H, generator=gen))
@@ -30,6 +32,9 @@ def _step(op):
         return allscan.scan(x, g, inclusive=True) * 2
 
     def layer(q, *rest):
+        if op == "gla-varlen":  # packed sequences cut inside both shards of two ranks
+            cu = torch.tensor([0, 10, 30, 24 * dist.get_world_size()])
+            return zeco_gla(q, *rest, output_final_state=True, cu_seqlens=cu)
         fn = zeco_gla if op == "gla" else zeco_gated_delta_rule
         o, final = fn(q, *rest, output_final_state=True)
         return o, final
@@ -55,14 +60,36 @@ def _compiled_equals_eager(rank, world, op, backward=True):
     return max((a - b).abs().max().item() for a, b in zip(results["eager"], results["compiled"]))
 
 
-CASES = [("scan", 1), ("scan", 2), ("gla", 1), ("gdn", 1)]
+CASES = [("scan", 1, True), ("scan", 2, True), ("gla", 1, True), ("gla", 2, True), ("gla", 3, True),
+         ("gla-varlen", 2, True), ("gdn", 1, False)]
 
 
-@pytest.mark.parametrize("op, world", CASES, ids=[f"{op}-P{w}" for op, w in CASES])
-def test_fullgraph_compile_equals_eager(op, world):
-    """The scan forward and backward at P = 1 and 2; the layers' forward at P = 1. Not yet (issue
-    14): the layers' backward (their torch backends recompute with torch.autograd.grad inside
-    autograd.Function.backward, which Dynamo does not trace) and the layers at P = 2 (the compiled
-    run hangs: the layer's Python, its cross-rank check included, runs inside the trace)."""
-    for diff in run_distributed(_compiled_equals_eager, world, op, op == "scan", timeout=300):
+@pytest.mark.parametrize("op, world, backward", CASES, ids=[f"{op}-P{w}" for op, w, _ in CASES])
+def test_fullgraph_compile_equals_eager(op, world, backward):
+    """Forward and backward of the scan and of zeco_gla (its custom ops), at P = 1..3, packed
+    sequences included; Gated DeltaNet's forward at P = 1. Not yet (issue 14): the delta-rule layers'
+    backward (their torch backend recomputes with torch.autograd.grad inside autograd.Function.backward,
+    which Dynamo does not trace; on GPU fla's chunk functions are compiler-disabled) and those layers at
+    P > 1 (their Python, the cross-rank check included, runs inside the trace)."""
+    for diff in run_distributed(_compiled_equals_eager, world, op, backward, timeout=300):
         assert diff <= 1e-5, diff
+
+
+def _opcheck_zeco_gla(rank, world):
+    """torch.library.opcheck of zeco_gla's custom ops (schema, fake kernel against the real outputs,
+    autograd registration, AOT dispatch with static and dynamic shapes), on every rank alike."""
+    import allscan.ops.gla  # noqa: F401 - registers the ops
+
+    name = dist.group.WORLD.group_name
+    q, k, v, g = (t.double().requires_grad_() for t in _inputs(rank, "gla"))
+    h0 = torch.randn(1, 2, 8, 8, dtype=torch.float32, generator=torch.Generator().manual_seed(7))
+    for args in ((q, k, v, g, None, None, name, 0.35, "zeco", True),
+                 (q, k, v, g[..., 0].detach().clone().requires_grad_(), None, None, name, 0.35, "lasp2", False),
+                 (q.float(), k.float(), v.float(), None, h0.requires_grad_(), None, name, 0.35, "zeco", True),
+                 (q, k, v, g, None, torch.tensor([0, 10, 30, 24 * world]), name, 0.35, "zeco", True)):
+        torch.library.opcheck(torch.ops.allscan.zeco_gla.default, args)
+    return True
+
+
+def test_zeco_gla_opcheck_two_ranks():
+    assert run_distributed(_opcheck_zeco_gla, 2, timeout=300) == [True, True]

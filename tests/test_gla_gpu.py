@@ -46,6 +46,12 @@ METHODS = ["zeco", "lasp1", "lasp2"]
 def _need():
     if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
         pytest.skip("needs 2 CUDA GPUs")
+    _need1()
+
+
+def _need1():
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
     try:
         import fla.ops.gla  # noqa: F401
     except Exception as e:  # noqa: BLE001
@@ -471,3 +477,47 @@ def _graph_replay(rank, world):
 def test_zeco_gla_fwd_bwd_graph_replay_equals_eager():
     _need()
     assert run_distributed(_graph_replay, 2, timeout=RUN_TIMEOUT, backend="nccl") == [True, True]
+
+
+def _compiled(rank, world):
+    """zeco_gla fwd+bwd under torch.compile(fullgraph=True): its custom ops run what eager runs, so
+    aot_eager and mode="reduce-overhead" (inductor, CUDA graphs) give bitwise the eager output, final
+    state and gradients, after the calls that warm up and record the graphs."""
+    import torch.distributed as dist
+
+    from allscan.ops.gla import limit_fla_autotune, zeco_gla
+
+    limit_fla_autotune("one")
+    torch._dynamo.reset()
+    dev = torch.device("cuda", torch.cuda.current_device())
+    gen = torch.Generator(device=dev).manual_seed(5 + rank)
+    B, T, H, K = 1, 256, 4, 64
+    ins = [torch.randn(B, T, H, K, device=dev, generator=gen).to(torch.bfloat16) for _ in range(3)]
+    ins.append(torch.nn.functional.logsigmoid(torch.randn(B, T, H, K, device=dev, generator=gen)) / 16)
+    do = torch.randn(B, T, H, K, device=dev, generator=gen).to(torch.bfloat16)
+
+    def step(q, k, v, g):
+        return zeco_gla(q, k, v, g, dist.group.WORLD, output_final_state=True)
+
+    results = {}
+    for name, fn in (("eager", step), ("aot_eager", torch.compile(step, fullgraph=True, backend="aot_eager")),
+                     ("reduce-overhead", torch.compile(step, fullgraph=True, mode="reduce-overhead"))):
+        for _ in range(3):  # CUDA-graph trees warm up, then record, then replay
+            xs = [t.clone().requires_grad_(True) for t in ins]
+            o, final = fn(*xs)
+            grads = torch.autograd.grad((o, final), xs, (do, torch.ones_like(final)))
+            results[name] = [t.detach().clone() for t in (o, final) + grads]
+    torch.cuda.synchronize(dev)
+    for name in ("aot_eager", "reduce-overhead"):
+        for what, a, b in zip(("o", "final", "dq", "dk", "dv", "dg"), results[name], results["eager"]):
+            assert torch.equal(a, b), f"rank {rank}: {name}'s {what} differs from eager"
+    dist.barrier()
+    return True
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_zeco_gla_compiled_equals_eager(world):
+    if torch.cuda.device_count() < world:
+        pytest.skip(f"needs {world} GPUs")
+    _need1()
+    assert run_distributed(_compiled, world, timeout=RUN_TIMEOUT, backend="nccl") == [True] * world

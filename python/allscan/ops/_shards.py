@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from allscan._comm import normalize_group
 
-__all__ = ["LOCAL", "sequence_parallel_group", "ShardSegments"]
+__all__ = ["LOCAL", "sequence_parallel_group", "ShardSegments", "world_and_rank"]
 
 
 class _Local:
@@ -43,7 +43,7 @@ def sequence_parallel_group(group, op: str):
 _PLACES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
-def _place(group):
+def world_and_rank(group):
     """(world size, rank) of this process in ``group``: fixed for the group's life, so asked of
     torch.distributed once (every layer call needs it: host time per call, issue 14)."""
     place = _PLACES.get(group)
@@ -61,7 +61,7 @@ class ShardSegments:
         if group is None:
             self.world, self.rank = 1, 0
         else:
-            self.world, self.rank = _place(group)
+            self.world, self.rank = world_and_rank(group)
         self.group = group
         self.T = T
         self.varlen = cu_seqlens is not None

@@ -117,6 +117,10 @@ class TorchGLA:
     def saved(st, L1):
         return ()  # the backward recomputes
 
+    @staticmethod
+    def saved_like(q, v):
+        return []
+
     # the incoming-state terms over the first L1 tokens (g: the caller's decay, natural log, or None)
     @staticmethod
     def correct(st, q, g, o, S_in, scale, L1):
@@ -140,28 +144,27 @@ class TorchGLA:
 
     @staticmethod
     def bwd_finish(prep, q, k, v, g, scale, bounds, h0s, do, dhts):
-        with torch.enable_grad():
-            qq, kk, vv, gg = (x.detach().requires_grad_(True) for x in (q, k, v, g))
-            hh = [None if h is None else h.detach().float().requires_grad_(True) for h in h0s]
-            outs, roots, grads = [], [], []
+        # torch.func.vjp, not torch.autograd.grad: it also works inside a custom op's implementation
+        # (below autograd: zeco_gla under torch.compile)
+        given = [j for j, h in enumerate(h0s) if h is not None]
+        ends = [j for j, d in enumerate(dhts) if d is not None]
+
+        def local(qq, kk, vv, gg, *hs):
+            starts = dict(zip(given, hs))
+            outs, finals = [], []
             for j in range(len(bounds) - 1):
                 s, e = bounds[j], bounds[j + 1]
-                o_j, h_j = torch_chunk_gla(qq[:, s:e], kk[:, s:e], vv[:, s:e], gg[:, s:e], scale, hh[j])
+                o_j, h_j = torch_chunk_gla(qq[:, s:e], kk[:, s:e], vv[:, s:e], gg[:, s:e], scale, starts.get(j))
                 outs.append(o_j)
-                if dhts[j] is not None:
-                    roots.append(h_j)
-                    grads.append(dhts[j].float())
-            roots.insert(0, torch.cat(outs, 1))
-            grads.insert(0, do.float())
-            wrt = [qq, kk, vv, gg] + [h for h in hh if h is not None]
-            res = torch.autograd.grad(roots, wrt, grads, allow_unused=True)
-        dq, dk, dv, dg = (torch.zeros_like(x) if r is None else r.to(x.dtype) for r, x in zip(res[:4], (q, k, v, g)))
-        it = iter(res[4:])
-        dh0s = []
-        for h in hh:
-            if h is None:
-                dh0s.append(None)
-            else:
-                r = next(it)
-                dh0s.append(torch.zeros_like(h) if r is None else r)
+                if j in ends:
+                    finals.append(h_j)
+            return (torch.cat(outs, 1), *finals)
+
+        outputs, vjp = torch.func.vjp(local, q, k, v, g, *[h0s[j].float() for j in given])
+        cotangents = [do] + [dhts[j] for j in ends]
+        res = vjp(tuple(c.to(o.dtype) for c, o in zip(cotangents, outputs)))
+        dq, dk, dv, dg = (r.to(x.dtype) for r, x in zip(res[:4], (q, k, v, g)))
+        dh0s = [None] * len(h0s)
+        for j, r in zip(given, res[4:]):
+            dh0s[j] = r
         return dq, dk, dv, dg, dh0s

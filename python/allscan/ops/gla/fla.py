@@ -169,8 +169,7 @@ class FlaGLA:
 
     @staticmethod
     def _layout(q, bounds):
-        T = q.shape[1]
-        BT = min(64, max(16, 1 << max(0, (T - 1).bit_length())))  # as fla's ChunkGLAFunction
+        BT = FlaGLA._chunk_size(q.shape[1])
         if len(bounds) == 2:
             return BT, None, None
         m = FlaGLA._mods()
@@ -244,11 +243,21 @@ class FlaGLA:
     @staticmethod
     def saved(st, L1):
         """What the backward keeps of the forward: the intra-chunk attention and, when the forward
-        made them, the chunk offsets of the first L1 tokens (the backward's state gradient reuses them:
-        the same cumulative gates, one launch fewer)."""
-        if getattr(st, "offs_L1", None) == L1:
+        made them (and ``L1`` is not None), the chunk offsets of the first L1 tokens (the backward's
+        state gradient reuses them: the same cumulative gates, one launch fewer)."""
+        if L1 is not None and getattr(st, "offs_L1", None) == L1:
             return (st.A,) + tuple(st.offs)
-        return st.A, None, None
+        return (st.A,)
+
+    @staticmethod
+    def saved_like(q, v):
+        """Empty tensors shaped as :meth:`saved` without offsets (torch.compile's fake kernel)."""
+        B, T, H, _ = q.shape
+        return [q.new_empty(B, T, H, FlaGLA._chunk_size(T), dtype=torch.float32)]
+
+    @staticmethod
+    def _chunk_size(T):
+        return min(64, max(16, 1 << max(0, (T - 1).bit_length())))  # as fla's ChunkGLAFunction
 
     @staticmethod
     def _offsets(st, L1):
@@ -288,7 +297,7 @@ class FlaGLA:
         if fused_kernels_enabled():
             try:
                 from .incoming_state import state_grad
-                offsets = None if saved[1] is None else saved[1:]
+                offsets = tuple(saved[1:3]) if len(saved) == 3 else None
                 X, e = state_grad(q, prep.gcum, do, scale, L1, prep.BT, offsets=offsets)
                 return X, e.unsqueeze(-1)
             except Exception as e:  # noqa: BLE001

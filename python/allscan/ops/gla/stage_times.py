@@ -77,14 +77,14 @@ def timed_scan(scan, x, gamma, group, **kwargs):
     return _TimedHandle(out, acc) if kwargs.get("async_op") else out
 
 
-def timed_body(label, body, ctx, be, *args):
-    """``body(ctx, be, *args)`` (a forward or backward), its whole time and each of ``be``'s stages
-    timed inside a block."""
+def timed_body(label, body, be, *args):
+    """``body(be, *args)`` (a forward or backward), its whole time and each of ``be``'s stages timed
+    inside a block."""
     if not _STAGE_TIMERS:
-        return body(ctx, be, *args)
+        return body(be, *args)
     acc = _STAGE_TIMERS[-1]
     t0 = time.perf_counter()
     try:
-        return body(ctx, _TimedStages(be, acc), *args)
+        return body(_TimedStages(be, acc), *args)
     finally:
         _add_time(acc, label, t0)

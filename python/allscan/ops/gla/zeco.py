@@ -48,13 +48,15 @@ fla-core, :class:`~allscan.ops.gla.chunk.TorchGLA` otherwise; ``ALLSCAN_GLA_BACK
 from __future__ import annotations
 
 import warnings
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import torch
 
 from allscan._contract import settings
 
-from .._shards import LOCAL, ShardSegments, sequence_parallel_group
+from allscan._comm import resolve_group
+
+from .._shards import LOCAL, ShardSegments, sequence_parallel_group, world_and_rank
 from .chunk import TorchGLA
 from .fla import FlaGLA, fla_available
 from .stage_times import timed_body, timed_scan
@@ -117,170 +119,269 @@ def _gamma_fixed(segs, g, B, device):
     return None  # computed by the backend from the shard's decays
 
 
+def _forward(be, q, k, v, g, h0, scale, segs: ShardSegments, method: str, want_final: bool, keep_offsets=True):
+    """The forward on the local backend ``be``: ``(o, final or None, S_in or None, gamma or None,
+    saved)``, what the backward needs besides the inputs (``S_in``: the state entering the shard,
+    None with one rank; ``gamma``: the decay the All-Scan used; ``saved``: the backend's tensors, with
+    ``keep_offsets`` the chunk offsets too)."""
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    gf = _full_decay(g, q)
+    sp = segs.world > 1
+    smethod = _SCAN_METHOD[method]
+
+    # initial state of every local segment (None = zeros); a continued first segment starts from 0
+    h0s: List[Optional[torch.Tensor]] = []
+    for j in range(segs.nseg):
+        if j == 0 and segs.continued:
+            h0s.append(None)
+        elif h0 is None:
+            h0s.append(None)
+        elif segs.varlen:
+            h0s.append(h0[segs.seq_ids[j]:segs.seq_ids[j] + 1])
+        else:
+            h0s.append(h0)
+
+    st = be.fwd_states(q, k, v, gf, scale, segs.bounds, h0s)
+    gamma = None
+    if sp:
+        gamma = _gamma_fixed(segs, g, B, q.device)
+        if gamma is None and g is not None:
+            gamma = be.shard_gamma(st, g)
+    handle = None
+    S_in = None
+    if sp:
+        x = st.finals[-1].float().contiguous()
+        if method == "lasp1":
+            S_in = _scan(x, gamma, segs.group, method=smethod)
+        else:
+            handle = _scan(x, gamma, segs.group, method=smethod, async_op=True)
+    finals = list(st.finals)
+    fused = None
+    if segs.continued and getattr(be, "fused_output_ok", lambda: False)():
+        # The intra-chunk part runs while the state is in flight; then one output kernel with
+        # the incoming state folded in (no second pass over q, the decays and o).
+        be.fwd_intra(st, q, k, scale)
+        if handle is not None:
+            S_in = handle.wait()
+        fused = be.fwd_output_with_state(st, q, v, S_in, scale, segs.bounds[1])
+        if fused is not None:
+            o, evec = fused
+        else:
+            o = be.fwd_output(st, q, k, v, gf, scale, segs.bounds)
+    else:
+        o = be.fwd_output(st, q, k, v, gf, scale, segs.bounds)
+        if handle is not None:
+            S_in = handle.wait()
+    if segs.continued:  # the incoming state's contribution to the first segment, no recomputation
+        if fused is None:
+            evec = be.correct(st, q, g, o, S_in, scale, segs.bounds[1])
+        if want_final and segs.ends_here[0]:  # the first segment's final state is returned
+            finals[0] = finals[0] + _scale_state(S_in, evec)
+
+    final = None
+    if want_final:
+        if segs.varlen:
+            final = q.new_zeros(segs.num_seqs, H, K, V, dtype=torch.float32)
+            for j in range(segs.nseg):
+                if segs.ends_here[j]:
+                    final[segs.seq_ids[j]] = finals[j][0]
+        else:
+            final = finals[0]
+
+    saved = be.saved(st, segs.bounds[1] if keep_offsets else None)
+    return o, final, S_in, gamma, saved
+
+
+def _backward(be, do, dfinal, q, k, v, g, h0, S_in, gamma, saved, scale, segs: ShardSegments, method: str):
+    """The backward on the local backend ``be`` from what :func:`_forward` returned: ``(dq, dk, dv,
+    dg or None, dh0 or None)``."""
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    do = do.contiguous()
+    gf = _full_decay(g, q)
+    sp = segs.world > 1
+
+    # final-state gradients per local segment
+    dfin: List[Optional[torch.Tensor]] = []
+    for j in range(segs.nseg):
+        if dfinal is None or not segs.ends_here[j]:
+            dfin.append(None)
+        elif segs.varlen:
+            dfin.append(dfinal[segs.seq_ids[j]:segs.seq_ids[j] + 1].float())
+        else:
+            dfin.append(dfinal.float())
+
+    # the part of dS_in this rank contributes (needs only q, g, do): start the reverse scan on it
+    y = None
+    prep = be.bwd_begin(q, k, v, gf, segs.bounds)
+    if sp:
+        if segs.continued:
+            x, evec = be.xgrad(prep, saved, q, g, do, scale, segs.bounds[1])
+            if dfin[0] is not None:
+                x = x + _scale_state(dfin[0], evec)
+        else:  # nothing of this rank's output depends on the incoming state
+            x = q.new_zeros(B, H, K, V, dtype=torch.float32)
+        smethod = _SCAN_METHOD[method]
+        if method == "lasp1":
+            y = _scan(x.contiguous(), gamma, segs.group, reverse=True, method=smethod)
+            handle = None
+        else:
+            handle = _scan(x.contiguous(), gamma, segs.group, reverse=True, method=smethod, async_op=True)
+
+    # incoming state of every local segment, as the local forward saw it (with the true S_in)
+    h0s: List[Optional[torch.Tensor]] = []
+    for j in range(segs.nseg):
+        if j == 0 and segs.continued:
+            h0s.append(S_in)
+        elif h0 is None:
+            h0s.append(None)
+        elif segs.varlen:
+            h0s.append(h0[segs.seq_ids[j]:segs.seq_ids[j] + 1])
+        else:
+            h0s.append(h0)
+
+    prep = be.bwd_prepare(prep, saved, q, k, v, gf, scale, segs.bounds, h0s, do)
+    if sp and y is None:
+        y = handle.wait()
+    dhts = list(dfin)
+    if y is not None:
+        dhts[-1] = y if dhts[-1] is None else dhts[-1] + y
+    if dhts[-1] is None:
+        dhts[-1] = q.new_zeros(B, H, K, V, dtype=torch.float32) if not segs.varlen else q.new_zeros(
+            1, H, K, V, dtype=torch.float32)
+    dq, dk, dv, dgf, dh0s = be.bwd_finish(prep, q, k, v, gf, scale, segs.bounds, h0s, do, dhts)
+
+    dg = None
+    if g is not None:
+        dg = (dgf.float().sum(-1) if g.dim() == 3 else dgf).to(g.dtype)
+    dh0 = None
+    if h0 is not None:
+        dh0 = torch.zeros_like(h0)
+        for j in range(segs.nseg):
+            if (j == 0 and segs.continued) or dh0s[j] is None:
+                continue
+            if segs.varlen:
+                dh0[segs.seq_ids[j]] += dh0s[j][0].to(h0.dtype)
+            else:
+                dh0 += dh0s[j].to(h0.dtype)
+    return dq, dk, dv, dg, dh0
+
+
 class ZecoGLAFunction(torch.autograd.Function):
-    """The autograd function of :func:`zeco_gla` (arguments already checked)."""
+    """The autograd function of :func:`zeco_gla` in eager mode (arguments already checked)."""
 
     @staticmethod
     def forward(ctx, q, k, v, g, h0, scale, segs: ShardSegments, method: str, want_final: bool):
-        ctx.be = select_backend(q)
+        be = select_backend(q)
         with torch.autocast(device_type=q.device.type, enabled=False):  # our own precision choices
-            return timed_body("forward body", ZecoGLAFunction._forward, ctx, ctx.be, q, k, v, g, h0, scale,
-                               segs, method, want_final)
-
-    @staticmethod
-    def _forward(ctx, be, q, k, v, g, h0, scale, segs: ShardSegments, method: str, want_final: bool):
-        B, T, H, K = q.shape
-        V = v.shape[-1]
-        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-        gf = _full_decay(g, q)
-        sp = segs.world > 1
-        smethod = _SCAN_METHOD[method]
-
-        # initial state of every local segment (None = zeros); a continued first segment starts from 0
-        h0s: List[Optional[torch.Tensor]] = []
-        for j in range(segs.nseg):
-            if j == 0 and segs.continued:
-                h0s.append(None)
-            elif h0 is None:
-                h0s.append(None)
-            elif segs.varlen:
-                h0s.append(h0[segs.seq_ids[j]:segs.seq_ids[j] + 1])
-            else:
-                h0s.append(h0)
-
-        st = be.fwd_states(q, k, v, gf, scale, segs.bounds, h0s)
-        gamma = None
-        if sp:
-            gamma = _gamma_fixed(segs, g, B, q.device)
-            if gamma is None and g is not None:
-                gamma = be.shard_gamma(st, g)
-        handle = None
-        S_in = None
-        if sp:
-            x = st.finals[-1].float().contiguous()
-            if method == "lasp1":
-                S_in = _scan(x, gamma, segs.group, method=smethod)
-            else:
-                handle = _scan(x, gamma, segs.group, method=smethod, async_op=True)
-        finals = list(st.finals)
-        fused = None
-        if segs.continued and getattr(be, "fused_output_ok", lambda: False)():
-            # The intra-chunk part runs while the state is in flight; then one output kernel with
-            # the incoming state folded in (no second pass over q, the decays and o).
-            be.fwd_intra(st, q, k, scale)
-            if handle is not None:
-                S_in = handle.wait()
-            fused = be.fwd_output_with_state(st, q, v, S_in, scale, segs.bounds[1])
-            if fused is not None:
-                o, evec = fused
-            else:
-                o = be.fwd_output(st, q, k, v, gf, scale, segs.bounds)
-        else:
-            o = be.fwd_output(st, q, k, v, gf, scale, segs.bounds)
-            if handle is not None:
-                S_in = handle.wait()
-        if segs.continued:  # the incoming state's contribution to the first segment, no recomputation
-            if fused is None:
-                evec = be.correct(st, q, g, o, S_in, scale, segs.bounds[1])
-            if want_final and segs.ends_here[0]:  # the first segment's final state is returned
-                finals[0] = finals[0] + _scale_state(S_in, evec)
-
-        final = None
-        if want_final:
-            if segs.varlen:
-                final = q.new_zeros(segs.num_seqs, H, K, V, dtype=torch.float32)
-                for j in range(segs.nseg):
-                    if segs.ends_here[j]:
-                        final[segs.seq_ids[j]] = finals[j][0]
-            else:
-                final = finals[0]
-
-        ctx.save_for_backward(q, k, v, g, h0, S_in, *be.saved(st, segs.bounds[1]))
-        ctx.scale, ctx.segs, ctx.method, ctx.gamma = scale, segs, method, gamma
-        ctx.h0s_none = [h is None for h in h0s]
-        if final is not None:
-            return o, final
-        return o, None
+            o, final, S_in, gamma, saved = timed_body("forward body", _forward, be, q, k, v, g, h0, scale, segs,
+                                                      method, want_final)
+        ctx.save_for_backward(q, k, v, g, h0, S_in, *saved)
+        ctx.be, ctx.scale, ctx.segs, ctx.method, ctx.gamma = be, scale, segs, method, gamma
+        return o, final
 
     @staticmethod
     def backward(ctx, do, dfinal):
-        with torch.autocast(device_type=do.device.type, enabled=False):
-            return timed_body("backward body", ZecoGLAFunction._backward, ctx, ctx.be, do, dfinal)
-
-    @staticmethod
-    def _backward(ctx, be, do, dfinal):
         q, k, v, g, h0, S_in, *saved = ctx.saved_tensors
-        scale, segs, method = ctx.scale, ctx.segs, ctx.method
-        B, T, H, K = q.shape
-        V = v.shape[-1]
-        do = do.contiguous()
-        gf = _full_decay(g, q)
-        sp = segs.world > 1
+        with torch.autocast(device_type=do.device.type, enabled=False):
+            grads = timed_body("backward body", _backward, ctx.be, do, dfinal, q, k, v, g, h0, S_in, ctx.gamma,
+                               saved, ctx.scale, ctx.segs, ctx.method)
+        return grads + (None, None, None, None)
 
-        # final-state gradients per local segment
-        dfin: List[Optional[torch.Tensor]] = []
-        for j in range(segs.nseg):
-            if dfinal is None or not segs.ends_here[j]:
-                dfin.append(None)
-            elif segs.varlen:
-                dfin.append(dfinal[segs.seq_ids[j]:segs.seq_ids[j] + 1].float())
-            else:
-                dfin.append(dfinal.float())
 
-        # the part of dS_in this rank contributes (needs only q, g, do): start the reverse scan on it
-        y = None
-        prep = be.bwd_begin(q, k, v, gf, segs.bounds)
-        if sp:
-            if segs.continued:
-                x, evec = be.xgrad(prep, saved, q, g, do, scale, segs.bounds[1])
-                if dfin[0] is not None:
-                    x = x + _scale_state(dfin[0], evec)
-            else:  # nothing of this rank's output depends on the incoming state
-                x = q.new_zeros(B, H, K, V, dtype=torch.float32)
-            smethod = _SCAN_METHOD[method]
-            if method == "lasp1":
-                y = _scan(x.contiguous(), ctx.gamma, segs.group, reverse=True, method=smethod)
-                handle = None
-            else:
-                handle = _scan(x.contiguous(), ctx.gamma, segs.group, reverse=True, method=smethod, async_op=True)
+# ------------------------------------------------------------------------------------------------
+# torch.compile: the same forward and backward as two custom ops (opaque to the tracer: no graph
+# break, no collective while tracing; every rank runs them as the eager function does). Absent
+# results travel as empty tensors (a schema has no optional outputs); which are absent depends on
+# shapes and the group only, so the fake kernels know.
+# ------------------------------------------------------------------------------------------------
+def _op_segments(group_name: str, q, cu_seqlens) -> ShardSegments:
+    return ShardSegments(resolve_group(group_name) if group_name else None, q.shape[1], q.shape[0], cu_seqlens,
+                         "zeco_gla")
 
-        # incoming state of every local segment, as the local forward saw it (with the true S_in)
-        h0s: List[Optional[torch.Tensor]] = []
-        for j in range(segs.nseg):
-            if j == 0 and segs.continued:
-                h0s.append(S_in)
-            elif ctx.h0s_none[j]:
-                h0s.append(None)
-            elif segs.varlen:
-                h0s.append(h0[segs.seq_ids[j]:segs.seq_ids[j] + 1])
-            else:
-                h0s.append(h0)
 
-        prep = be.bwd_prepare(prep, saved, q, k, v, gf, scale, segs.bounds, h0s, do)
-        if sp and y is None:
-            y = handle.wait()
-        dhts = list(dfin)
-        if y is not None:
-            dhts[-1] = y if dhts[-1] is None else dhts[-1] + y
-        if dhts[-1] is None:
-            dhts[-1] = q.new_zeros(B, H, K, V, dtype=torch.float32) if not segs.varlen else q.new_zeros(
-                1, H, K, V, dtype=torch.float32)
-        dq, dk, dv, dgf, dh0s = be.bwd_finish(prep, q, k, v, gf, scale, segs.bounds, h0s, do, dhts)
+def _op_world(group_name: str) -> int:
+    return world_and_rank(resolve_group(group_name))[0] if group_name else 1
 
-        dg = None
-        if g is not None:
-            dg = (dgf.float().sum(-1) if g.dim() == 3 else dgf).to(g.dtype)
-        dh0 = None
-        if h0 is not None:
-            dh0 = torch.zeros_like(h0)
-            for j in range(segs.nseg):
-                if (j == 0 and segs.continued) or dh0s[j] is None:
-                    continue
-                if segs.varlen:
-                    dh0[segs.seq_ids[j]] += dh0s[j][0].to(h0.dtype)
-                else:
-                    dh0 += dh0s[j].to(h0.dtype)
-        return dq, dk, dv, dg, dh0, None, None, None, None
+
+def _or_empty(t: Optional[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
+    """``t``, or for None a new empty fp32 tensor (one each: an op's outputs may not alias)."""
+    return like.new_empty(0, dtype=torch.float32) if t is None else t
+
+
+def _absent(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    return None if t is None or t.numel() == 0 else t
+
+
+@torch.library.custom_op("allscan::zeco_gla", mutates_args=())
+def zeco_gla_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: Optional[torch.Tensor],
+                h0: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor], group_name: str, scale: float,
+                method: str, want_final: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                                        List[torch.Tensor]]:
+    """:func:`zeco_gla`'s forward under torch.compile (``group_name`` "" = one process): ``(o, final,
+    S_in, gamma, saved)``, each absent one an empty tensor."""
+    segs = _op_segments(group_name, q, cu_seqlens)
+    with torch.autocast(device_type=q.device.type, enabled=False):
+        o, final, S_in, gamma, saved = _forward(select_backend(q), q, k, v, g, h0, scale, segs, method, want_final,
+                                                keep_offsets=False)
+    return o, _or_empty(final, q), _or_empty(S_in, q), _or_empty(gamma, q), list(saved)
+
+
+@zeco_gla_op.register_fake
+def _zeco_gla_fake(q, k, v, g, h0, cu_seqlens, group_name, scale, method, want_final):
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    sp = _op_world(group_name) > 1
+    n = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    final = q.new_empty(n, H, K, V, dtype=torch.float32) if want_final else None
+    S_in = q.new_empty(B, H, K, V, dtype=torch.float32) if sp else None
+    gamma = None
+    if sp and (g is not None or cu_seqlens is not None):  # _gamma_fixed / the backend's shard_gamma
+        gamma = q.new_empty(((B,) if g is None else tuple(g.shape[:1]) + tuple(g.shape[2:])), dtype=torch.float32)
+    return (v.new_empty(B, T, H, V), _or_empty(final, q), _or_empty(S_in, q), _or_empty(gamma, q),
+            select_backend(q).saved_like(q, v))
+
+
+@torch.library.custom_op("allscan::zeco_gla_backward", mutates_args=())
+def zeco_gla_backward_op(do: torch.Tensor, dfinal: Optional[torch.Tensor], q: torch.Tensor, k: torch.Tensor,
+                         v: torch.Tensor, g: Optional[torch.Tensor], h0: Optional[torch.Tensor],
+                         cu_seqlens: Optional[torch.Tensor], S_in: Optional[torch.Tensor],
+                         gamma: Optional[torch.Tensor], saved: List[torch.Tensor], group_name: str, scale: float,
+                         method: str) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`zeco_gla`'s backward under torch.compile: ``(dq, dk, dv, dg, dh0)``, an absent one empty."""
+    segs = _op_segments(group_name, q, cu_seqlens)
+    with torch.autocast(device_type=do.device.type, enabled=False):
+        dq, dk, dv, dg, dh0 = _backward(select_backend(q), do, dfinal, q, k, v, g, h0, S_in, gamma, saved, scale,
+                                        segs, method)
+    return dq, dk, dv, _or_empty(dg, q), _or_empty(dh0, q)
+
+
+@zeco_gla_backward_op.register_fake
+def _zeco_gla_backward_fake(do, dfinal, q, k, v, g, h0, cu_seqlens, S_in, gamma, saved, group_name, scale, method):
+    return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
+            _or_empty(None if g is None else torch.empty_like(g), q),
+            _or_empty(None if h0 is None else torch.empty_like(h0), q))
+
+
+def _op_setup_context(ctx, inputs, output):
+    q, k, v, g, h0, cu_seqlens, group_name, scale, method, _ = inputs
+    _, _, S_in, gamma, saved = output
+    ctx.save_for_backward(q, k, v, g, h0, cu_seqlens, S_in, gamma, *saved)
+    ctx.options = (group_name, scale, method)
+
+
+def _op_backward(ctx, do, dfinal, _dS_in, _dgamma, _dsaved):
+    q, k, v, g, h0, cu_seqlens, S_in, gamma, *saved = ctx.saved_tensors
+    group_name, scale, method = ctx.options
+    dq, dk, dv, dg, dh0 = zeco_gla_backward_op(do, _absent(dfinal), q, k, v, g, h0, cu_seqlens, _absent(S_in),
+                                               _absent(gamma), saved, group_name, scale, method)
+    return (dq, dk, dv, None if g is None else dg, None if h0 is None else dh0, None, None, None, None, None)
+
+
+zeco_gla_op.register_autograd(_op_backward, setup_context=_op_setup_context)
 
 
 def zeco_gla(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: Optional[torch.Tensor] = None, group=None, *,
@@ -341,6 +442,11 @@ def zeco_gla(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: Optional[torc
         if initial_state.dtype != torch.float32:
             raise ValueError(f"zeco_gla: initial_state must be float32, got {initial_state.dtype}")
     scale = K ** -0.5 if scale is None else float(scale)
-    segs = ShardSegments(sequence_parallel_group(group, "zeco_gla"), T, B, cu_seqlens, "zeco_gla")
+    spg = sequence_parallel_group(group, "zeco_gla")
+    if torch.compiler.is_compiling():  # the shard's cut is made inside the op (cu_seqlens' values)
+        o, final = zeco_gla_op(q, k, v, g, initial_state, cu_seqlens, "" if spg is None else spg.group_name, scale,
+                               method, bool(output_final_state))[:2]
+        return o, (final if output_final_state else None)
+    segs = ShardSegments(spg, T, B, cu_seqlens, "zeco_gla")
     o, final = ZecoGLAFunction.apply(q, k, v, g, initial_state, scale, segs, method, bool(output_final_state))
     return o, (final if output_final_state else None)
