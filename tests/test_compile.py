@@ -86,10 +86,38 @@ def _opcheck_zeco_gla(rank, world):
     for args in ((q, k, v, g, None, None, name, 0.35, "zeco", True),
                  (q, k, v, g[..., 0].detach().clone().requires_grad_(), None, None, name, 0.35, "lasp2", False),
                  (q.float(), k.float(), v.float(), None, h0.requires_grad_(), None, name, 0.35, "zeco", True),
-                 (q, k, v, g, None, torch.tensor([0, 10, 30, 24 * world]), name, 0.35, "zeco", True)):
+                 (q, k, v, g, None, torch.tensor([0, 10, 30, 24 * world]), name, 0.35, "zeco", True),
+                 # strided inputs: the ops' results are contiguous, as their fake kernels say
+                 (q.transpose(1, 2).contiguous().transpose(1, 2), k, v, g.transpose(1, 2).contiguous().transpose(1, 2),
+                  None, None, name, 0.35, "zeco", True)):
         torch.library.opcheck(torch.ops.allscan.zeco_gla.default, args)
     return True
 
 
 def test_zeco_gla_opcheck_two_ranks():
     assert run_distributed(_opcheck_zeco_gla, 2, timeout=300) == [True, True]
+
+
+def _inductor_strided(rank, world):
+    """The default backend (inductor), which checks every op result against its fake kernel's
+    strides, on strided inputs: zeco_gla's gradients come back contiguous, as its fake says."""
+    import torch._inductor.config as inductor_config
+
+    from allscan.layers import zeco_gla
+
+    torch._dynamo.reset()
+    inductor_config.force_disable_caches = True  # a cached graph would not see a changed fake kernel
+    q, k, v, g = _inputs(rank, "gla")
+    q, g = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, g))  # [B, T, H, K] views, strided
+    do = torch.randn(q.shape[:3] + v.shape[-1:], generator=torch.Generator().manual_seed(9 + rank))
+    got = {}
+    for name, fn in (("eager", zeco_gla), ("inductor", torch.compile(zeco_gla, fullgraph=True))):
+        xs = [t.clone().requires_grad_() for t in (q, k, v, g)]
+        o, _ = fn(*xs)
+        got[name] = [o.detach()] + list(torch.autograd.grad(o, xs, do))
+    return max((a - b).abs().max().item() for a, b in zip(got["eager"], got["inductor"]))
+
+
+def test_inductor_with_strided_inputs():
+    for diff in run_distributed(_inductor_strided, 2, timeout=300):
+        assert diff <= 1e-5, diff

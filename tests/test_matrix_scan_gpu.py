@@ -6,6 +6,7 @@ own result: against the float64 chain (fp32 within 1e-6 relative), against the t
 by powers of two, small integers), where every path's arithmetic is exact. P = 2 runs on two GPUs;
 P = 3 and 4 (which exercise the inner ranks: receive, combine, send on) need as many GPUs.
 """
+import contextlib
 import itertools
 
 import pytest
@@ -201,16 +202,18 @@ def _grads_and_async(rank, P):
     x, m = xs[rank].to(dev), ms[rank].to(dev)
     h = allscan.scan(x, transition=m, async_op=True)
     assert torch.equal(h.wait(), allscan.scan(x, transition=m))
-    for inclusive in (False, True):
+    # Also under a saved-tensor hook (activation offloading), which reads the saved output at once.
+    for inclusive, offload in ((False, False), (True, False), (False, True)):
         got = {}
         for async_op in (False, True):
             x, m, i0 = (t.to(dev).requires_grad_() for t in (xs[rank], ms[rank], init))
-            out = allscan.scan(x, transition=m, init=i0, inclusive=inclusive, async_op=async_op)
-            y = out.wait() if async_op else out
+            with torch.autograd.graph.save_on_cpu() if offload else contextlib.nullcontext():
+                out = allscan.scan(x, transition=m, init=i0, inclusive=inclusive, async_op=async_op)
+                y = out.wait() if async_op else out
             (y * ws[rank].to(dev)).sum().backward()
             got[async_op] = (y.detach(), x.grad, m.grad, i0.grad)
         for a, b, what in zip(got[False], got[True], ("y", "dx", "dM", "dinit")):
-            assert torch.equal(a, b), f"async vs sync, inclusive={inclusive}: {what}"
+            assert torch.equal(a, b), f"async vs sync, inclusive={inclusive}, offload={offload}: {what}"
 
 
 @pytest.mark.parametrize("P", [1, 2, 3])

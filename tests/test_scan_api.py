@@ -1,6 +1,7 @@
 """allscan.scan's errors, the custom op (opcheck, torch.compile), the async handle on CPU, and the C
 core's argument checks and block-count rule through the bindings (no GPU needed). A broken
 ``allscan._C`` fails every test here (``import allscan`` needs it)."""
+import importlib
 import os
 import subprocess
 import sys
@@ -470,3 +471,19 @@ def _device_path_query(rank, P):
 
 def test_device_path_query_and_device_method_on_gloo():
     assert run_distributed(_device_path_query, 3) == ["not tried"] * 3
+
+
+def test_saved_tensor_hooks_are_seen():
+    """An async call whose output autograd saves leaves the side-stream-by-handle path while a
+    saved-tensor hook (offloading, checkpointing) is active: the hook would read the output on the
+    caller's stream before the scan wrote it."""
+    from torch.utils.checkpoint import checkpoint
+
+    S = importlib.import_module("allscan.ops.scan")
+    assert not S._saved_tensor_hooks_active()
+    with torch.autograd.graph.save_on_cpu():
+        assert S._saved_tensor_hooks_active()
+    seen = []
+    checkpoint(lambda t: seen.append(S._saved_tensor_hooks_active()) or t * 2, torch.ones(2, requires_grad=True),
+               use_reentrant=False)
+    assert seen == [True]

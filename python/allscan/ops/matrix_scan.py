@@ -279,7 +279,7 @@ def matrix_scan(tensor: torch.Tensor, transition: torch.Tensor, group, *, revers
     k = 0 if num_blocks is None else int(num_blocks)
     if not async_op:
         return _scan_impl(x, m, i0, name, reverse, inclusive, k, method, group)
-    if by_handle_ok(group, x) and not (inclusive and _needs_grad(x, m, i0)):
+    if by_handle_ok(group, x, _needs_grad(m)) and not (inclusive and _needs_grad(x, m, i0)):
         return side_stream_handle(x, (x, m, i0), lambda side: _scan_impl(x, m, i0, name, reverse, inclusive, k,
                                                                          method, group, side))
     return async_handle(group, x, (x, m, i0), lambda: _scan_impl(x, m, i0, name, reverse, inclusive, k, method, group))

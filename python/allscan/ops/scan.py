@@ -355,11 +355,19 @@ def async_handle(group, x: torch.Tensor, inputs, impl) -> ScanHandle:
     return ScanHandle(out, ev)
 
 
-def by_handle_ok(group, x: torch.Tensor) -> bool:
+def _saved_tensor_hooks_active() -> bool:
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    return top is None or top(False) is not None  # unknown: assume active
+
+
+def by_handle_ok(group, x: torch.Tensor, saves_output: bool) -> bool:
     """Whether an async call on ``x`` can go to the side stream by handle (:func:`side_stream_handle`):
-    eager, NCCL, on the current device."""
+    eager, NCCL, on the current device, and no saved-tensor hook (activation offloading,
+    checkpointing) would read the output on the caller's stream while the side stream still writes it
+    (``saves_output``: autograd saves the output, which the hooks see at once)."""
     return (x.is_cuda and _raw_stream is not None and not torch.compiler.is_compiling()
-            and x.device.index == torch.cuda.current_device() and _comm.uses_nccl(group, x))
+            and x.device.index == torch.cuda.current_device() and _comm.uses_nccl(group, x)
+            and not (saves_output and _saved_tensor_hooks_active()))
 
 
 def side_stream_handle(x: torch.Tensor, inputs, launch) -> ScanHandle:
@@ -574,7 +582,7 @@ def _scan(tensor, gamma, group, transition, reverse, inclusive, init, num_blocks
     k = 0 if num_blocks is None else int(num_blocks)
     if not async_op:
         return _scan_impl(x, g, i0, name, reverse, inclusive, k, method, group)
-    if by_handle_ok(group, x) and not (inclusive and _needs_grad(x, g, i0)):
+    if by_handle_ok(group, x, _needs_grad(g)) and not (inclusive and _needs_grad(x, g, i0)):
         return side_stream_handle(x, (x, g, i0), lambda side: _scan_impl(x, g, i0, name, reverse, inclusive, k,
                                                                          method, group, side))
     return async_handle(group, x, (x, g, i0), lambda: _scan_impl(x, g, i0, name, reverse, inclusive, k, method, group))

@@ -327,7 +327,8 @@ def zeco_gla_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: Optional[t
     with torch.autocast(device_type=q.device.type, enabled=False):
         o, final, S_in, gamma, saved = _forward(select_backend(q), q, k, v, g, h0, scale, segs, method, want_final,
                                                 keep_offsets=False)
-    return o, _or_empty(final, q), _or_empty(S_in, q), _or_empty(gamma, q), list(saved)
+    return (o.contiguous(), _or_empty(final, q).contiguous(), _or_empty(S_in, q), _or_empty(gamma, q).contiguous(),
+            [t.contiguous() for t in saved])  # contiguous whatever the inputs' strides, as the fake says
 
 
 @zeco_gla_op.register_fake
@@ -356,14 +357,16 @@ def zeco_gla_backward_op(do: torch.Tensor, dfinal: Optional[torch.Tensor], q: to
     with torch.autocast(device_type=do.device.type, enabled=False):
         dq, dk, dv, dg, dh0 = _backward(select_backend(q), do, dfinal, q, k, v, g, h0, S_in, gamma, saved, scale,
                                         segs, method)
-    return dq, dk, dv, _or_empty(dg, q), _or_empty(dh0, q)
+    return (dq.contiguous(), dk.contiguous(), dv.contiguous(), _or_empty(dg, q).contiguous(),
+            _or_empty(dh0, q).contiguous())
 
 
 @zeco_gla_backward_op.register_fake
 def _zeco_gla_backward_fake(do, dfinal, q, k, v, g, h0, cu_seqlens, S_in, gamma, saved, group_name, scale, method):
-    return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
-            _or_empty(None if g is None else torch.empty_like(g), q),
-            _or_empty(None if h0 is None else torch.empty_like(h0), q))
+    # the real op's gradients are contiguous whatever the inputs' strides
+    return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape),
+            _or_empty(None if g is None else g.new_empty(g.shape), q),
+            _or_empty(None if h0 is None else h0.new_empty(h0.shape), q))
 
 
 def _op_setup_context(ctx, inputs, output):
