@@ -44,6 +44,10 @@ arguments across ranks raises on every rank in the scan's signature check instea
 
 The local work runs on one of two staged backends (:class:`~allscan.ops.gla.fla.FlaGLA` on CUDA with
 fla-core, :class:`~allscan.ops.gla.chunk.TorchGLA` otherwise; ``ALLSCAN_GLA_BACKEND`` forces one).
+
+Entry points of the same two bodies (:func:`_forward`, :func:`_backward`): eager calls go through
+:class:`ZecoGLAFunction`; under torch.compile the layer is the custom ops ``allscan::zeco_gla`` and
+``allscan::zeco_gla_backward`` (the tracer sees neither the collectives nor fla's kernels).
 """
 from __future__ import annotations
 
