@@ -123,6 +123,22 @@ def _gamma_fixed(segs, g, B, device):
     return None  # computed by the backend from the shard's decays
 
 
+def _segment_states(segs: ShardSegments, h0, first) -> List[Optional[torch.Tensor]]:
+    """The initial state of every local segment (None = zeros): ``first`` for a first segment that
+    continues a sequence from the previous rank, else the caller's ``initial_state`` (its row)."""
+    h0s: List[Optional[torch.Tensor]] = []
+    for j in range(segs.nseg):
+        if j == 0 and segs.continued:
+            h0s.append(first)
+        elif h0 is None:
+            h0s.append(None)
+        elif segs.varlen:
+            h0s.append(h0[segs.seq_ids[j]:segs.seq_ids[j] + 1])
+        else:
+            h0s.append(h0)
+    return h0s
+
+
 def _forward(be, q, k, v, g, h0, scale, segs: ShardSegments, method: str, want_final: bool, keep_offsets=True):
     """The forward on the local backend ``be``: ``(o, final or None, S_in or None, gamma or None,
     saved)``, what the backward needs besides the inputs (``S_in``: the state entering the shard,
@@ -135,17 +151,7 @@ def _forward(be, q, k, v, g, h0, scale, segs: ShardSegments, method: str, want_f
     sp = segs.world > 1
     smethod = _SCAN_METHOD[method]
 
-    # initial state of every local segment (None = zeros); a continued first segment starts from 0
-    h0s: List[Optional[torch.Tensor]] = []
-    for j in range(segs.nseg):
-        if j == 0 and segs.continued:
-            h0s.append(None)
-        elif h0 is None:
-            h0s.append(None)
-        elif segs.varlen:
-            h0s.append(h0[segs.seq_ids[j]:segs.seq_ids[j] + 1])
-        else:
-            h0s.append(h0)
+    h0s = _segment_states(segs, h0, None)  # a continued first segment starts from 0
 
     st = be.fwd_states(q, k, v, gf, scale, segs.bounds, h0s)
     gamma = None
@@ -235,17 +241,7 @@ def _backward(be, do, dfinal, q, k, v, g, h0, S_in, gamma, saved, scale, segs: S
         else:
             handle = _scan(x.contiguous(), gamma, segs.group, reverse=True, method=smethod, async_op=True)
 
-    # incoming state of every local segment, as the local forward saw it (with the true S_in)
-    h0s: List[Optional[torch.Tensor]] = []
-    for j in range(segs.nseg):
-        if j == 0 and segs.continued:
-            h0s.append(S_in)
-        elif h0 is None:
-            h0s.append(None)
-        elif segs.varlen:
-            h0s.append(h0[segs.seq_ids[j]:segs.seq_ids[j] + 1])
-        else:
-            h0s.append(h0)
+    h0s = _segment_states(segs, h0, S_in)  # as the local forward saw them, with the true S_in
 
     prep = be.bwd_prepare(prep, saved, q, k, v, gf, scale, segs.bounds, h0s, do)
     if sp and y is None:
