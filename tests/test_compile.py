@@ -20,13 +20,14 @@ def _inputs(rank, op):
     q, k, v = (torch.randn(B, T, H, K, generator=gen) for _ in range(3))
     if op.startswith("gla"):
         return q, k, v, -torch.rand(B, T, H, K, generator=gen) * 0.2
-    return (q, torch.nn.functional.normalize(k, dim=-1), v, -torch.rand(B, T, H, generator=gen) * 0.2,
+    gshape = (B, T, H, K) if op == "kda" else (B, T, H)
+    return (q, torch.nn.functional.normalize(k, dim=-1), v, -torch.rand(*gshape, generator=gen) * 0.2,
             torch.rand(B, T, H, generator=gen))
 
 
 def _step(op):
     import allscan
-    from allscan.layers import zeco_gated_delta_rule, zeco_gla
+    from allscan.layers import zeco_gated_delta_rule, zeco_gla, zeco_kda
 
     def scan(x, g):
         return allscan.scan(x, g, inclusive=True) * 2
@@ -35,14 +36,14 @@ def _step(op):
         if op == "gla-varlen":  # packed sequences cut inside both shards of two ranks
             cu = torch.tensor([0, 10, 30, 24 * dist.get_world_size()])
             return zeco_gla(q, *rest, output_final_state=True, cu_seqlens=cu)
-        fn = zeco_gla if op == "gla" else zeco_gated_delta_rule
+        fn = {"gla": zeco_gla, "gdn": zeco_gated_delta_rule, "kda": zeco_kda}[op]
         o, final = fn(q, *rest, output_final_state=True)
         return o, final
 
     return scan if op == "scan" else layer
 
 
-def _compiled_equals_eager(rank, world, op, backward=True):
+def _compiled_equals_eager(rank, world, op, backward=True, fullgraph=True):
     torch._dynamo.reset()
     fn = _step(op)
     if op == "scan":
@@ -50,7 +51,7 @@ def _compiled_equals_eager(rank, world, op, backward=True):
     else:
         args = _inputs(rank, op)
     results = {}
-    for name, f in (("eager", fn), ("compiled", torch.compile(fn, fullgraph=True, backend="aot_eager"))):
+    for name, f in (("eager", fn), ("compiled", torch.compile(fn, fullgraph=fullgraph, backend="aot_eager"))):
         xs = [a.clone().requires_grad_(backward and a.is_floating_point()) for a in args]
         out = f(*xs)
         outs = out if isinstance(out, tuple) else (out,)
@@ -67,12 +68,40 @@ CASES = [("scan", 1, True), ("scan", 2, True), ("gla", 1, True), ("gla", 2, True
 @pytest.mark.parametrize("op, world, backward", CASES, ids=[f"{op}-P{w}" for op, w, _ in CASES])
 def test_fullgraph_compile_equals_eager(op, world, backward):
     """Forward and backward of the scan and of zeco_gla (its custom ops), at P = 1..3, packed
-    sequences included; Gated DeltaNet's forward at P = 1. Not yet (issue 14): the delta-rule layers'
-    backward (their torch backend recomputes with torch.autograd.grad inside autograd.Function.backward,
-    which Dynamo does not trace; on GPU fla's chunk functions are compiler-disabled) and those layers at
-    P > 1 (their Python, the cross-rank check included, runs inside the trace)."""
+    sequences included; Gated DeltaNet's forward at P = 1. Not without graph breaks (issue 14): the
+    delta-rule layers' backward (their torch backend recomputes with torch.autograd.grad inside
+    autograd.Function.backward, which Dynamo does not trace; on GPU fla's chunk functions are
+    compiler-disabled) and those layers at P > 1 (below, with graph breaks)."""
     for diff in run_distributed(_compiled_equals_eager, world, op, backward, timeout=300):
         assert diff <= 1e-5, diff
+
+
+@pytest.mark.parametrize("op", ["gdn", "kda"])
+def test_delta_layers_compile_with_graph_breaks(op):
+    """The delta-rule layers inside a compiled model at P = 2, forward and backward: Dynamo breaks the
+    graph around them (their cross-rank check, the scan's autograd, on GPU fla's compiler-disabled
+    kernels) and the result equals eager."""
+    for diff in run_distributed(_compiled_equals_eager, 2, op, True, False, timeout=300):
+        assert diff <= 1e-5, diff
+
+
+def _compiled_invalid_cu_seqlens(rank, world):
+    """Under torch.compile zeco_gla cuts its shard inside the op, from cu_seqlens' values: a rank whose
+    cu_seqlens is wrong raises there and its peer's first exchange fails too (no hang)."""
+    from allscan.layers import zeco_gla
+
+    torch._dynamo.reset()
+    q, k, v, g = _inputs(rank, "gla")
+    step = torch.compile(lambda cu: zeco_gla(q, k, v, g, cu_seqlens=cu)[0], fullgraph=True, backend="aot_eager")
+    assert step(torch.tensor([0, 10, 24 * world])).shape == v.shape
+    with pytest.raises(ValueError, match="strictly increasing" if rank == 1 else
+                       r"rank\(s\) \[1\] rejected their own arguments"):
+        step(torch.tensor([0, 30, 10, 24 * world]) if rank == 1 else torch.tensor([0, 10, 30, 24 * world]))
+    return True
+
+
+def test_compiled_zeco_gla_invalid_cu_seqlens_reaches_every_rank():
+    assert run_distributed(_compiled_invalid_cu_seqlens, 2, timeout=300) == [True, True]
 
 
 def _opcheck_zeco_gla(rank, world):

@@ -293,6 +293,25 @@ def test_mismatched_shapes_across_ranks_raise():
     run_distributed(_run_mismatch, 2, timeout=120)
 
 
+def _run_one_rank_invalid(rank, world):
+    # one rank's own bad argument (here a cu_seqlens that does not cover the global sequence, then a
+    # wrong v) raises there and reaches its peers at once: their first exchange carries its marker
+    q = torch.randn(1, 8, H, K)
+    v = torch.randn(1, 8, H, V)
+    cu = torch.tensor([0, 5, 8 * world - (rank == 1)])
+    with pytest.raises(ValueError, match="cu_seqlens must start at 0 and end at" if rank == 1 else
+                       r"rank\(s\) \[1\] rejected their own arguments"):
+        zeco_gla(q, q, v, None, cu_seqlens=cu)
+    with pytest.raises(ValueError, match="v must be" if rank == 1 else r"rank\(s\) \[1\] rejected their own"):
+        zeco_gla(q, q, v[:, :7] if rank == 1 else v, None, output_final_state=True)
+    o, _ = zeco_gla(q, q, v, None)  # and the group still works
+    assert o.shape == v.shape
+
+
+def test_one_rank_invalid_arguments_reach_every_rank():
+    run_distributed(_run_one_rank_invalid, 2, timeout=120)
+
+
 def _run_default_group(rank, world):
     """``group=None`` in an initialised group is the default group (torch.distributed's convention):
     the same as passing it, and the single-process answer on the whole sequence; ``LOCAL`` is one

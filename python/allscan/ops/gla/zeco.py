@@ -60,6 +60,7 @@ from allscan._contract import settings
 
 from allscan._comm import resolve_group
 
+from .._launch import validated_group
 from .._shards import LOCAL, ShardSegments, sequence_parallel_group, world_and_rank
 from .chunk import TorchGLA
 from .fla import FlaGLA, fla_available
@@ -299,8 +300,17 @@ class ZecoGLAFunction(torch.autograd.Function):
 # shapes and the group only, so the fake kernels know.
 # ------------------------------------------------------------------------------------------------
 def _op_segments(group_name: str, q, cu_seqlens) -> ShardSegments:
-    return ShardSegments(resolve_group(group_name) if group_name else None, q.shape[1], q.shape[0], cu_seqlens,
-                         "zeco_gla")
+    group = resolve_group(group_name) if group_name else None
+    segs = []
+
+    def validate():
+        segs.append(ShardSegments(group, q.shape[1], q.shape[0], cu_seqlens, "zeco_gla"))
+
+    if group is None:
+        validate()
+    else:  # a bad cu_seqlens on one rank reaches its peers' first exchange (as in eager)
+        validated_group(group, q, "zeco_gla", validate)
+    return segs[0]
 
 
 def _op_world(group_name: str) -> int:
@@ -387,6 +397,36 @@ def _op_backward(ctx, do, dfinal, _dS_in, _dgamma, _dsaved):
 zeco_gla_op.register_autograd(_op_backward, setup_context=_op_setup_context)
 
 
+def _check_arguments(q, k, v, g, initial_state, cu_seqlens, method):
+    """zeco_gla's local argument checks (the packed sequences' cut is checked by ShardSegments)."""
+    if method not in _SCAN_METHOD:
+        raise ValueError(f"zeco_gla: method must be one of {sorted(_SCAN_METHOD)}, got {method!r}")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4:
+            raise ValueError(f"zeco_gla: {name} must be a 4-D tensor [B, T_local, H, D], got "
+                             f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
+    B, T, H, K = q.shape
+    if k.shape != q.shape:
+        raise ValueError(f"zeco_gla: k must have q's shape {tuple(q.shape)}, got {tuple(k.shape)}")
+    if v.shape[:3] != q.shape[:3]:
+        raise ValueError(f"zeco_gla: v must be [B, T_local, H, V] = [{B}, {T}, {H}, V], got {tuple(v.shape)}")
+    if T == 0:
+        raise ValueError("zeco_gla: every rank needs at least one token (T_local = 0)")
+    V = v.shape[-1]
+    if g is not None and tuple(g.shape) not in ((B, T, H, K), (B, T, H)):
+        raise ValueError(f"zeco_gla: g must be [B, T, H, K] = {(B, T, H, K)} (GLA), [B, T, H] = {(B, T, H)} "
+                         f"(simple GLA) or None, got {tuple(g.shape)}")
+    if g is not None and not g.is_floating_point():
+        raise ValueError(f"zeco_gla: g must be a floating-point tensor, got {g.dtype}")
+    if initial_state is not None:
+        n = B if cu_seqlens is None else cu_seqlens.numel() - 1
+        if tuple(initial_state.shape) != (n, H, K, V):
+            raise ValueError(f"zeco_gla: initial_state must be [{'B' if cu_seqlens is None else 'N'}, H, K, V] = "
+                             f"{(n, H, K, V)}, got {tuple(initial_state.shape)}")
+        if initial_state.dtype != torch.float32:
+            raise ValueError(f"zeco_gla: initial_state must be float32, got {initial_state.dtype}")
+
+
 def zeco_gla(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: Optional[torch.Tensor] = None, group=None, *,
              scale: Optional[float] = None, initial_state: Optional[torch.Tensor] = None,
              output_final_state: bool = False, cu_seqlens: Optional[torch.Tensor] = None, method: str = "zeco"):
@@ -418,38 +458,25 @@ def zeco_gla(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: Optional[torc
     Returns:
         ``(o [B, T_local, H, V] in v's dtype, final_state or None)``.
     """
-    if method not in _SCAN_METHOD:
-        raise ValueError(f"zeco_gla: method must be one of {sorted(_SCAN_METHOD)}, got {method!r}")
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor) or t.dim() != 4:
-            raise ValueError(f"zeco_gla: {name} must be a 4-D tensor [B, T_local, H, D], got "
-                             f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
-    B, T, H, K = q.shape
-    if k.shape != q.shape:
-        raise ValueError(f"zeco_gla: k must have q's shape {tuple(q.shape)}, got {tuple(k.shape)}")
-    if v.shape[:3] != q.shape[:3]:
-        raise ValueError(f"zeco_gla: v must be [B, T_local, H, V] = [{B}, {T}, {H}, V], got {tuple(v.shape)}")
-    if T == 0:
-        raise ValueError("zeco_gla: every rank needs at least one token (T_local = 0)")
-    V = v.shape[-1]
-    if g is not None and tuple(g.shape) not in ((B, T, H, K), (B, T, H)):
-        raise ValueError(f"zeco_gla: g must be [B, T, H, K] = {(B, T, H, K)} (GLA), [B, T, H] = {(B, T, H)} "
-                         f"(simple GLA) or None, got {tuple(g.shape)}")
-    if g is not None and not g.is_floating_point():
-        raise ValueError(f"zeco_gla: g must be a floating-point tensor, got {g.dtype}")
-    if initial_state is not None:
-        n = B if cu_seqlens is None else cu_seqlens.numel() - 1
-        if tuple(initial_state.shape) != (n, H, K, V):
-            raise ValueError(f"zeco_gla: initial_state must be [{'B' if cu_seqlens is None else 'N'}, H, K, V] = "
-                             f"{(n, H, K, V)}, got {tuple(initial_state.shape)}")
-        if initial_state.dtype != torch.float32:
-            raise ValueError(f"zeco_gla: initial_state must be float32, got {initial_state.dtype}")
-    scale = K ** -0.5 if scale is None else float(scale)
     spg = sequence_parallel_group(group, "zeco_gla")
-    if torch.compiler.is_compiling():  # the shard's cut is made inside the op (cu_seqlens' values)
+    compiling = torch.compiler.is_compiling()
+    segs = None
+
+    def validate():
+        nonlocal segs
+        _check_arguments(q, k, v, g, initial_state, cu_seqlens, method)
+        if not compiling:  # cu_seqlens' values are read inside the op then
+            segs = ShardSegments(spg, q.shape[1], q.shape[0], cu_seqlens, "zeco_gla")
+
+    if spg is None:
+        validate()
+    else:  # a rank whose arguments fail tells its peers, whose first exchange then fails too
+        validated_group(spg, q, "zeco_gla", validate)
+    K = q.shape[-1]
+    scale = K ** -0.5 if scale is None else float(scale)
+    if compiling:  # the shard's cut is made inside the op (cu_seqlens' values)
         o, final = zeco_gla_op(q, k, v, g, initial_state, cu_seqlens, "" if spg is None else spg.group_name, scale,
                                method, bool(output_final_state))[:2]
         return o, (final if output_final_state else None)
-    segs = ShardSegments(spg, T, B, cu_seqlens, "zeco_gla")
     o, final = ZecoGLAFunction.apply(q, k, v, g, initial_state, scale, segs, method, bool(output_final_state))
     return o, (final if output_final_state else None)
