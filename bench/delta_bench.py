@@ -2,6 +2,7 @@
 """Sequence-parallel Gated DeltaNet and KDA operator benchmark: allscan against fla's own CP.
 
     torchrun --nproc-per-node 2 bench/delta_bench.py --out DIR          # on the GPU machine
+    torchrun --nproc-per-node 1 bench/delta_bench.py --graph ...        # one GPU: a middle rank's work (below)
     python3 bench/delta_bench.py --model                                # the per-rank cost model only (CPU)
 
 Forward + backward time of one operator (B = 1, H = 16, K = V = 128, bf16 by default), the sequence
@@ -18,8 +19,15 @@ rank's time per call, median of the repeats:
     allgather   ``zeco_*(method="allgather")``: every rank's state and transition all-gathered
     fla_cp      ``zeco_*(method="fla_cp")``: fla's own context parallelism (``build_cp_context``)
 
-Peak memory above the inputs for one fwd+bwd, per row (max over ranks). The agreement of the
-sequence-parallel rows is checked first (relative error of output and gradients against ``fla_cp``).
+Beside each row's time (CUDA events: what a training loop sees) the host's issue time of the same
+calls (nothing synchronised inside; a row whose issue time reaches its time is host-bound), and with
+``--graph`` the time of one fwd+bwd captured in a CUDA graph and replayed (the GPU's time without the
+host; ``fla_cp`` is not captured), with whether the replay is bitwise the eager call. Peak memory above
+the inputs for one fwd+bwd, per row (max over ranks). The agreement of the sequence-parallel rows is
+checked first (relative error of output and gradients against ``fla_cp``). With one rank the ``zeco``
+and ``allgather`` rows run what a middle rank of a longer chain runs (its shard continues the
+sequence: the scan and the fold-in are issued, over the one-rank group, no transfer), ``fla_cp`` is
+left out and the agreement is ``allgather`` against ``zeco``.
 Writes DIR/delta_bench.json and prints a table with the ratios to ``ideal``; ``--model`` prints the
 model of bytes received and combine FLOPs per rank for ``zeco`` and ``fla_cp`` at P = 2..256 (a model,
 not a measurement). ``--fla-autotune one`` (default) gives every fla kernel one fixed config, the
@@ -36,7 +44,7 @@ import statistics
 import sys
 import time
 
-from gla_common import add_fla_autotune_option, progress
+from gla_common import add_fla_autotune_option, captured_time, middle_rank_stand_in, progress
 
 ROWS = ["ideal", "wide", "zeco", "allgather", "fla_cp"]
 _say = progress("delta_bench")
@@ -58,24 +66,17 @@ def _inputs(layer, T, H, K, V, dtype, dev, seed):
     return ins, do
 
 
-def run(args):
+def _measure(args, rows, dev):
+    """``(results, agreement)``: every row's times and peak memory at every (layer, T_local)."""
     import torch
     import torch.distributed as dist
 
     from allscan.layers import zeco_gated_delta_rule, zeco_kda
     from allscan.ops.delta.fla import widened_call, fla_kernel
     from allscan.ops.delta.gates import DeltaOptions
-    from allscan.ops.gla import limit_fla_autotune
 
-    local = int(os.environ.get("LOCAL_RANK", "0"))
-    torch.cuda.set_device(local)
-    dev = torch.device("cuda", local)
-    dist.init_process_group("nccl", device_id=dev)
     group = dist.group.WORLD
     rank, world = dist.get_rank(), dist.get_world_size()
-    nk = limit_fla_autotune(args.fla_autotune)
-    _say(f"P={world}, layers {args.layers}, T_local {args.tlocal}, fla autotune {args.fla_autotune!r} ({nk} kernels)",
-         rank)
     dtype = getattr(torch, args.dtype)
     H, K, V = args.heads, args.head_dim, args.head_dim
     results, checks = [], {}
@@ -89,50 +90,62 @@ def run(args):
             def fwd_bwd(name):
                 if name == "ideal":
                     o, _ = fn(q, k, v, g, beta, **kw)
-                    return o, torch.autograd.grad(o, ins, do)
+                    return (o,) + torch.autograd.grad(o, ins, do)
                 if name == "wide":
                     o, q_eff, h, M = widened_call(fn, kw, q, k, v, g, beta, K ** -0.5, None)
-                    return o, torch.autograd.grad((o, q_eff, h, M), ins, (do, torch.ones_like(q_eff),
-                                                                          torch.ones_like(h), torch.ones_like(M)))
+                    return (o,) + torch.autograd.grad((o, q_eff, h, M), ins, (do, torch.ones_like(q_eff),
+                                                                              torch.ones_like(h), torch.ones_like(M)))
                 o, _ = op(q, k, v, g, beta, group, method=name)
-                return o, torch.autograd.grad(o, ins, do)
+                return (o,) + torch.autograd.grad(o, ins, do)
 
             tag = f"{layer} T_local={T}"
             _say(f"{tag}: first fwd+bwd of every row (compiles kernels the first time)", rank, True)
             outs = {}
-            for n in ROWS:
+            for n in rows:
                 outs[n] = fwd_bwd(n)
                 torch.cuda.synchronize()
                 _say(f"{tag}: {n} ran", rank)
-            ref_o, ref_g = outs["fla_cp"]
-            for n in ("zeco", "allgather"):
-                o, gr = outs[n]
-                err = max([((o.float() - ref_o.float()).norm() / ref_o.float().norm()).item()] +
-                          [((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
-                           for a, b in zip(gr, ref_g)])
-                checks[f"{layer}/{T}/{n}"] = err
-            del outs, ref_o, ref_g
+            ref = outs["fla_cp" if world > 1 else "zeco"]
+            for n in ("zeco", "allgather") if world > 1 else ("allgather",):
+                checks[f"{layer}/{T}/{n}"] = max(((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
+                                                 .item() for a, b in zip(outs[n], ref))
+            del outs, ref
             for _ in range(args.warmup):
-                for n in ROWS:
+                for n in rows:
                     fwd_bwd(n)
             torch.cuda.synchronize()
-            _say(f"{tag}: timing {args.repeats} repeats x {len(ROWS)} rows x {args.inner} calls", rank, True)
-            times = {n: [] for n in ROWS}
+            _say(f"{tag}: timing {args.repeats} repeats x {len(rows)} rows x {args.inner} calls", rank, True)
+            times = {n: [] for n in rows}
+            hosts = {n: [] for n in rows}
             for r in range(args.repeats):
-                for n in (ROWS if r % 2 == 0 else ROWS[::-1]):
+                for n in (rows if r % 2 == 0 else rows[::-1]):
                     dist.barrier()
                     torch.cuda.synchronize()
                     e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                     e0.record()
+                    t0 = time.perf_counter()
                     for _ in range(args.inner):
                         fwd_bwd(n)
+                    t_host = (time.perf_counter() - t0) / args.inner * 1e3
                     e1.record()
                     torch.cuda.synchronize()
-                    t = torch.tensor([e0.elapsed_time(e1) / args.inner], device=dev)
+                    t = torch.tensor([e0.elapsed_time(e1) / args.inner, t_host], device=dev)
                     dist.all_reduce(t, op=dist.ReduceOp.MAX)
-                    times[n].append(t.item())
+                    times[n].append(t[0].item())
+                    hosts[n].append(t[1].item())
+            graphs = {}
+            if args.graph:
+                _say(f"{tag}: captured", rank, True)
+                for n in rows:
+                    if n == "fla_cp":  # fla's CP reads cu_seqlens on the host: not capturable
+                        continue
+                    dist.barrier()
+                    ms, equal = captured_time(fwd_bwd, n, args.inner, dev)
+                    t = torch.tensor([ms, 0.0 if equal else 1.0], device=dev)
+                    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+                    graphs[n] = dict(graph_ms=t[0].item(), graph_equal=t[1].item() == 0.0)
             peaks = {}
-            for n in ROWS:
+            for n in rows:
                 torch.cuda.synchronize()
                 torch.cuda.reset_peak_memory_stats()
                 base = torch.cuda.memory_allocated()
@@ -143,17 +156,38 @@ def run(args):
                 peaks[n] = p.item()
             if args.profile:
                 _profile(fwd_bwd, f"{layer}_{T}", rank, args.out)
-            for n in ROWS:
+            for n in rows:
                 results.append(dict(layer=layer, T_local=T, row=n, ms=statistics.median(times[n]), ms_all=times[n],
-                                    peak_mib=peaks[n]))
-            _say(f"{tag}: " + ", ".join(f"{n} {statistics.median(times[n]):.2f} ms" for n in ROWS), rank)
+                                    host_ms=statistics.median(hosts[n]), peak_mib=peaks[n], **graphs.get(n, {})))
+            _say(f"{tag}: " + ", ".join(f"{n} {statistics.median(times[n]):.2f} ms" for n in rows), rank)
             torch.cuda.empty_cache()
+    return results, checks
+
+
+def run(args):
+    import torch
+    import torch.distributed as dist
+
+    from allscan.ops.gla import limit_fla_autotune
+
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    torch.cuda.set_device(local)
+    dev = torch.device("cuda", local)
+    dist.init_process_group("nccl", device_id=dev)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    rows = ROWS if world > 1 else [n for n in ROWS if n != "fla_cp"]
+    nk = limit_fla_autotune(args.fla_autotune)
+    _say(f"P={world}, layers {args.layers}, T_local {args.tlocal}, fla autotune {args.fla_autotune!r} ({nk} kernels)",
+         rank)
+    with middle_rank_stand_in(world, "allscan.ops.delta.zeco"):
+        results, checks = _measure(args, rows, dev)
+    H, K, V = args.heads, args.head_dim, args.head_dim
     out = dict(bench="delta_bench", world=world, B=1, H=H, K=K, V=V, dtype=args.dtype, repeats=args.repeats,
                inner=args.inner, warmup=args.warmup, fla_autotune=args.fla_autotune, host=socket.gethostname(),
                device=torch.cuda.get_device_name(dev), torch=torch.__version__, fla=_version("fla-core"),
-               time=time.strftime("%Y-%m-%d %H:%M:%S"),
+               time=time.strftime("%Y-%m-%d %H:%M:%S"), middle_rank_stand_in=world == 1,
                command="torchrun --nproc-per-node %d bench/delta_bench.py %s" % (world, " ".join(sys.argv[1:])),
-               agreement_rel_err_vs_fla_cp=checks, results=results)
+               agreement_rel_err=checks, agreement_reference="fla_cp" if world > 1 else "zeco", results=results)
     if rank == 0:
         os.makedirs(args.out, exist_ok=True)
         path = os.path.join(args.out, "delta_bench.json")
@@ -195,8 +229,9 @@ def _version(pkg):
 
 
 def report(out):
-    print(f"\n{out['bench']}: P={out['world']}, H={out['H']}, K={out['K']}, V={out['V']}, {out['dtype']}, fwd+bwd, "
-          f"slowest rank, median of {out['repeats']} (ms; x = ratio to ideal; peak MiB above the inputs)")
+    stand_in = " (a middle rank stood in by one GPU)" if out.get("middle_rank_stand_in") else ""
+    print(f"\n{out['bench']}: P={out['world']}{stand_in}, H={out['H']}, K={out['K']}, V={out['V']}, {out['dtype']}, "
+          f"fwd+bwd, slowest rank, median of {out['repeats']} (ms; x = ratio to ideal; peak MiB above the inputs)")
     by = {(r["layer"], r["T_local"], r["row"]): r for r in out["results"]}
     keys = sorted({(r["layer"], r["T_local"]) for r in out["results"]})
     print(f"{'layer':6s} {'T_local':>7s} " + " ".join(f"{n:>17s}" for n in ROWS))
@@ -207,8 +242,24 @@ def report(out):
             r = by.get((layer, T, n))
             cells.append(f"{r['ms']:6.2f} {r['ms'] / ideal:4.2f}x {r['peak_mib']:4.0f}" if r else f"{'-':>17s}")
         print(f"{layer:6s} {T:7d} " + " ".join(cells))
-    for key, err in sorted(out.get("agreement_rel_err_vs_fla_cp", {}).items()):
-        print(f"  agreement {key}: max relative error against fla_cp {err:.2e}")
+    print("host issue ms (x = issue / time: 1 is host-bound); captured ms (x = ratio to ideal captured, "
+          "= : replay bitwise equal to eager)")
+    for layer, T in keys:
+        ideal = by[(layer, T, "ideal")]
+        cells = []
+        for n in ROWS:
+            r = by.get((layer, T, n))
+            if r is None or "host_ms" not in r:
+                cells.append(f"{'-':>17s}")
+                continue
+            cell = f"{r['host_ms']:5.2f} {r['host_ms'] / r['ms']:4.2f}x"
+            if "graph_ms" in r:
+                cell += f" {r['graph_ms']:5.2f} {r['graph_ms'] / ideal['graph_ms']:4.2f}x{'=' if r['graph_equal'] else '!'}"
+            cells.append(f"{cell:>17s}")
+        print(f"{layer:6s} {T:7d} " + " ".join(cells))
+    ref = out.get("agreement_reference", "fla_cp")
+    for key, err in sorted(out.get("agreement_rel_err", out.get("agreement_rel_err_vs_fla_cp", {})).items()):
+        print(f"  agreement {key}: max relative error against {ref} {err:.2e}")
 
 
 def model_table(H, K, V, worlds):
@@ -237,6 +288,7 @@ def main():
     ap.add_argument("--inner", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--profile", action="store_true", help="also write torch.profiler tables of wide and zeco")
+    ap.add_argument("--graph", action="store_true", help="also time each row captured in a CUDA graph (not fla_cp)")
     ap.add_argument("--model", action="store_true", help="print the per-rank cost model and exit (no GPU)")
     add_fla_autotune_option(ap)
     args = ap.parse_args()

@@ -1,7 +1,9 @@
-"""What the GLA benchmarks (gla_bench.py, gla_train.py) share: progress lines, the fla autotune
-option, and redrawing a run's table and plot from its JSON."""
+"""What the layer benchmarks (gla_bench.py, gla_host.py, gla_train.py, delta_bench.py) share: progress
+lines, the fla autotune option, redrawing a run's table and plot from its JSON, one GPU standing in for
+a middle rank, and the time of a captured CUDA graph."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -43,3 +45,63 @@ def redraw(path: str, outdir: str, report, plot) -> None:
     report(out)
     os.makedirs(outdir, exist_ok=True)
     plot(out, outdir)
+
+
+@contextlib.contextmanager
+def middle_rank_stand_in(world: int, module: str):
+    """With one rank: the layer of ``module`` (``allscan.ops.gla.zeco``, ``allscan.ops.delta.zeco``) cuts
+    its shards as a middle rank's (the sequence continues from a previous rank: the incoming-state work
+    and the scans are issued, over the one-rank group), so one GPU issues a middle rank's work. With
+    more ranks: nothing changes."""
+    import importlib
+
+    zeco_module = importlib.import_module(module)
+
+    real = zeco_module.ShardSegments
+    if world > 1:
+        yield
+        return
+
+    class MiddleRank(real):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            if not self.varlen:
+                self.world, self.rank, self.continued = 2, 1, True
+
+    zeco_module.ShardSegments = MiddleRank
+    try:
+        yield
+    finally:
+        zeco_module.ShardSegments = real
+
+
+def captured_time(fwd_bwd, name, calls, dev):
+    """(replay ms per call, bitwise equal to eager): one ``fwd_bwd(name)`` (returning a tuple of
+    tensors) captured in a CUDA graph after warm-up on a side stream, replayed ``calls`` times, best of 3."""
+    import torch
+
+    side = torch.cuda.Stream(dev)
+    side.wait_stream(torch.cuda.current_stream(dev))
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fwd_bwd(name)
+    torch.cuda.current_stream(dev).wait_stream(side)
+    torch.cuda.synchronize(dev)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = fwd_bwd(name)
+    eager = fwd_bwd(name)
+    graph.replay()
+    torch.cuda.synchronize(dev)
+    equal = all(torch.equal(a, b) for a, b in zip(captured, eager))
+    times = []
+    for _ in range(3):
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        for _ in range(calls):
+            graph.replay()
+        e1.record()
+        torch.cuda.synchronize(dev)
+        times.append(e0.elapsed_time(e1) / calls)
+    del graph
+    return min(times), equal

@@ -21,7 +21,6 @@ work is a middle rank's; the GPU's lacks only the transfer. Writes DIR/gla_host.
 """
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import socket
@@ -29,33 +28,11 @@ import statistics
 import sys
 import time
 
+from gla_common import captured_time, middle_rank_stand_in
+
 ROWS = ("ideal", "zeco")
 FLA_STAGES = ("fwd_states", "fwd_intra", "fwd_output", "bwd_begin", "bwd_prepare", "bwd_finish")
 ALLSCAN_KERNELS = ("shard_gamma", "fwd_output_with_state", "correct", "xgrad")
-
-
-@contextlib.contextmanager
-def _middle_rank_stand_in(world: int):
-    """With one rank: zeco_gla's shards are cut as a middle rank's (the sequence continues from a
-    previous rank), so one GPU issues a middle rank's work. With more ranks: nothing changes."""
-    import allscan.ops.gla.zeco as zeco_module
-
-    real = zeco_module.ShardSegments
-    if world > 1:
-        yield
-        return
-
-    class MiddleRank(real):
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, **kwargs)
-            if not self.varlen:
-                self.world, self.rank, self.continued = 2, 1, True
-
-    zeco_module.ShardSegments = MiddleRank
-    try:
-        yield
-    finally:
-        zeco_module.ShardSegments = real
 
 
 def _slowest(value: float, dev) -> float:
@@ -65,37 +42,6 @@ def _slowest(value: float, dev) -> float:
     t = torch.tensor([value], device=dev)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return t.item()
-
-
-def _captured(fwd_bwd, name, calls, dev):
-    """(replay ms per call, bitwise equal to eager): one fwd+bwd captured after warm-up on a side stream."""
-    import torch
-
-    side = torch.cuda.Stream(dev)
-    side.wait_stream(torch.cuda.current_stream(dev))
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fwd_bwd(name)
-    torch.cuda.current_stream(dev).wait_stream(side)
-    torch.cuda.synchronize(dev)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = fwd_bwd(name)
-    eager = fwd_bwd(name)
-    graph.replay()
-    torch.cuda.synchronize(dev)
-    equal = all(torch.equal(a, b) for a, b in zip(captured, eager))
-    times = []
-    for _ in range(3):
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        e0.record()
-        for _ in range(calls):
-            graph.replay()
-        e1.record()
-        torch.cuda.synchronize(dev)
-        times.append(e0.elapsed_time(e1) / calls)
-    del graph
-    return min(times), equal
 
 
 def _parts(fwd_bwd, calls):
@@ -135,7 +81,7 @@ def run_host(args, say):
     dtype = getattr(torch, args.dtype)
     H, K, B = args.heads, args.head_dim, 1
     results = []
-    with _middle_rank_stand_in(world):
+    with middle_rank_stand_in(world, "allscan.ops.gla.zeco"):
         for T in args.tlocal:
             gen = torch.Generator(device=dev).manual_seed(1000 + rank)
             q, k, v = (torch.randn(B, T, H, K, device=dev, generator=gen, dtype=dtype).requires_grad_(True)
@@ -173,7 +119,7 @@ def run_host(args, say):
             say(f"T_local={T}: captured", rank, True)
             for n in ROWS:
                 dist.barrier()
-                ms, equal = _captured(fwd_bwd, n, args.inner, dev)
+                ms, equal = captured_time(fwd_bwd, n, args.inner, dev)
                 row = dict(T_local=T, row=n, host_ms=statistics.median(host[n]), eager_ms=statistics.median(eager[n]),
                            graph_ms=_slowest(ms, dev), graph_equal=bool(_slowest(0.0 if equal else 1.0, dev) == 0.0),
                            host_ms_all=host[n], eager_ms_all=eager[n])

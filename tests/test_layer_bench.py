@@ -1,0 +1,75 @@
+"""CPU tests of the layer benchmarks' parts: the one-GPU stand-in for a middle rank (bench/gla_common.py),
+the tables of bench/gla_host.py (``gla_bench.py --host``) and bench/delta_bench.py. The timing itself
+needs GPUs and fla-core."""
+import importlib
+import importlib.util
+import os
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _load(name):
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "bench", f"{name}.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+gh, db, common = _load("gla_host"), _load("delta_bench"), _load("gla_common")
+
+
+@pytest.mark.parametrize("module", ["allscan.ops.gla.zeco", "allscan.ops.delta.zeco"])
+def test_one_rank_stands_in_for_a_middle_rank_and_restores(module):
+    import torch
+
+    Z = importlib.import_module(module)
+    real = Z.ShardSegments
+    with common.middle_rank_stand_in(1, module):
+        segs = Z.ShardSegments(None, 8, 1, None, "t")
+        assert (segs.world, segs.rank, segs.continued) == (2, 1, True)
+        packed = Z.ShardSegments(None, 8, 1, torch.tensor([0, 3, 8]), "t")  # varlen: left as it is
+        assert (packed.world, packed.continued) == (1, False)
+    assert Z.ShardSegments is real
+    with common.middle_rank_stand_in(2, module):
+        assert Z.ShardSegments is real
+
+
+def test_stage_names_are_the_ops():
+    from allscan.ops.gla import STAGES
+
+    assert set(gh.FLA_STAGES) | set(gh.ALLSCAN_KERNELS) == set(STAGES)
+    assert not set(gh.FLA_STAGES) & set(gh.ALLSCAN_KERNELS)
+
+
+def test_report_ratios():
+    parts = dict(total=2000.0, fla_stages=1500.0, allscan_kernels=200.0, scans=60.0, layer_python=240.0)
+    rows = []
+    for T, (ie, ig, ze, zg) in {4096: (2.0, 1.0, 3.0, 1.1), 8192: (2.2, 2.0, 2.31, 2.06)}.items():
+        rows.append(dict(T_local=T, row="ideal", host_ms=1.0, eager_ms=ie, graph_ms=ig, graph_equal=True))
+        rows.append(dict(T_local=T, row="zeco", host_ms=2.0, eager_ms=ze, graph_ms=zg, graph_equal=True,
+                         zeco_host_us_by_part=parts))
+    text = gh.report_host(dict(world=1, middle_rank_stand_in=True, dtype="bfloat16", H=16, K=128, results=rows))
+    assert "| 4096 | zeco | 2.000 | 3.000 | 1.100 | True | 1.500 | 1.100 |" in text
+    assert "| 8192 | zeco | 2.000 | 2.310 | 2.060 | True | 1.050 | 1.030 |" in text
+    assert "middle rank" in text and "8192: 2000 = 1500 + 200 + 60 + 240" in text
+
+
+def test_delta_report_host_and_captured_columns(capsys):
+    rows = []
+    for n, (ms, host, graph) in dict(ideal=(3.0, 2.5, 2.0), wide=(3.6, 2.6, 2.5), zeco=(6.0, 6.0, 2.6),
+                                     allgather=(6.1, 6.0, 2.7)).items():
+        rows.append(dict(layer="gdn", T_local=8192, row=n, ms=ms, host_ms=host, peak_mib=100.0, graph_ms=graph,
+                         graph_equal=n != "allgather"))
+    db.report(dict(bench="delta_bench", world=1, middle_rank_stand_in=True, H=16, K=128, V=128, dtype="bfloat16",
+                   repeats=3, results=rows, agreement_rel_err={"gdn/8192/allgather": 1e-7},
+                   agreement_reference="zeco"))
+    out = capsys.readouterr().out
+    assert "a middle rank stood in by one GPU" in out
+    assert "  6.00 2.00x  100" in out and "fla_cp" in out  # zeco: 2x the ideal; no fla_cp row with one rank
+    assert " 6.00 1.00x  2.60 1.30x=" in out  # zeco: host-bound, captured 1.3x the ideal captured
+    assert " 2.70 1.35x!" in out  # a replay that differs from eager is marked
+    assert "gdn/8192/allgather: max relative error against zeco 1.00e-07" in out
