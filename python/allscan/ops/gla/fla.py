@@ -286,11 +286,16 @@ class FlaGLA:
         return e[..., 0].contiguous() if g.dim() == 3 else e  # simple GLA: [B, H], as on every other rank
 
     @staticmethod
-    def bwd_begin(q, k, v, gf, bounds):
+    def bwd_begin(q, k, v, gf, bounds, h0s):
+        """The chunk-local decays and the chunk states from the segments' initial states ``h0s``."""
         m = FlaGLA._mods()
         BT, cu, ci = FlaGLA._layout(q, bounds)
         gcum = m.chunk_local_cumsum(gf, BT, scale=m.RCP_LN2, cu_seqlens=cu)
-        return SimpleNamespace(BT=BT, cu=cu, ci=ci, gcum=gcum)
+        B, T, H, K = k.shape
+        h0 = FlaGLA._stack(h0s, (1, H, K, v.shape[-1]), q.device)
+        h, _ = m.chunk_fwd_h(k=k, v=v, g=None, gk=gcum, gv=None, h0=h0, output_final_state=False,
+                             cu_seqlens=cu, chunk_size=BT, states_in_fp32=True)
+        return SimpleNamespace(BT=BT, cu=cu, ci=ci, gcum=gcum, h0=h0, h=h)
 
     @staticmethod
     def xgrad(prep, saved, q, g, do, scale, L1):
@@ -306,18 +311,13 @@ class FlaGLA:
 
     @staticmethod
     def bwd_prepare(prep, saved, q, k, v, g, scale, bounds, h0s, do):
-        """Everything of the local backward that does not need the gradient of the final state."""
+        """The rest of the local backward that does not need the gradient of the final state."""
         m = FlaGLA._mods()
         BT, cu, ci, gcum = prep.BT, prep.cu, prep.ci, prep.gcum
-        B, T, H, K = k.shape
-        V = v.shape[-1]
-        h0 = FlaGLA._stack(h0s, (1, H, K, V), q.device)
-        h, _ = m.chunk_fwd_h(k=k, v=v, g=None, gk=gcum, gv=None, h0=h0, output_final_state=False,
-                             cu_seqlens=cu, chunk_size=BT, states_in_fp32=True)
         dA = m.gla.chunk_gla_bwd_dA(v=v, do=do, scale=scale, cu_seqlens=cu, chunk_size=BT, chunk_indices=ci)
         dq, dk = m.gla.chunk_gla_bwd_dqk_intra(q=q, k=k, g=gcum, dA=dA, cu_seqlens=cu, chunk_size=BT,
                                                chunk_indices=ci)
-        return SimpleNamespace(BT=BT, cu=cu, ci=ci, h0=h0, gcum=gcum, h=h, dq=dq, dk=dk, A=saved[0])
+        return SimpleNamespace(BT=BT, cu=cu, ci=ci, h0=prep.h0, gcum=gcum, h=prep.h, dq=dq, dk=dk, A=saved[0])
 
     @staticmethod
     def bwd_finish(p, q, k, v, g, scale, bounds, h0s, do, dhts):
