@@ -12,10 +12,15 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "python"))
 
 from distributed import run_distributed  # noqa: E402
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs"),
-]
+pytestmark = pytest.mark.gpu
+
+
+def _gpus(n):
+    return pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < n,
+                              reason=f"needs {n} CUDA GPU{'s' if n > 1 else ''}")
+
+
+two_gpus = _gpus(2)
 
 
 def _rms_ratio(got, ref):
@@ -79,6 +84,7 @@ _CASES = [
 ]
 
 
+@two_gpus
 @pytest.mark.parametrize("dtype_name", ["bfloat16", "float32"])
 def test_layer_matches_single_gpu_sdpa(dtype_name):
     report = run_distributed(_layer, 2, dtype_name, _CASES, backend="nccl", timeout=300)
@@ -116,6 +122,7 @@ def _auto_measures(rank, world):
     return seen
 
 
+@two_gpus
 def test_auto_times_the_model_choice_against_one_chunk():
     res = run_distributed(_auto_measures, 2, backend="nccl", timeout=300)
     assert res[0] == res[1], f"the ranks chose different C: {res}"
@@ -179,6 +186,7 @@ def _cpp_vs_torch(rank, world):
     return checked
 
 
+@two_gpus
 def test_cpp_a2a_bitwise_equals_torch_path():
     counts = run_distributed(_cpp_vs_torch, 2, backend="nccl", timeout=300)
     assert counts[0] > 0
@@ -193,6 +201,7 @@ def _cross_rank_error(rank, world):
         UlyssesAttention(num_chunks=2)(x, x, x)
 
 
+@two_gpus
 def test_cross_rank_mismatch_raises_on_nccl():
     run_distributed(_cross_rank_error, 2, backend="nccl", timeout=120)
 
@@ -242,8 +251,61 @@ def _chunking_invariance(rank, world, dtype_name):
     return errs
 
 
+@two_gpus
 @pytest.mark.parametrize("dtype_name", ["bfloat16", "float32"])
 def test_num_chunks_1_equals_4(dtype_name):
     report = run_distributed(_chunking_invariance, 2, dtype_name, backend="nccl", timeout=300)
     for errs in report:
         print(dtype_name, {k: f"{v:.2e}" for k, v in errs.items()})
+
+
+def _graph_replay(rank, world, C):
+    """UlyssesAttention fwd+bwd (C head chunks: both all-to-alls of every chunk, forward and backward,
+    on the communication stream) captured in one CUDA graph on every rank and replayed: bitwise the
+    eager call's output and gradients, also after new values are copied into the captured inputs."""
+    import torch.distributed as dist
+
+    from allscan.layers import UlyssesAttention
+
+    dev = torch.device("cuda", torch.cuda.current_device())
+    gen = torch.Generator(device=dev).manual_seed(21 + rank)
+    B, Sl, Hq, Hkv, D = 1, 512, 8, 4, 64
+
+    def fresh():
+        return [torch.randn(B, Sl, h, D, device=dev, generator=gen).to(torch.bfloat16) for h in (Hq, Hkv, Hkv, Hq)]
+
+    *ins, do = fresh()
+    ins = [t.requires_grad_(True) for t in ins]
+    layer = UlyssesAttention(dist.group.WORLD, num_chunks=C)
+
+    def step():
+        out = layer(*ins, causal=True)
+        return (out,) + torch.autograd.grad(out, ins, do)
+
+    side = torch.cuda.Stream(dev)
+    side.wait_stream(torch.cuda.current_stream(dev))
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            step()
+    torch.cuda.current_stream(dev).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    for trial in range(2):
+        if trial:
+            with torch.no_grad():
+                for t, new in zip(ins + [do], fresh()):
+                    t.copy_(new)
+        graph.replay()
+        torch.cuda.synchronize(dev)
+        eager = step()
+        for name, a, b in zip(("out", "dq", "dk", "dv"), captured, eager):
+            assert torch.equal(a, b), f"rank {rank}, trial {trial}: the replay's {name} differs from eager"
+    dist.barrier()
+    return True
+
+
+@pytest.mark.parametrize("world, C", [pytest.param(1, 1, marks=_gpus(1)), pytest.param(2, 1, marks=two_gpus),
+                                      pytest.param(2, 4, marks=two_gpus)])
+def test_fwd_bwd_graph_replay_equals_eager(world, C):
+    assert run_distributed(_graph_replay, world, C, timeout=240, backend="nccl") == [True] * world
