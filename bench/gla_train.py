@@ -19,6 +19,8 @@ token has 8 possible successors), fixed seed, one sequence of ``2 * T_local`` to
 (b) throughput: tokens per second per GPU at SP = 2 (one sequence of 2*T_local tokens over the two
     GPUs) against data parallelism on the same two GPUs (each GPU its own T_local-token sequence,
     gradients averaged), same model, interleaved timing blocks, median (goal: SP >= 97% of DP).
+    ``--captured`` (CUDA): each mode's forward, backward and gradient all-reduce captured in one CUDA
+    graph and replayed, the optimizer step eager: the same comparison without the host's issue time.
 
 Runtime on 2 H200s with the defaults (~230M parameters, 200 parity steps of 2 x 4096 tokens plus the
 single-GPU step of 8192 tokens on rank 0, ~0.1 s a step; 2 x 6 x 5 throughput steps): about 30-40 s of
@@ -212,7 +214,10 @@ def run(args):
             _say(f"step {step:4d}  loss SP={sp_losses[-1]:.5f}  1GPU={ref_losses[-1]:.5f}  "
                  f"rel diff {abs(sp_losses[-1] - ref_losses[-1]) / abs(ref_losses[-1]):.2e}  "
                  f"({time.time() - t0:.0f} s)", rank)
+    # the last step's loss would keep its autograd graph, and with it the parameters' gradient
+    # accumulators (bound to the default stream), alive: a captured backward cannot use those
     del ref_model, ref_opt, sp_opt
+    loss = lt = rl = None  # noqa: F841
     if cuda:
         torch.cuda.empty_cache()
 
@@ -246,6 +251,8 @@ def run(args):
     for _ in range(2 if args.tp_repeats > 0 else 0):
         step_fn("sp")
         step_fn("dp")
+    if args.captured and args.tp_repeats > 0:
+        step_fn = _captured_steps(step_fn, model, opt, group, dev)
     _say(f"(b) throughput: {args.tp_repeats} blocks x {args.tp_steps} steps per mode, interleaved", rank, True)
     times = {"sp": [], "dp": []}
     for r in range(args.tp_repeats):  # 0: no throughput part
@@ -274,7 +281,8 @@ def run(args):
             command="torchrun --nproc-per-node %d bench/gla_train.py %s" % (world, " ".join(sys.argv[1:])),
             loss_sp=sp_losses, loss_single=ref_losses, rel_diff=rel, max_rel_diff=max(rel),
             step_ms=ms, step_ms_all=times, tokens_per_s_per_gpu=tps, sp_over_dp=tps["sp"] / tps["dp"],
-            fla_autotune=args.fla_autotune if cuda else None, precision=args.precision)
+            fla_autotune=args.fla_autotune if cuda else None, precision=args.precision,
+            captured=bool(args.captured))
         os.makedirs(args.out, exist_ok=True)
         path = os.path.join(args.out, f"gla_train{_suffix(args.precision)}.json")
         with open(path, "w") as f:
@@ -284,6 +292,53 @@ def run(args):
         print(f"wrote {path}")
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _captured_steps(eager_step, model, opt, group, dev):
+    """``step(mode)`` that replays ``mode``'s forward, backward and gradient all-reduce from a CUDA graph
+    (captured here, after the eager warm-up; each graph writes its own gradient tensors, handed to the
+    parameters before the eager optimizer step)."""
+    import torch
+
+    params = list(model.parameters())
+
+    def body(mode):  # the eager step up to the optimizer (its step is taken outside the graph)
+        real_step = opt.step
+        opt.step = lambda *a, **k: None
+        try:
+            eager_step(mode)
+        finally:
+            opt.step = real_step
+
+    graphs, grads = {}, {}
+    for mode in ("sp", "dp"):
+        zero = opt.zero_grad
+        opt.zero_grad = lambda *a, **k: None  # the replay must leave its gradients in place
+        try:
+            side = torch.cuda.Stream(dev)
+            side.wait_stream(torch.cuda.current_stream(dev))
+            with torch.cuda.stream(side):
+                for _ in range(2):
+                    for p in params:
+                        p.grad = None
+                    body(mode)
+            torch.cuda.current_stream(dev).wait_stream(side)
+            for p in params:
+                p.grad = None
+            graphs[mode] = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graphs[mode]):
+                body(mode)
+        finally:
+            opt.zero_grad = zero
+        grads[mode] = [p.grad for p in params]
+
+    def step(mode):
+        graphs[mode].replay()
+        for p, g in zip(params, grads[mode]):
+            p.grad = g
+        opt.step()
+
+    return step
 
 
 def _suffix(precision):
@@ -301,7 +356,8 @@ def report(out):
     if not out["sp_over_dp"] == out["sp_over_dp"]:  # NaN: run with --tp-repeats 0
         print("(b) throughput not measured (--tp-repeats 0)")
         return
-    print(f"(b) {'mode':>4} {'step ms':>9} {'tokens/s/GPU':>13}")
+    print(f"(b) {'mode':>4} {'step ms':>9} {'tokens/s/GPU':>13}"
+          + ("   (fwd+bwd+all-reduce CUDA-graph captured, optimizer eager)" if out.get("captured") else ""))
     for m in ("sp", "dp"):
         print(f"    {m:>4} {ms[m]:>9.2f} {tps[m]:>13.0f}")
     print(f"    SP/DP throughput = {out['sp_over_dp']:.3f} ({'met' if out['sp_over_dp'] >= 0.97 else 'MISSED'} >= 0.97)")
@@ -351,11 +407,15 @@ def main():
                     help="bf16: fp32 weights, bf16 autocast (default); fp32: no autocast, IEEE fp32 matmuls and "
                          "Triton dots (the loss-parity check without bf16 rounding), files gla_train_fp32.*")
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: a gloo smoke test of the script")
+    ap.add_argument("--captured", action="store_true", help="(b) with each mode's fwd+bwd+all-reduce replayed from "
+                    "a CUDA graph (CUDA only)")
     add_fla_autotune_option(ap)
     args = ap.parse_args()
     if args.plot:
         redraw(args.plot, args.out, report, plot)
         return
+    if args.captured and args.device != "cuda":
+        ap.error("--captured needs --device cuda")
     run(args)
 
 
