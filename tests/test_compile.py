@@ -51,6 +51,7 @@ def _compiled_equals_eager(rank, world, op, backward=True, fullgraph=True):
     else:
         args = _inputs(rank, op)
     results = {}
+    torch._dynamo.utils.counters.clear()
     for name, f in (("eager", fn), ("compiled", torch.compile(fn, fullgraph=fullgraph, backend="aot_eager"))):
         xs = [a.clone().requires_grad_(backward and a.is_floating_point()) for a in args]
         out = f(*xs)
@@ -58,6 +59,7 @@ def _compiled_equals_eager(rank, world, op, backward=True, fullgraph=True):
         if backward:
             sum(o.square().sum() for o in outs).backward()
         results[name] = [o.detach() for o in outs] + [x.grad for x in xs if x.grad is not None]
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > 0, "nothing was compiled"
     return max((a - b).abs().max().item() for a, b in zip(results["eager"], results["compiled"]))
 
 
@@ -85,23 +87,28 @@ def test_delta_layers_compile_with_graph_breaks(op):
         assert diff <= 1e-5, diff
 
 
-def _compiled_invalid_cu_seqlens(rank, world):
-    """Under torch.compile zeco_gla cuts its shard inside the op, from cu_seqlens' values: a rank whose
-    cu_seqlens is wrong raises there and its peer's first exchange fails too (no hang)."""
+def _compiled_invalid_arguments(rank, world):
+    """Under torch.compile zeco_gla checks its arguments and cuts its shard inside the op, when it runs
+    (the trace runs no collective, so a check failed there could not tell the peers): a rank whose
+    cu_seqlens, or whose v, is wrong raises there and its peer's first exchange fails too (no hang)."""
     from allscan.layers import zeco_gla
 
     torch._dynamo.reset()
     q, k, v, g = _inputs(rank, "gla")
-    step = torch.compile(lambda cu: zeco_gla(q, k, v, g, cu_seqlens=cu)[0], fullgraph=True, backend="aot_eager")
-    assert step(torch.tensor([0, 10, 24 * world])).shape == v.shape
-    with pytest.raises(ValueError, match="strictly increasing" if rank == 1 else
-                       r"rank\(s\) \[1\] rejected their own arguments"):
-        step(torch.tensor([0, 30, 10, 24 * world]) if rank == 1 else torch.tensor([0, 10, 30, 24 * world]))
+    step = torch.compile(lambda v, cu: zeco_gla(q, k, v, g, cu_seqlens=cu)[0], fullgraph=True, backend="aot_eager")
+    good = torch.tensor([0, 10, 30, 24 * world])
+    assert step(v, good).shape == v.shape
+    peer = r"rank\(s\) \[1\] rejected their own arguments"
+    with pytest.raises(ValueError, match="strictly increasing" if rank == 1 else peer):
+        step(v, torch.tensor([0, 30, 10, 24 * world]) if rank == 1 else good)
+    with pytest.raises(ValueError, match="v must be" if rank == 1 else peer):
+        step(v[:, :23] if rank == 1 else v, good)
+    assert step(v, good).shape == v.shape  # and the group still works
     return True
 
 
-def test_compiled_zeco_gla_invalid_cu_seqlens_reaches_every_rank():
-    assert run_distributed(_compiled_invalid_cu_seqlens, 2, timeout=300) == [True, True]
+def test_compiled_zeco_gla_invalid_arguments_reach_every_rank():
+    assert run_distributed(_compiled_invalid_arguments, 2, timeout=300) == [True, True]
 
 
 def _opcheck_zeco_gla(rank, world):

@@ -17,8 +17,9 @@ Backward, with Z_p the gradient of the state leaving rank p (from the next rank 
 returns it, from the caller's ``final_state``): the gradient of the state entering rank p is
 ``dS_in_p = X_p + exp(G_T) * Z_p`` with ``X_p = scale * sum_t (q_t * exp(G_t)) do_t^T``, and
 ``Z_{p-1} = dS_in_p``, i.e. ``Z`` is the REVERSE All-Scan of ``X_p + exp(G_T) * dfinal_p`` with the
-same decays. ``X_p`` needs only q, g and do, so the reverse scan starts first and runs while the local
-backward prepares everything that does not need ``Z``; then the local backward of
+same decays. ``X_p`` needs only q, g and do, so the reverse scan starts early (after the chunk states
+are recomputed: that kernel slows beside a concurrent one) and runs while the local backward prepares
+everything else that does not need ``Z``; then the local backward of
 ``chunk_gla(q, k, v, g, initial_state=S_in)`` with final-state gradient ``Z`` gives exactly dq, dk, dv,
 dg (including the decay of the incoming state) and the initial state's gradient.
 
@@ -302,16 +303,19 @@ class ZecoGLAFunction(torch.autograd.Function):
 # results travel as empty tensors (a schema has no optional outputs); which are absent depends on
 # shapes and the group only, so the fake kernels know.
 # ------------------------------------------------------------------------------------------------
-def _op_segments(group_name: str, q, cu_seqlens) -> ShardSegments:
+def _op_segments(group_name: str, q, k, v, g, h0, cu_seqlens, method) -> ShardSegments:
+    """The op's arguments checked and the shard cut (what the eager layer does before its Function):
+    a rank whose own arguments fail reaches its peers' first exchange, as in eager."""
     group = resolve_group(group_name) if group_name else None
     segs = []
 
     def validate():
+        _check_arguments(q, k, v, g, h0, cu_seqlens, method)
         segs.append(ShardSegments(group, q.shape[1], q.shape[0], cu_seqlens, "zeco_gla"))
 
     if group is None:
         validate()
-    else:  # a bad cu_seqlens on one rank reaches its peers' first exchange (as in eager)
+    else:
         validated_group(group, q, "zeco_gla", validate)
     return segs[0]
 
@@ -336,7 +340,7 @@ def zeco_gla_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: Optional[t
                                                         List[torch.Tensor]]:
     """:func:`zeco_gla`'s forward under torch.compile (``group_name`` "" = one process): ``(o, final,
     S_in, gamma, saved)``, each absent one an empty tensor."""
-    segs = _op_segments(group_name, q, cu_seqlens)
+    segs = _op_segments(group_name, q, k, v, g, h0, cu_seqlens, method)
     with torch.autocast(device_type=q.device.type, enabled=False):
         o, final, S_in, gamma, saved = _forward(select_backend(q), q, k, v, g, h0, scale, segs, method, want_final,
                                                 keep_offsets=False)
@@ -366,7 +370,7 @@ def zeco_gla_backward_op(do: torch.Tensor, dfinal: Optional[torch.Tensor], q: to
                          gamma: Optional[torch.Tensor], saved: List[torch.Tensor], group_name: str, scale: float,
                          method: str) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`zeco_gla`'s backward under torch.compile: ``(dq, dk, dv, dg, dh0)``, an absent one empty."""
-    segs = _op_segments(group_name, q, cu_seqlens)
+    segs = _op_segments(group_name, q, k, v, g, h0, cu_seqlens, method)
     with torch.autocast(device_type=do.device.type, enabled=False):
         dq, dk, dv, dg, dh0 = _backward(select_backend(q), do, dfinal, q, k, v, g, h0, S_in, gamma, saved, scale,
                                         segs, method)
@@ -402,6 +406,9 @@ zeco_gla_op.register_autograd(_op_backward, setup_context=_op_setup_context)
 
 def _check_arguments(q, k, v, g, initial_state, cu_seqlens, method):
     """zeco_gla's local argument checks (the packed sequences' cut is checked by ShardSegments)."""
+    if cu_seqlens is not None and not isinstance(cu_seqlens, torch.Tensor):
+        raise TypeError(f"zeco_gla: cu_seqlens must be a 1-D integer tensor [N+1] or None, got "
+                        f"{type(cu_seqlens).__name__}")
     if method not in _SCAN_METHOD:
         raise ValueError(f"zeco_gla: method must be one of {sorted(_SCAN_METHOD)}, got {method!r}")
     for name, t in (("q", q), ("k", k), ("v", v)):
@@ -462,24 +469,24 @@ def zeco_gla(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: Optional[torc
         ``(o [B, T_local, H, V] in v's dtype, final_state or None)``.
     """
     spg = sequence_parallel_group(group, "zeco_gla")
-    compiling = torch.compiler.is_compiling()
+    if torch.compiler.is_compiling():
+        scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+        # the arguments are checked and the shard cut inside the op, when it runs (a failed check
+        # traced here could not tell the peers: the trace runs no collective)
+        o, final = zeco_gla_op(q, k, v, g, initial_state, cu_seqlens, "" if spg is None else spg.group_name, scale,
+                               method, bool(output_final_state))[:2]
+        return o, (final if output_final_state else None)
     segs = None
 
     def validate():
         nonlocal segs
         _check_arguments(q, k, v, g, initial_state, cu_seqlens, method)
-        if not compiling:  # cu_seqlens' values are read inside the op then
-            segs = ShardSegments(spg, q.shape[1], q.shape[0], cu_seqlens, "zeco_gla")
+        segs = ShardSegments(spg, q.shape[1], q.shape[0], cu_seqlens, "zeco_gla")
 
     if spg is None:
         validate()
     else:  # a rank whose arguments fail tells its peers, whose first exchange then fails too
         validated_group(spg, q, "zeco_gla", validate)
-    K = q.shape[-1]
-    scale = K ** -0.5 if scale is None else float(scale)
-    if compiling:  # the shard's cut is made inside the op (cu_seqlens' values)
-        o, final = zeco_gla_op(q, k, v, g, initial_state, cu_seqlens, "" if spg is None else spg.group_name, scale,
-                               method, bool(output_final_state))[:2]
-        return o, (final if output_final_state else None)
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     o, final = ZecoGLAFunction.apply(q, k, v, g, initial_state, scale, segs, method, bool(output_final_state))
     return o, (final if output_final_state else None)
