@@ -244,18 +244,19 @@ def report(out):
         print(f"{layer:6s} {T:7d} " + " ".join(cells))
     print("host issue ms (x = issue / time: 1 is host-bound); captured ms (x = ratio to ideal captured, "
           "= : replay bitwise equal to eager)")
+    print(f"{'layer':6s} {'T_local':>7s} " + " ".join(f"{n:>24s}" for n in ROWS))
     for layer, T in keys:
         ideal = by[(layer, T, "ideal")]
         cells = []
         for n in ROWS:
             r = by.get((layer, T, n))
             if r is None or "host_ms" not in r:
-                cells.append(f"{'-':>17s}")
+                cells.append(f"{'-':>24s}")
                 continue
             cell = f"{r['host_ms']:5.2f} {r['host_ms'] / r['ms']:4.2f}x"
             if "graph_ms" in r:
                 cell += f" {r['graph_ms']:5.2f} {r['graph_ms'] / ideal['graph_ms']:4.2f}x{'=' if r['graph_equal'] else '!'}"
-            cells.append(f"{cell:>17s}")
+            cells.append(f"{cell:>24s}")
         print(f"{layer:6s} {T:7d} " + " ".join(cells))
     ref = out.get("agreement_reference", "fla_cp")
     for key, err in sorted(out.get("agreement_rel_err", out.get("agreement_rel_err_vs_fla_cp", {})).items()):

@@ -252,7 +252,7 @@ def run(args):
         step_fn("sp")
         step_fn("dp")
     if args.captured and args.tp_repeats > 0:
-        step_fn = _captured_steps(step_fn, model, opt, group, dev)
+        step_fn = _captured_steps(step_fn, model, opt, dev)
     _say(f"(b) throughput: {args.tp_repeats} blocks x {args.tp_steps} steps per mode, interleaved", rank, True)
     times = {"sp": [], "dp": []}
     for r in range(args.tp_repeats):  # 0: no throughput part
@@ -294,7 +294,7 @@ def run(args):
     dist.destroy_process_group()
 
 
-def _captured_steps(eager_step, model, opt, group, dev):
+def _captured_steps(eager_step, model, opt, dev):
     """``step(mode)`` that replays ``mode``'s forward, backward and gradient all-reduce from a CUDA graph
     (captured here, after the eager warm-up; each graph writes its own gradient tensors, handed to the
     parameters before the eager optimizer step)."""
@@ -303,16 +303,14 @@ def _captured_steps(eager_step, model, opt, group, dev):
     params = list(model.parameters())
 
     def body(mode):  # the eager step up to the optimizer (its step is taken outside the graph)
-        real_step = opt.step
-        opt.step = lambda *a, **k: None
+        opt.step = lambda *a, **k: None  # an instance attribute over the class's method, removed after
         try:
             eager_step(mode)
         finally:
-            opt.step = real_step
+            del opt.step
 
     graphs, grads = {}, {}
     for mode in ("sp", "dp"):
-        zero = opt.zero_grad
         opt.zero_grad = lambda *a, **k: None  # the replay must leave its gradients in place
         try:
             side = torch.cuda.Stream(dev)
@@ -329,7 +327,7 @@ def _captured_steps(eager_step, model, opt, group, dev):
             with torch.cuda.graph(graphs[mode]):
                 body(mode)
         finally:
-            opt.zero_grad = zero
+            del opt.zero_grad
         grads[mode] = [p.grad for p in params]
 
     def step(mode):

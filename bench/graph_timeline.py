@@ -53,6 +53,8 @@ def main():
     torch.cuda.set_device(0)
     dev = torch.device("cuda", 0)
     dist.init_process_group("nccl", device_id=dev)
+    if dist.get_world_size() != 1:
+        raise SystemExit("graph_timeline.py runs on one GPU (torchrun --nproc-per-node 1): a middle rank stood in")
     from fla.ops.gla import chunk_gla
 
     from allscan.ops.gla import limit_fla_autotune, zeco_gla
