@@ -224,31 +224,41 @@ def test_delta_rule_matches_fla_whole_sequence(layer, dtype_name):
     assert not bad, f"errors above {RATIO}x fla's own error (or {tol:g}): {bad}"
 
 
+def _bf16_inputs(layer, B, T, gen, dev):
+    """q, k, v, g, beta of one layer's call in bf16 (g fp32, as fla takes it), and an output gradient."""
+    import torch.nn.functional as F
+
+    gshape = (B, T, H, K) if layer == "kda" else (B, T, H)
+    return [torch.randn(B, T, H, K, device=dev, generator=gen).to(torch.bfloat16),
+            F.normalize(torch.randn(B, T, H, K, device=dev, generator=gen), dim=-1).to(torch.bfloat16),
+            torch.randn(B, T, H, V, device=dev, generator=gen).to(torch.bfloat16),
+            F.logsigmoid(torch.randn(*gshape, device=dev, generator=gen) + 3.0) / 4,
+            torch.rand(B, T, H, device=dev, generator=gen).to(torch.bfloat16),
+            torch.randn(B, T, H, V, device=dev, generator=gen).to(torch.bfloat16)]
+
+
+def _layer_op(layer):
+    from allscan.layers import zeco_gated_delta_rule, zeco_kda
+    from allscan.ops.gla import limit_fla_autotune
+
+    limit_fla_autotune("one")
+    return zeco_kda if layer == "kda" else zeco_gated_delta_rule
+
+
 def _graph_replay(rank, world, layer):
     """zeco_gated_delta_rule / zeco_kda fwd+bwd captured in one CUDA graph on every rank (with two ranks
     the matrix All-Scan and its reverse included) and replayed: bitwise the eager call's output, final
     state and gradients, also after new values are copied into the captured inputs."""
     import torch.distributed as dist
-    import torch.nn.functional as F
 
-    from allscan.layers import zeco_gated_delta_rule, zeco_kda
-    from allscan.ops.gla import limit_fla_autotune
-
-    limit_fla_autotune("one")
-    op = zeco_kda if layer == "kda" else zeco_gated_delta_rule
+    op = _layer_op(layer)
     dev = torch.device("cuda", torch.cuda.current_device())
     gen = torch.Generator(device=dev).manual_seed(3 + rank)
     B, T = 1, 512
-    gshape = (B, T, H, K) if layer == "kda" else (B, T, H)
 
-    def fresh():
-        return [torch.randn(B, T, H, K, device=dev, generator=gen).to(torch.bfloat16),
-                F.normalize(torch.randn(B, T, H, K, device=dev, generator=gen), dim=-1).to(torch.bfloat16),
-                torch.randn(B, T, H, V, device=dev, generator=gen).to(torch.bfloat16),
-                F.logsigmoid(torch.randn(*gshape, device=dev, generator=gen) + 3.0) / 4,
-                torch.rand(B, T, H, device=dev, generator=gen).to(torch.bfloat16),
-                0.1 * torch.randn(B, H, K, V, device=dev, generator=gen),
-                torch.randn(B, T, H, V, device=dev, generator=gen).to(torch.bfloat16)]
+    def fresh():  # q, k, v, g, beta, initial state, output gradient
+        *ins, do = _bf16_inputs(layer, B, T, gen, dev)
+        return ins + [0.1 * torch.randn(B, H, K, V, device=dev, generator=gen), do]
 
     *ins, do = fresh()
     ins = [t.requires_grad_(True) for t in ins]
@@ -267,42 +277,15 @@ def _graph_replay(rank, world, layer):
     return True
 
 
-@pytest.mark.timeout(RUN_TIMEOUT + 90)
-@pytest.mark.parametrize("world", [1, 2])
-@pytest.mark.parametrize("layer", ["gdn", "kda"])
-def test_fwd_bwd_graph_replay_equals_eager(layer, world):
-    _need(world)
-    try:
-        ok = run_distributed(_graph_replay, world, layer, timeout=RUN_TIMEOUT, backend="nccl")
-    except AssertionError as e:
-        if "install tilelang" in str(e):
-            pytest.skip("fla refuses its delta-rule backward here without tilelang (../shared/tools/device_tilelang.sh)")
-        raise
-    assert ok == [True] * world
-
-
 def _compiled(rank, world, layer):
     """zeco_gated_delta_rule / zeco_kda fwd+bwd inside torch.compile (aot_eager; Dynamo breaks the graph
     around fla's compiler-disabled kernels and the layer's collectives): bitwise the eager result."""
     import torch.distributed as dist
-    import torch.nn.functional as F
 
-    from allscan.layers import zeco_gated_delta_rule, zeco_kda
-    from allscan.ops.gla import limit_fla_autotune
-
-    limit_fla_autotune("one")
+    op = _layer_op(layer)
     torch._dynamo.reset()
-    op = zeco_kda if layer == "kda" else zeco_gated_delta_rule
     dev = torch.device("cuda", torch.cuda.current_device())
-    gen = torch.Generator(device=dev).manual_seed(9 + rank)
-    B, T = 2, 256
-    gshape = (B, T, H, K) if layer == "kda" else (B, T, H)
-    ins = [torch.randn(B, T, H, K, device=dev, generator=gen).to(torch.bfloat16),
-           F.normalize(torch.randn(B, T, H, K, device=dev, generator=gen), dim=-1).to(torch.bfloat16),
-           torch.randn(B, T, H, V, device=dev, generator=gen).to(torch.bfloat16),
-           F.logsigmoid(torch.randn(*gshape, device=dev, generator=gen) + 3.0) / 4,
-           torch.rand(B, T, H, device=dev, generator=gen).to(torch.bfloat16)]
-    do = torch.randn(B, T, H, V, device=dev, generator=gen).to(torch.bfloat16)
+    *ins, do = _bf16_inputs(layer, 2, 256, torch.Generator(device=dev).manual_seed(9 + rank), dev)
 
     def step(q, k, v, g, beta):
         o, final = op(q, k, v, g, beta, dist.group.WORLD, output_final_state=True)
@@ -321,15 +304,27 @@ def _compiled(rank, world, layer):
     return True
 
 
-@pytest.mark.timeout(RUN_TIMEOUT + 90)
-@pytest.mark.parametrize("world", [1, 2])
-@pytest.mark.parametrize("layer", ["gdn", "kda"])
-def test_compiled_with_graph_breaks_equals_eager(layer, world):
+def _run_on_gpus(fn, world, layer):
+    """``fn`` on ``world`` NCCL ranks, skipped where fla refuses the delta-rule backward."""
     _need(world)
     try:
-        ok = run_distributed(_compiled, world, layer, timeout=RUN_TIMEOUT, backend="nccl")
+        ok = run_distributed(fn, world, layer, timeout=RUN_TIMEOUT, backend="nccl")
     except AssertionError as e:
         if "install tilelang" in str(e):
             pytest.skip("fla refuses its delta-rule backward here without tilelang (../shared/tools/device_tilelang.sh)")
         raise
     assert ok == [True] * world
+
+
+@pytest.mark.timeout(RUN_TIMEOUT + 90)
+@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("layer", ["gdn", "kda"])
+def test_fwd_bwd_graph_replay_equals_eager(layer, world):
+    _run_on_gpus(_graph_replay, world, layer)
+
+
+@pytest.mark.timeout(RUN_TIMEOUT + 90)
+@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("layer", ["gdn", "kda"])
+def test_compiled_with_graph_breaks_equals_eager(layer, world):
+    _run_on_gpus(_compiled, world, layer)

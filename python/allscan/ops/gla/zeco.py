@@ -303,10 +303,14 @@ class ZecoGLAFunction(torch.autograd.Function):
 # results travel as empty tensors (a schema has no optional outputs); which are absent depends on
 # shapes and the group only, so the fake kernels know.
 # ------------------------------------------------------------------------------------------------
-def _op_segments(group_name: str, q, k, v, g, h0, cu_seqlens, method) -> ShardSegments:
-    """The op's arguments checked and the shard cut (what the eager layer does before its Function):
-    a rank whose own arguments fail reaches its peers' first exchange, as in eager."""
+def _op_segments(group_name: str, q, cu_seqlens, check_args=None) -> ShardSegments:
+    """The shard cut, after the forward op's arguments ``check_args`` (k, v, g, h0, method) are checked
+    (what the eager layer does before its Function): a rank whose own arguments fail reaches its
+    peers' first exchange, as in eager. The backward op passes none: the forward checked them."""
     group = resolve_group(group_name) if group_name else None
+    if check_args is None:
+        return ShardSegments(group, q.shape[1], q.shape[0], cu_seqlens, "zeco_gla")
+    k, v, g, h0, method = check_args
     segs = []
 
     def validate():
@@ -340,7 +344,7 @@ def zeco_gla_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: Optional[t
                                                         List[torch.Tensor]]:
     """:func:`zeco_gla`'s forward under torch.compile (``group_name`` "" = one process): ``(o, final,
     S_in, gamma, saved)``, each absent one an empty tensor."""
-    segs = _op_segments(group_name, q, k, v, g, h0, cu_seqlens, method)
+    segs = _op_segments(group_name, q, cu_seqlens, (k, v, g, h0, method))
     with torch.autocast(device_type=q.device.type, enabled=False):
         o, final, S_in, gamma, saved = _forward(select_backend(q), q, k, v, g, h0, scale, segs, method, want_final,
                                                 keep_offsets=False)
@@ -370,7 +374,7 @@ def zeco_gla_backward_op(do: torch.Tensor, dfinal: Optional[torch.Tensor], q: to
                          gamma: Optional[torch.Tensor], saved: List[torch.Tensor], group_name: str, scale: float,
                          method: str) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`zeco_gla`'s backward under torch.compile: ``(dq, dk, dv, dg, dh0)``, an absent one empty."""
-    segs = _op_segments(group_name, q, k, v, g, h0, cu_seqlens, method)
+    segs = _op_segments(group_name, q, cu_seqlens)
     with torch.autocast(device_type=do.device.type, enabled=False):
         dq, dk, dv, dg, dh0 = _backward(select_backend(q), do, dfinal, q, k, v, g, h0, S_in, gamma, saved, scale,
                                         segs, method)
