@@ -12,9 +12,6 @@ reverse order), CUDA events around --inner back-to-back fwd+bwd calls after warm
 rank's time per call, median of the repeats:
 
     ideal       fla's chunk function on the local shard alone, no communication (the floor)
-    wide        the same on the widened shard allscan's fla backend runs (``v' = [v | 0]`` from
-                ``[0 | I]``: local outputs, Q', final state and transition in one call), no
-                communication: the local part of ``zeco``
     zeco        ``zeco_*(method="zeco")``: the pipelined matrix All-Scan
     allgather   ``zeco_*(method="allgather")``: every rank's state and transition all-gathered
     fla_cp      ``zeco_*(method="fla_cp")``: fla's own context parallelism (``build_cp_context``)
@@ -46,7 +43,7 @@ import time
 
 from gla_common import add_fla_autotune_option, captured_time, middle_rank_stand_in, progress
 
-ROWS = ["ideal", "wide", "zeco", "allgather", "fla_cp"]
+ROWS = ["ideal", "zeco", "allgather", "fla_cp"]
 _say = progress("delta_bench")
 
 
@@ -72,7 +69,7 @@ def _measure(args, rows, dev):
     import torch.distributed as dist
 
     from allscan.layers import zeco_gated_delta_rule, zeco_kda
-    from allscan.ops.delta.fla import widened_call, fla_kernel
+    from allscan.ops.delta.fla import fla_kernel
     from allscan.ops.delta.gates import DeltaOptions
 
     group = dist.group.WORLD
@@ -91,10 +88,6 @@ def _measure(args, rows, dev):
                 if name == "ideal":
                     o, _ = fn(q, k, v, g, beta, **kw)
                     return (o,) + torch.autograd.grad(o, ins, do)
-                if name == "wide":
-                    o, q_eff, h, M = widened_call(fn, kw, q, k, v, g, beta, K ** -0.5, None)
-                    return (o,) + torch.autograd.grad((o, q_eff, h, M), ins, (do, torch.ones_like(q_eff),
-                                                                              torch.ones_like(h), torch.ones_like(M)))
                 o, _ = op(q, k, v, g, beta, group, method=name)
                 return (o,) + torch.autograd.grad(o, ins, do)
 
@@ -202,13 +195,13 @@ def run(args):
 
 def _profile(fwd_bwd, tag, rank, outdir, calls=3):
     """``--profile``: torch.profiler tables (GPU kernels by total time, and host time per call) of
-    ``wide`` and ``zeco``, per rank, into DIR/delta_profile_<layer>_<T>_rank<r>.txt."""
+    ``ideal`` and ``zeco``, per rank, into DIR/delta_profile_<layer>_<T>_rank<r>.txt."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
     os.makedirs(outdir, exist_ok=True)
     with open(os.path.join(outdir, f"delta_profile_{tag}_rank{rank}.txt"), "w") as f:
-        for name in ("wide", "zeco"):
+        for name in ("ideal", "zeco"):
             torch.cuda.synchronize()
             t0 = time.perf_counter()
             with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -288,7 +281,7 @@ def main():
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--inner", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--profile", action="store_true", help="also write torch.profiler tables of wide and zeco")
+    ap.add_argument("--profile", action="store_true", help="also write torch.profiler tables of ideal and zeco")
     ap.add_argument("--graph", action="store_true", help="also time each row captured in a CUDA graph (not fla_cp)")
     ap.add_argument("--model", action="store_true", help="print the per-rank cost model and exit (no GPU)")
     add_fla_autotune_option(ap)

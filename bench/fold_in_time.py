@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
-"""The delta-rule layers' fold-in of the incoming state, ``o + Q' S_in`` fwd+bwd on one GPU: torch's fp32
-einsum (what the layers did before) against allscan's Triton kernel (:mod:`allscan.ops.delta.fold_in`),
-side by side, CUDA events around 20 calls, twice. ``o`` and ``Q'`` are slices of one widened tensor, as
-fla's widened call returns them.
+"""The delta-rule layers' fold-in of the incoming state on one GPU: ``o + Q' S_in`` and the gradient of
+``S_in``, ``Q'^T dout`` (what the layers compute with it, forward and backward), as torch fp32 einsums
+(what the layers did before) against allscan's Triton kernels (:mod:`allscan.ops.delta.fold_in`), side
+by side, CUDA events around 20 calls, twice. ``o`` and ``Q'`` are slices of one widened tensor, as
+fla's forward on the widened values returns them.
 
     python3 bench/fold_in_time.py [--tokens 32768] [--heads 16] [--dim 128]
 """
@@ -10,7 +11,7 @@ import argparse
 
 import torch
 
-from allscan.ops.delta.fold_in import fold_incoming
+from allscan.ops.delta.fold_in import fold_forward, fold_state_grad
 
 
 def main():
@@ -21,21 +22,27 @@ def main():
     args = ap.parse_args()
     T, H, K = args.tokens, args.heads, args.dim
     V = K
-    wide = torch.randn(1, T, H, V + K, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    S = torch.randn(1, H, K, V, device="cuda", requires_grad=True)
+    wide = torch.randn(1, T, H, V + K, device="cuda", dtype=torch.bfloat16)
+    S = torch.randn(1, H, K, V, device="cuda")
     dout = torch.randn(1, T, H, V, device="cuda", dtype=torch.bfloat16)
+    o, qe = wide[..., :V], wide[..., V:]
 
     def einsum_fp32():
-        o, qe = wide[..., :V], wide[..., V:]
-        r = (o.float() + torch.einsum("bthk,bhkv->bthv", qe.float(), S)).to(o.dtype)
-        torch.autograd.grad(r, (wide, S), dout)
+        (o.float() + torch.einsum("bthk,bhkv->bthv", qe.float(), S)).to(o.dtype)
+        torch.einsum("bthk,bthv->bhkv", qe.float(), dout.float())
 
-    def kernel():
-        torch.autograd.grad(fold_incoming(wide[..., :V], wide[..., V:], S), (wide, S), dout)
+    def kernels():
+        fold_forward(o, qe, S)
+        fold_state_grad(qe, dout)
 
     def kernel_forward():
-        with torch.no_grad():
-            fold_incoming(wide[..., :V], wide[..., V:], S)
+        fold_forward(o, qe, S)
+
+    def kernel_forward_copy():  # what the layers run: the fold and the contiguous copy of Q' they keep
+        fold_forward(o, qe, S, copy_q=True)
+
+    def torch_copy():  # the copy alone, as torch makes it
+        qe.contiguous()
 
     def ms(f, n=20):
         for _ in range(3):
@@ -50,8 +57,9 @@ def main():
         return a.elapsed_time(b) / n
 
     for _ in range(2):
-        print(f"fold-in fwd+bwd {T} tokens x {H} heads: torch fp32 {ms(einsum_fp32):.3f} ms, "
-              f"triton {ms(kernel):.3f} ms, triton fwd only {ms(kernel_forward):.3f} ms")
+        print(f"fold-in and its state gradient, {T} tokens x {H} heads: torch fp32 {ms(einsum_fp32):.3f} ms, "
+              f"triton {ms(kernels):.3f} ms, triton fold only {ms(kernel_forward):.3f} ms, fold with the copy of Q' "
+              f"{ms(kernel_forward_copy):.3f} ms (torch's copy alone {ms(torch_copy):.3f} ms)")
 
 
 if __name__ == "__main__":

@@ -356,41 +356,47 @@ def test_errors():
         kda(q, q, v, g4, beta, object())
 
 
-def test_fla_backend_stages_with_a_reference_kernel(monkeypatch):
-    """FlaDelta's algebra on CPU: fla's chunk function replaced by the float64 token-by-token reference
-    (same call convention), the widened call ``[v | 0]`` from ``[h0 | I]`` must give the local outputs,
-    Q', the final state and the transition, so that folding an incoming state in equals running the
-    shard from it; packed sequences after the first run in the one varlen call."""
+def test_fla_backend_widened_forward_with_a_reference_kernel(monkeypatch):
+    """FlaDelta's algebra on CPU: fla's forward steps replaced by the float64 token-by-token reference
+    (same convention), the forward on ``[v | 0]`` from ``[h0 | I]`` must give the local outputs, Q', the
+    final state and the transition, so that folding an incoming state in equals running the segment
+    from it; packed sequences run in one varlen call of fla's public function."""
     import allscan.ops.delta.fla as fla_backend
     from allscan.ops.delta.gates import DeltaOptions
 
-    calls = []
+    widths = []
+
+    def forward_steps(q, k, v, g, beta, opts, scale, h0):
+        widths.append(v.shape[-1])
+        return (*recurrent_delta_rule_reference(q, k, v, g, beta, scale, h0), ())
 
     def kernel(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
                cu_seqlens_cpu=None):
-        calls.append(v.shape[-1])
         return recurrent_delta_rule_reference(q, k, v, g, beta, scale, initial_state, cu_seqlens)
 
+    monkeypatch.setattr(fla_backend, "_forward_steps", forward_steps)
     monkeypatch.setattr(fla_backend, "fla_kernel", lambda opts: (kernel, {}))
+    be = fla_backend.FlaDelta
     for layer in ("gdn", "kda"):
         d, _ = _data(11, layer, 1, 40, H, 3, gated=False)
+        opts = DeltaOptions(per_key=layer == "kda")
+        args = (d["q"], d["k"], d["v"], d["g"], d["beta"])
         S_in = torch.randn(1, H, K, V, dtype=torch.float64)
-        be = fla_backend.FlaDelta
-        for bounds, h0s, widths in (([0, 15, 31, 40], [None, d["h0"][1:2], None], [V + K, V]),
-                                    ([0, 40], [None], [V + K])):  # packed sequences; one sequence
-            calls.clear()
-            sp = be.summarize(d["q"], d["k"], d["v"], d["g"], d["beta"], DeltaOptions(per_key=layer == "kda"),
-                              K ** -0.5, bounds, h0s, need_transition=True)
-            assert calls == widths, f"{layer}: one widened call (and one varlen call); got value widths {calls}"
-            o, finals = be.add_incoming(sp, be.local_outputs(sp), S_in)
-            inits = torch.cat([S_in] + [h if h is not None else torch.zeros(1, H, K, V, dtype=torch.float64)
-                                        for h in h0s[1:]])
-            want_o, want_f = recurrent_delta_rule_reference(d["q"], d["k"], d["v"], d["g"], d["beta"],
-                                                            initial_state=inits, cu_seqlens=torch.tensor(bounds))
-            assert o.shape == want_o.shape and _rel(o, want_o) < TOL, (layer, bounds)
-            assert len(finals) == len(bounds) - 1
-            for j, f in enumerate(finals):
-                assert _rel(f[0], want_f[j]) < TOL, f"{layer} {bounds}: final state of segment {j}"
+        for h0 in (None, d["h0"][:1]):
+            widths.clear()
+            o_loc, q_eff, h, M, _ = be.wide_forward(*args, opts, K ** -0.5, h0)
+            assert widths == [V + K], f"{layer}: one forward on the widened values; got widths {widths}"
+            start = S_in if h0 is None else S_in + h0
+            want_o, want_f = recurrent_delta_rule_reference(*args, K ** -0.5, start)
+            got_o = o_loc + torch.einsum("bthk,bhkv->bthv", q_eff, S_in)
+            assert _rel(got_o, want_o) < TOL and _rel(h + M @ S_in, want_f) < TOL, (layer, h0 is None)
+        bounds, h0s = [0, 15, 31, 40], [None, d["h0"][1:2], None]
+        o, finals = be.segments(*args, opts, K ** -0.5, bounds, h0s)
+        inits = torch.cat([h if h is not None else torch.zeros(1, H, K, V, dtype=torch.float64) for h in h0s])
+        want_o, want_f = recurrent_delta_rule_reference(*args, initial_state=inits, cu_seqlens=torch.tensor(bounds))
+        assert _rel(o, want_o) < TOL and len(finals) == 3, layer
+        for j, f in enumerate(finals):
+            assert _rel(f[0], want_f[j]) < TOL, f"{layer}: final state of segment {j}"
 
 
 def test_fla_cp_refuses_what_fla_refuses(monkeypatch):

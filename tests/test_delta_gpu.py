@@ -245,12 +245,77 @@ def _layer_op(layer):
     return zeco_kda if layer == "kda" else zeco_gated_delta_rule
 
 
-def _graph_replay(rank, world, layer):
-    """zeco_gated_delta_rule / zeco_kda fwd+bwd captured in one CUDA graph on every rank (with two ranks
-    the matrix All-Scan and its reverse included) and replayed: bitwise the eager call's output, final
-    state and gradients, also after new values are copied into the captured inputs."""
+def _as_middle_rank(world):
+    """With one rank, the layer cuts its shard as a later rank's (the sequence continues from a previous
+    rank), so one GPU runs the incoming-state path: fla's widened forward, the scans over the one-rank
+    group (which deliver ``initial_state`` as the incoming state), the fold-in and the narrow backward."""
+    import allscan.ops.delta.zeco as zeco
+
+    class MiddleRank(zeco.ShardSegments):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            if world == 1 and not self.varlen:
+                self.world, self.rank, self.continued = 2, 1, True
+
+    zeco.ShardSegments = MiddleRank
+
+
+def _middle_rank(rank, world, layer):
+    """One GPU as a middle rank (:func:`_as_middle_rank`), B = 2, with an initial state and the final
+    state: output, final state and the gradients of q, k, v, g, beta and the initial state against the
+    exact answer, within 1.1x of fla's own error (fla's chunk function from the same initial state)."""
     import torch.distributed as dist
 
+    from allscan.ops.delta import recurrent_delta_rule_reference
+
+    _as_middle_rank(world)
+    op = _layer_op(layer)
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+    from fla.ops.kda import chunk_kda
+
+    fla_fn = chunk_kda if layer == "kda" else chunk_gated_delta_rule
+    dev = torch.device("cuda", torch.cuda.current_device())
+    gen = torch.Generator(device=dev).manual_seed(5)
+    B, T = 2, 1000  # T not a multiple of the 64-token chunk
+    *ins, do = _bf16_inputs(layer, B, T, gen, dev)
+    ins.append(0.1 * torch.randn(B, H, K, V, device=dev, generator=gen))
+    dht = torch.randn(B, H, K, V, device=dev, generator=gen)
+    names = ("o", "final", "dq", "dk", "dv", "dg", "dbeta", "dh0")
+
+    def run(fn, dtype=None, **kw):
+        xs = [(t.double() if dtype else t.clone()).requires_grad_(True) for t in ins]
+        o, final = fn(*xs[:5], initial_state=xs[5], output_final_state=True, **kw)
+        grads = torch.autograd.grad((o, final), xs, (do.to(o.dtype), dht.to(final.dtype)))
+        return dict(zip(names, [o.detach(), final.detach()] + list(grads)))
+
+    mine = run(op, group=dist.group.WORLD)
+    ref = run(fla_fn)
+    exact = run(lambda *a, initial_state, output_final_state: recurrent_delta_rule_reference(
+        *a, initial_state=initial_state), dtype=torch.float64)
+    bad = {}
+    for n in names:
+        err, fla_err = _rms_ratio(mine[n], exact[n]), _rms_ratio(ref[n], exact[n])
+        if not err <= max(TOL["bfloat16"], RATIO * fla_err):
+            bad[n] = f"{err:.2e} (fla {fla_err:.2e})"
+    assert not bad, f"{layer} as a middle rank on one GPU: errors above {RATIO}x fla's own: {bad}"
+    dist.barrier()
+    return True
+
+
+@pytest.mark.timeout(RUN_TIMEOUT + 90)
+@pytest.mark.parametrize("layer", ["gdn", "kda"])
+def test_middle_rank_on_one_gpu_matches_fla(layer):
+    _run_on_gpus(_middle_rank, 1, layer)
+
+
+def _graph_replay(rank, world, layer):
+    """zeco_gated_delta_rule / zeco_kda fwd+bwd captured in one CUDA graph on every rank (with two ranks
+    the matrix All-Scan and its reverse included; one GPU runs as a middle rank, :func:`_as_middle_rank`)
+    and replayed: bitwise the eager call's output, final state and gradients, also after new values are
+    copied into the captured inputs."""
+    import torch.distributed as dist
+
+    _as_middle_rank(world)
     op = _layer_op(layer)
     dev = torch.device("cuda", torch.cuda.current_device())
     gen = torch.Generator(device=dev).manual_seed(3 + rank)
@@ -279,9 +344,11 @@ def _graph_replay(rank, world, layer):
 
 def _compiled(rank, world, layer):
     """zeco_gated_delta_rule / zeco_kda fwd+bwd inside torch.compile (aot_eager; Dynamo breaks the graph
-    around fla's compiler-disabled kernels and the layer's collectives): bitwise the eager result."""
+    around fla's compiler-disabled kernels and the layer's collectives; one GPU runs as a middle rank):
+    bitwise the eager result."""
     import torch.distributed as dist
 
+    _as_middle_rank(world)
     op = _layer_op(layer)
     torch._dynamo.reset()
     dev = torch.device("cuda", torch.cuda.current_device())

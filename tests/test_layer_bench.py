@@ -60,7 +60,7 @@ def test_report_ratios():
 
 def test_delta_report_host_and_captured_columns(capsys):
     rows = []
-    for n, (ms, host, graph) in dict(ideal=(3.0, 2.5, 2.0), wide=(3.6, 2.6, 2.5), zeco=(6.0, 6.0, 2.6),
+    for n, (ms, host, graph) in dict(ideal=(3.0, 2.5, 2.0), zeco=(6.0, 6.0, 2.6),
                                      allgather=(6.1, 6.0, 2.7)).items():
         rows.append(dict(layer="gdn", T_local=8192, row=n, ms=ms, host_ms=host, peak_mib=100.0, graph_ms=graph,
                          graph_equal=n != "allgather"))

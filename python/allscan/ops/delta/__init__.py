@@ -4,8 +4,10 @@ sequence-parallel ops on the matrix All-Scan.
 Files, in the layout of flash-linear-attention's ``ops/<op>/``:
 
 - :mod:`.naive`: :func:`recurrent_delta_rule_reference`, token by token in float64 (the tests' reference).
-- :mod:`.chunk`: the chunked delta rule in torch ops and its staged local backend ``TorchDelta``.
-- :mod:`.fla`: ``FlaDelta``, the same three stages with fla-core's kernels (GPU), and the ``fla_cp`` call.
+- :mod:`.chunk`: the chunked delta rule in torch ops and its local backend ``TorchDelta``.
+- :mod:`.fla`: ``FlaDelta``, the same with fla-core's kernels (GPU), and the ``fla_cp`` call.
+- :mod:`.fold_in`: the Triton kernels that fold the incoming state into the outputs (and its gradient).
+- :mod:`.incoming`: the shard's first segment and the All-Scan in one autograd function.
 - :mod:`.gates`: the q/k l2norm and gate activations fla's kernels apply first, in torch ops; the options.
 - :mod:`.zeco`: :func:`zeco_gated_delta_rule` and :func:`zeco_kda`, the sequence-parallel ops.
 """

@@ -24,6 +24,7 @@ outputs, the final state and the transition unchanged.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import List, NamedTuple, Optional, Sequence
 
@@ -144,46 +145,65 @@ def _unblocks(x: torch.Tensor, T: int) -> torch.Tensor:
 
 
 class TorchDelta:
-    """The local work of one shard in torch ops, in the three stages :mod:`allscan.ops.delta.zeco`
-    drives; :class:`allscan.ops.delta.fla.FlaDelta` implements the same three with fla-core's kernels.
-
-    The shard is cut into segments (``bounds``: local sequence boundaries ``[0, ..., T]``), each an
-    independent sequence from its own initial state (``h0s``, None = zeros); only the first segment
-    can receive an incoming state, so only its transition is computed.
-    """
+    """The local work of one shard in torch ops: what :mod:`allscan.ops.delta.zeco` and
+    :mod:`allscan.ops.delta.incoming` ask of a backend; :class:`allscan.ops.delta.fla.FlaDelta` does the
+    same with fla-core's kernels. q, k, g, beta raw (``opts``, a
+    :class:`~allscan.ops.delta.gates.DeltaOptions`, says what fla would apply to them first)."""
 
     name = "torch"
 
     @staticmethod
-    def summarize(q, k, v, g, beta, opts, scale: float, bounds: Sequence[int], h0s: List[Optional[torch.Tensor]],
-                  need_transition: bool):
-        """Stage 1, before the scan: what the scan needs. q, k, g, beta raw (``opts``, a
-        :class:`~allscan.ops.delta.gates.DeltaOptions`, says what fla would apply to them first).
-        Returns an object with ``finals`` (each segment's final state from its local initial state,
-        ``[B, HV, K, V]``) and ``transition`` (the first segment's, ``[B, HV, K, K]``, when
-        ``need_transition``, else None), and whatever stages 2 and 3 need."""
+    def segments(q, k, v, g, beta, opts, scale: float, bounds: Sequence[int], h0s: List[Optional[torch.Tensor]]):
+        """Independent sequences ``bounds`` (local boundaries ``[0, ..., T]``), each from its own initial
+        state (``h0s``, None = zeros), differentiable: ``(o [B, T, HV, V], [final state per segment])``."""
         q, k, g, beta = gates.activate(opts, q, k, g, beta, v.shape[2], compute_dtype(v))
-        segs = []
+        outs, finals = [], []
         for j, (a, e) in enumerate(zip(bounds, bounds[1:])):
-            segs.append(chunk_delta_rule(q[:, a:e], k[:, a:e], v[:, a:e], g[:, a:e], beta[:, a:e], scale, h0s[j],
-                                         with_transition=j == 0 and need_transition))
-        return ShardSummary(segments=segs, finals=[cp.final for cp in segs], transition=segs[0].transition)
+            cp = chunk_delta_rule(q[:, a:e], k[:, a:e], v[:, a:e], g[:, a:e], beta[:, a:e], scale, h0s[j],
+                                  with_transition=False)
+            outs.append(chunk_outputs(cp))
+            finals.append(cp.final)
+        return (torch.cat(outs, 1) if len(outs) > 1 else outs[0]), finals
 
     @staticmethod
-    def local_outputs(sp) -> torch.Tensor:
-        """Stage 2, while the scan is in flight: the outputs ``[B, T, H, V]`` from the local states."""
-        return torch.cat([chunk_outputs(cp) for cp in sp.segments], 1)
+    def wide_forward(q, k, v, g, beta, opts, scale: float, h0: Optional[torch.Tensor]):
+        """One segment without autograd: ``(o_loc, Q', h, M, saved)``: the outputs and final state from
+        ``h0``, the map ``Q' [B, T, HV, K]`` from a state added to ``h0`` to the outputs, the transition
+        ``M [B, HV, K, K]``, and what :meth:`narrow_backward` needs (nothing here: it recomputes)."""
+        with torch.no_grad():
+            qa, ka, ga, ba = gates.activate(opts, q, k, g, beta, v.shape[2], compute_dtype(v))
+            cp = chunk_delta_rule(qa, ka, v, ga, ba, scale, h0)
+            q_eff = _unblocks(cp.q_eff @ cp.prefix, cp.T)
+            return chunk_outputs(cp), q_eff, cp.final, cp.transition, ()
 
     @staticmethod
-    def add_incoming(sp, o: torch.Tensor, S_in: Optional[torch.Tensor], need_final: bool = True):
-        """Stage 3: the first segment's incoming state folded in. Returns ``(o, finals)``, one final
-        state per segment (the first one's with the incoming state when ``need_final``: the caller
-        returns it)."""
-        finals = list(sp.finals)
-        if S_in is None:
-            return o, finals
-        first = sp.segments[0]
-        o0, final0 = add_incoming(first, o[:, :first.T], S_in)
-        if need_final:
-            finals[0] = final0
-        return torch.cat([o0, o[:, first.T:]], 1), finals
+    def fold(o_loc: torch.Tensor, q_eff: torch.Tensor, S_in: torch.Tensor):
+        """``(o_loc + Q' S_in, Q')``: the outputs with the incoming state, and the Q' to keep."""
+        return o_loc + torch.einsum("bthk,bhkv->bthv", q_eff, S_in.to(q_eff.dtype)), q_eff
+
+    @staticmethod
+    def fold_state_grad(q_eff: torch.Tensor, do: torch.Tensor) -> torch.Tensor:
+        return torch.einsum("bthk,bthv->bhkv", q_eff, do.to(q_eff.dtype))
+
+    @staticmethod
+    def narrow_backward(saved, q, k, v, g, beta, opts, scale: float, S_full: torch.Tensor, do: torch.Tensor,
+                        dht: Optional[torch.Tensor]):
+        """The gradients of one segment run from ``S_full``, given ``do`` and the final state's ``dht``
+        (None: zero): ``(dq, dk, dv, dg, dbeta, dS_full, dA_log, ddt_bias)`` (None where not an input)."""
+        with torch.enable_grad():
+            leaves = [t.detach().requires_grad_(True) for t in (q, k, v, g, beta, S_full)]
+            params = [None if t is None else t.detach().requires_grad_(True) for t in (opts.A_log, opts.dt_bias)]
+            with_params = dataclasses.replace(opts, A_log=params[0], dt_bias=params[1])
+            qa, ka, ga, ba = gates.activate(with_params, leaves[0], leaves[1], leaves[3], leaves[4], v.shape[2],
+                                            compute_dtype(v))
+            cp = chunk_delta_rule(qa, ka, leaves[2], ga, ba, scale, leaves[5], with_transition=False)
+            outs, grads = [chunk_outputs(cp)], [do.to(cp.final.dtype)]
+            if dht is not None:
+                outs.append(cp.final)
+                grads.append(dht.to(cp.final.dtype))
+            wrt = leaves + [p for p in params if p is not None]
+            got = list(torch.autograd.grad(outs, wrt, grads, allow_unused=True))
+        got = [torch.zeros_like(w) if d is None else d for d, w in zip(got, wrt)]
+        dA_log = got[6] if params[0] is not None else None
+        ddt_bias = got[6 + (params[0] is not None)] if params[1] is not None else None
+        return (*got[:6], dA_log, ddt_bias)

@@ -1,28 +1,34 @@
 """The delta-rule layers' local work on GPU with flash-linear-attention's kernels (fla-core 0.6.0), and
 fla's own context parallelism as the ``method="fla_cp"`` baseline.
 
-:class:`FlaDelta` implements :class:`allscan.ops.delta.chunk.TorchDelta`'s three stages with fla's
-public ``chunk_gated_delta_rule`` / ``chunk_kda`` and nothing else. The state dynamics act on the
-state's columns independently (``S_t = A_t S_{t-1} + beta_t k_t v_t^T``, ``o_t = scale S_t^T q_t``),
-so one call on the widened problem ``v' = [v | 0]`` (``[.., V + K]``) from ``S_0' = [h0 | I]`` returns,
-column block by column block::
+:class:`FlaDelta` does what :class:`allscan.ops.delta.chunk.TorchDelta` does with fla's kernels. Packed
+sequences that no incoming state reaches run through fla's public ``chunk_gated_delta_rule`` /
+``chunk_kda`` (fla's autograd). The shard's first segment, the one the All-Scan's state enters
+(:mod:`allscan.ops.delta.incoming`), runs fla's forward and backward steps (the functions fla's own
+autograd functions call) separately:
 
-    o'     = [o_local | Q']        o_local: the outputs from h0;  Q'_t = scale q_t^T A_t ... A_1
-    final' = [h_local | M]         h_local: the final state from h0;  M = A_T ... A_1 (the transition)
+- forward on the widened problem. The state dynamics act on the state's columns independently
+  (``S_t = A_t S_{t-1} + beta_t k_t v_t^T``, ``o_t = scale S_t^T q_t``), so fla's forward on
+  ``v' = [v | 0]`` (``[.., V + K]``) from ``S_0' = [h0 | I]`` returns, column block by column block::
 
-which is all the matrix All-Scan needs (``h_local``, ``M``) and all that folding the incoming state in
-needs (``o += Q' S_in``, Triton kernels: :mod:`.fold_in`; ``final = h_local + M S_in``):
-fla's kernels, fla's autograd, one call, no second pass over the shard after the scan. The price is K more value columns in that call for the
-first segment of a shard (the only one an incoming state reaches); ``bench/README.md`` has the
-measured cost. Packed sequences after the first run in one more call with local ``cu_seqlens``.
+      o'     = [o_local | Q']        o_local: the outputs from h0;  Q'_t = scale q_t^T A_t ... A_1
+      final' = [h_local | M]         h_local: the final state from h0;  M = A_T ... A_1 (the transition)
+
+  all the matrix All-Scan needs (``h_local``, ``M``) and all folding the incoming state in needs
+  (``o += Q' S_in``, :mod:`.fold_in`; ``final = h_local + M S_in``), without a second pass over the
+  shard after the scan. The WY factors (fla's ``A``, which do not depend on v) are kept for the backward.
+- backward on the V value columns only: fla's backward from the whole incoming state, given the final
+  state's gradient, exactly what fla runs for a sequence that starts from that state.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
-from types import SimpleNamespace
 from typing import List, Optional, Sequence
 
 import torch
+
+from .chunk import compute_dtype
 
 
 @functools.lru_cache(maxsize=None)
@@ -55,74 +61,133 @@ def fla_kernel(opts):
     return chunk_gated_delta_rule, kw
 
 
-def widened_call(fn, kw, q, k, v, g, beta, scale, h0):
-    """One fla call on ``[v | 0]`` from ``[h0 | I]``: ``(o_local, Q', h_local, M)``. The local part of
-    ``method="zeco"`` (``bench/delta_bench.py`` times it alone as the ``wide`` row)."""
-    B, T, HV, V = v.shape
-    K = q.shape[-1]
-    v_wide = torch.cat([v, v.new_zeros(B, T, HV, K)], -1)
-    eye = torch.eye(K, dtype=torch.float32, device=v.device).expand(B, HV, K, K)
-    h0 = v.new_zeros(B, HV, K, V, dtype=torch.float32) if h0 is None else h0
-    o, fin = fn(q, k, v_wide, g, beta, scale=scale, initial_state=torch.cat([h0, eye], -1),
-                output_final_state=True, **kw)
-    return o[..., :V], o[..., V:], fin[..., :V], fin[..., V:]
+def _on_device(t: torch.Tensor):
+    """fla's kernels launch on the current CUDA device (its autograd functions make it the inputs')."""
+    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
+
+
+def _activate(q, k, beta, opts):
+    """What fla's autograd functions apply before their forward steps: ``(q, k, beta, q_rstd, k_rstd)``."""
+    q_rstd = k_rstd = None
+    if opts.use_qk_l2norm_in_kernel:
+        from fla.modules.norm.l2norm import l2norm_fwd
+
+        q, q_rstd = l2norm_fwd(q)
+        k, k_rstd = l2norm_fwd(k)
+    if opts.use_beta_sigmoid_in_kernel:
+        from fla.ops.common.gate import fused_beta_sigmoid_fwd
+
+        beta = fused_beta_sigmoid_fwd(beta, 2.0 if opts.allow_neg_eigval else 1.0)
+    return q, k, beta, q_rstd, k_rstd
+
+
+def _forward_steps(q, k, v, g, beta, opts, scale, h0):
+    """fla's forward of one sequence batch (q, k, beta activated): ``(o, final, factors)``, ``factors``
+    what :func:`_backward_steps` needs besides the inputs."""
+    gate = dict(use_gate_in_kernel=opts.use_gate_in_kernel, A_log=opts.A_log, dt_bias=opts.dt_bias)
+    if opts.per_key:
+        from fla.ops.kda.chunk_fwd import chunk_kda_fwd
+
+        o, final, g_cum, Aqk, Akk, *_ = chunk_kda_fwd(q=q, k=k, v=v, g=g, beta=beta, scale=scale, initial_state=h0,
+                                                      output_final_state=True, safe_gate=opts.safe_gate,
+                                                      lower_bound=opts.lower_bound, **gate)
+        return o, final, (g_cum, Aqk, Akk)
+    from fla.ops.gated_delta_rule.chunk import chunk_gated_delta_rule_fwd
+
+    g_cum, o, A, final, *_ = chunk_gated_delta_rule_fwd(q=q, k=k, v=v, g=g, beta=beta, scale=scale, initial_state=h0,
+                                                        output_final_state=True, **gate)
+    return o, final, (g_cum, A)
+
+
+def _backward_steps(q, k, v, g, beta, factors, opts, scale, h0, do, dht):
+    """fla's backward of :func:`_forward_steps` on ``v`` from ``h0``: ``(dq, dk, dv, dbeta, dg, dh0,
+    dA_log, ddt_bias)`` (q, k, beta activated; dg of the raw g)."""
+    gate = dict(use_gate_in_kernel=opts.use_gate_in_kernel, A_log=opts.A_log, dt_bias=opts.dt_bias)
+    if opts.per_key:
+        from fla.ops.kda.chunk_bwd import chunk_kda_bwd
+
+        g_cum, Aqk, Akk = factors
+        return chunk_kda_bwd(q=q, k=k, v=v, beta=beta, Aqk=Aqk, Akk=Akk, scale=scale, initial_state=h0, do=do,
+                             dht=dht, g=g_cum, g_org=g if opts.use_gate_in_kernel else None,
+                             safe_gate=opts.safe_gate, lower_bound=opts.lower_bound, **gate)
+    from fla.ops.gated_delta_rule.chunk import chunk_gated_delta_rule_bwd
+
+    g_cum, A = factors
+    return chunk_gated_delta_rule_bwd(q=q, k=k, v=v, g=g_cum, beta=beta, A=A, scale=scale, initial_state=h0, do=do,
+                                      dht=dht, g_input=g if opts.use_gate_in_kernel else None, **gate)
 
 
 class FlaDelta:
-    """The local work of one shard with fla-core's kernels (CUDA, bf16 / fp16 / fp32), in the three
-    stages of :class:`allscan.ops.delta.chunk.TorchDelta`."""
+    """The local work of one shard with fla-core's kernels (CUDA, bf16 / fp16 / fp32): the methods of
+    :class:`allscan.ops.delta.chunk.TorchDelta`."""
 
     name = "fla"
 
     @staticmethod
-    def summarize(q, k, v, g, beta, opts, scale: float, bounds: Sequence[int], h0s: List[Optional[torch.Tensor]],
-                  need_transition: bool):
+    def segments(q, k, v, g, beta, opts, scale: float, bounds: Sequence[int], h0s: List[Optional[torch.Tensor]]):
         fn, kw = fla_kernel(opts)
-        T0 = bounds[1]
-        seg = lambda t: t[:, :T0]  # noqa: E731 - the first segment
-        if need_transition:
-            o0, q_eff, h0_local, M = widened_call(fn, kw, seg(q), seg(k), seg(v), seg(g), seg(beta), scale, h0s[0])
-        else:
-            o0, h0_local = fn(seg(q), seg(k), seg(v), seg(g), seg(beta), scale=scale, initial_state=h0s[0],
-                              output_final_state=True, **kw)
-            q_eff = M = None
-        outs, finals = [o0], [h0_local]
-        if len(bounds) > 2:  # the packed sequences that start inside the shard: one varlen call
-            rest = [b - T0 for b in bounds[1:]]
-            cu_cpu = torch.tensor(rest, dtype=torch.long)
-            inits = torch.cat([h if h is not None else v.new_zeros(1, *h0_local.shape[1:], dtype=torch.float32)
-                               for h in h0s[1:]])
-            o_rest, fin_rest = fn(q[:, T0:], k[:, T0:], v[:, T0:], g[:, T0:], beta[:, T0:], scale=scale,
-                                  initial_state=inits, output_final_state=True,
-                                  cu_seqlens=cu_cpu.to(q.device, non_blocking=True), cu_seqlens_cpu=cu_cpu, **kw)
-            outs.append(o_rest)
-            finals.extend(fin_rest.split(1))
-        return SimpleNamespace(outputs=outs, T0=T0, q_eff=q_eff, finals=finals, transition=M)
+        if len(bounds) == 2:
+            o, final = fn(q, k, v, g, beta, scale=scale, initial_state=h0s[0], output_final_state=True, **kw)
+            return o, [final]
+        B, T, HV, V = v.shape
+        K = q.shape[-1]
+        cu_cpu = torch.tensor(list(bounds), dtype=torch.long)
+        inits = torch.cat([h if h is not None else v.new_zeros(1, HV, K, V, dtype=compute_dtype(v)) for h in h0s])
+        o, final = fn(q, k, v, g, beta, scale=scale, initial_state=inits, output_final_state=True,
+                      cu_seqlens=cu_cpu.to(q.device, non_blocking=True), cu_seqlens_cpu=cu_cpu, **kw)
+        return o, list(final.split(1))
 
     @staticmethod
-    def local_outputs(sp) -> torch.Tensor:
-        return torch.cat(sp.outputs, 1) if len(sp.outputs) > 1 else sp.outputs[0]
+    def wide_forward(q, k, v, g, beta, opts, scale: float, h0: Optional[torch.Tensor]):
+        from allscan.ops.gla.fla import apply_autotune_setting
+
+        apply_autotune_setting()
+        B, T, HV, V = v.shape
+        K = q.shape[-1]
+        q, k, v, g, beta = (t.contiguous() for t in (q, k, v, g, beta))
+        with _on_device(q):
+            qa, ka, ba, q_rstd, k_rstd = _activate(q, k, beta, opts)
+            v_wide = v.new_empty(B, T, HV, V + K)  # [v | 0] without a separate zeros tensor
+            v_wide[..., :V].copy_(v)
+            v_wide[..., V:].zero_()
+            dt = compute_dtype(v)  # fp32: fla's states (fp64 only in the CPU tests of this algebra)
+            eye = torch.eye(K, dtype=dt, device=v.device).expand(B, HV, K, K)
+            h0 = v.new_zeros(B, HV, K, V, dtype=dt) if h0 is None else h0.to(dt)
+            o, final, factors = _forward_steps(qa, ka, v_wide, g, ba, opts, scale, torch.cat([h0, eye], -1))
+        return o[..., :V], o[..., V:], final[..., :V].contiguous(), final[..., V:].contiguous(), \
+            (qa, ka, ba, q_rstd, k_rstd) + factors
 
     @staticmethod
-    def add_incoming(sp, o: torch.Tensor, S_in: Optional[torch.Tensor], need_final: bool = True):
-        """Stage 3 (:meth:`TorchDelta.add_incoming`); the first segment's final state is updated only
-        when the caller returns it (``need_final``)."""
-        finals = list(sp.finals)
-        if S_in is None:
-            return o, finals
-        dt = sp.finals[0].dtype  # fp32: the states' dtype (fp64 in the CPU tests of this algebra)
-        S_in = S_in.to(dt)
-        if o.is_cuda and dt == torch.float32:
-            from .fold_in import fold_incoming
+    def fold(o_loc: torch.Tensor, q_eff: torch.Tensor, S_in: torch.Tensor):
+        """``(o_loc + Q' S_in, Q' contiguous)``: the copy of Q' (a slice of fla's widened output) is
+        what the backward keeps, so the widened output is freed after the fold."""
+        from .fold_in import fold_forward
 
-            first = fold_incoming(o[:, :sp.T0], sp.q_eff, S_in)
-        else:  # what the kernel computes, in torch ops (CPU, float64)
-            first = (o[:, :sp.T0].to(dt) + torch.einsum("bthk,bhkv->bthv", sp.q_eff.to(dt), S_in)).to(o.dtype)
-        if need_final:
-            finals[0] = finals[0] + sp.transition @ S_in
-        if sp.T0 == o.shape[1]:  # one segment (the common case): no concatenation copy
-            return first, finals
-        return torch.cat([first, o[:, sp.T0:]], 1), finals
+        return fold_forward(o_loc, q_eff, S_in, copy_q=True)
+
+    @staticmethod
+    def fold_state_grad(q_eff: torch.Tensor, do: torch.Tensor) -> torch.Tensor:
+        from .fold_in import fold_state_grad
+
+        return fold_state_grad(q_eff, do)
+
+    @staticmethod
+    def narrow_backward(saved, q, k, v, g, beta, opts, scale: float, S_full: torch.Tensor, do: torch.Tensor,
+                        dht: Optional[torch.Tensor]):
+        qa, ka, ba, q_rstd, k_rstd, *factors = saved
+        with _on_device(q):
+            dq, dk, dv, dbeta, dg, dS, dA_log, ddt_bias = _backward_steps(
+                qa, ka, v.contiguous(), g.contiguous(), ba, factors, opts, scale, S_full, do.contiguous(), dht)
+            if opts.use_qk_l2norm_in_kernel:
+                from fla.modules.norm.l2norm import l2norm_bwd
+
+                dq, dk = l2norm_bwd(qa, q_rstd, dq), l2norm_bwd(ka, k_rstd, dk)
+            if opts.use_beta_sigmoid_in_kernel:
+                from fla.ops.common.gate import fused_beta_sigmoid_bwd
+
+                dbeta = fused_beta_sigmoid_bwd(beta.contiguous(), dbeta, 2.0 if opts.allow_neg_eigval else 1.0)
+        return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dg.to(g.dtype), dbeta.to(beta.dtype), dS,
+                dA_log, ddt_bias)
 
 
 def fla_context_parallel(fn, kw, q, k, v, g, beta, scale, group, cu_seqlens, T_global):

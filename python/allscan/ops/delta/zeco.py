@@ -9,13 +9,14 @@ diag(exp(g_t))``), so a shard is summarised by its transition ``M_p = A_T ... A_
 and its final state from a zero incoming state ``h_p``; the state entering rank p is the matrix
 All-Scan ``y_{p+1} = M_p y_p + h_p`` (only the ``[K, V]`` state crosses a boundary)::
 
-    local:    chunk states, local outputs and final state from zero, and M_p     (backend stage 1, 2)
-    All-Scan: S_in = allscan.scan(h_p, transition=M_p, init=initial_state)       (rank 0 reads init)
-    fold in:  o += Q~_c P_c S_in per chunk, final = h_p + M_p S_in               (backend stage 3)
+    local:    the shard's outputs and final state from zero, Q' and M_p    (wide forward: V + K columns)
+    All-Scan: S_in = allscan.scan(h_p, transition=M_p, init=initial_state)   (rank 0 reads init)
+    fold in:  o += Q' S_in, final = h_p + M_p S_in
 
-Autograd is torch's: the scan is differentiable in its state, transition and init (through the
-reverse scan with the transposed transitions), so the gradients of q, k, v, g, beta and
-``initial_state`` cross ranks with one state per boundary.
+The backward is the shard's own backward from its whole incoming state (V columns only), after one
+reverse scan with the transposed transitions has brought each rank the gradient of its final state
+(:mod:`allscan.ops.delta.incoming`), so the gradients of q, k, v, g, beta and ``initial_state`` cross
+ranks with one state per boundary.
 
 Packed sequences (``cu_seqlens`` over the GLOBAL sequence, B = 1, equal shard lengths) are cut as
 ``zeco_gla`` cuts them (:class:`allscan.ops._shards.ShardSegments`): only the first local segment
@@ -27,9 +28,7 @@ next rank's first sequence starts from exactly its own initial state.
 
 Collectives: with more than one rank every rank, in every branch, issues the same one signature
 check and one ``allscan.scan`` (state ``[B, H, K, V]``, transition ``[B, H, K, K]``, init given or
-not on every rank alike) in the forward, and autograd one reverse scan in the backward: the scan's
-inputs stay in the autograd graph on every rank whenever they do on one (a cut state is a zero that
-keeps its graph).
+not on every rank alike) in the forward, and one reverse scan in the backward.
 """
 from __future__ import annotations
 
@@ -45,6 +44,7 @@ from .._shards import ShardSegments, sequence_parallel_group
 from .chunk import TorchDelta, compute_dtype
 from .fla import FlaDelta, fla_context_parallel, fla_delta_available, fla_kernel
 from .gates import DeltaOptions
+from .incoming import IncomingRun, first_segment_with_incoming
 
 __all__ = ["zeco_gated_delta_rule", "zeco_kda", "METHODS"]
 
@@ -71,13 +71,6 @@ def select_backend(q: torch.Tensor):
             warnings.warn("allscan.ops.delta: fla-core is not importable; using the torch chunked delta rule on "
                           "CUDA (correct, but slow and memory-hungry). pip install allscan[gla] for fla-core's kernels.")
     return TorchDelta
-
-
-def _zero_in_graph(t: torch.Tensor) -> torch.Tensor:
-    """Zeros shaped like ``t`` that stay in its autograd graph (with zero gradient), so every rank's
-    scan input requires grad alike and every rank joins the reverse scan."""
-    return torch.where(torch.zeros((), dtype=torch.bool, device=t.device), t, torch.zeros((), dtype=t.dtype,
-                                                                                          device=t.device))
 
 
 def _check_tensor(op, name, t, shape, what):
@@ -233,32 +226,36 @@ def _delta_rule(op, per_key, q, k, v, g, beta, group, scale, initial_state, outp
 
 
 def _sharded(q, k, v, g, beta, opts, scale, segs, group, h0s, init, method, output_final_state):
-    """The three backend stages around the one scan; finals gathered as zeco_gla returns them."""
+    """The first segment (with the incoming state, :mod:`.incoming`, when there is more than one rank)
+    and the packed sequences after it; finals gathered as zeco_gla returns them."""
     B, T, HV, V = v.shape
     K = q.shape[-1]
     be = select_backend(q)
-    sp = be.summarize(q, k, v, g, beta, opts, scale, segs.bounds, h0s, need_transition=segs.world > 1)
-    handle = None
-    S_in = init
-    if segs.world > 1:
-        from allscan import scan
-
-        x, M = sp.finals[-1], sp.transition
-        if segs.varlen and segs.ends_here[-1]:  # nothing crosses the shard's end
-            x, M = _zero_in_graph(x), torch.zeros_like(M)
-        elif segs.nseg > 1:  # the sequence crossing the end starts in the shard: no incoming state reaches it
-            M = torch.zeros_like(M)
-        handle = scan(x.contiguous(), group=group, transition=M.contiguous(), init=init,
-                      method=_SCAN_METHOD[method], async_op=True)
-    o = be.local_outputs(sp)  # overlaps the scan on CUDA
-    if handle is not None:
-        S_in = handle.wait()
-    o, finals = be.add_incoming(sp, o, S_in, need_final=output_final_state and segs.ends_here[0])
+    T0 = segs.bounds[1]
+    finals = [None] * segs.nseg
+    o_rest = None
+    if segs.world == 1:
+        o, finals = be.segments(q, k, v, g, beta, opts, scale, segs.bounds, h0s)
+    else:
+        if segs.nseg > 1:  # the packed sequences that start inside the shard: no incoming state reaches them
+            o_rest, finals[1:] = be.segments(q[:, T0:], k[:, T0:], v[:, T0:], g[:, T0:], beta[:, T0:], opts, scale,
+                                             [b - T0 for b in segs.bounds[1:]], h0s[1:])
+        if segs.varlen and segs.ends_here[-1]:
+            cross = "none"  # nothing crosses the shard's end
+        else:
+            cross = "ext" if segs.nseg > 1 else "own"
+        run = IncomingRun(be, opts, scale, group, _SCAN_METHOD[method], cross,
+                          need_final=output_final_state and segs.ends_here[0])
+        first = lambda t: t[:, :T0]  # noqa: E731
+        o, finals[0] = first_segment_with_incoming(first(q), first(k), first(v), first(g), first(beta), h0s[0],
+                                                   init, finals[-1] if cross == "ext" else None, run)
+        if o_rest is not None:
+            o = torch.cat([o, o_rest], 1)
 
     final = None
     if output_final_state:
         if segs.varlen:
-            rows = [o.new_zeros(HV, K, V, dtype=finals[0].dtype)] * segs.num_seqs
+            rows = [o.new_zeros(HV, K, V, dtype=compute_dtype(v))] * segs.num_seqs
             for j in range(segs.nseg):
                 if segs.ends_here[j]:
                     rows[segs.seq_ids[j]] = finals[j][0]
