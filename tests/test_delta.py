@@ -3,7 +3,8 @@ rule on the whole sequence.
 
 Checks the whole algorithm (local chunked delta rule from the local initial states, the shard's
 transition, the matrix All-Scan of the states crossing rank boundaries, the incoming state folded into
-the outputs and final states, and torch autograd through all of it, the reverse scan included) at
+the outputs and final states; the backward: the reverse scan, then the shard's backward from its whole
+incoming state) at
 P = 1..4 for both layers: outputs, every gradient (q, k, v, g, beta, initial_state, and A_log /
 dt_bias with the in-kernel gates), initial and final states, B > 1, T_local not a multiple of the
 chunk size, packed sequences cut inside ranks, exactly on rank boundaries and across several ranks,
@@ -26,7 +27,7 @@ from distributed import run_distributed  # noqa: E402
 
 from allscan.layers import zeco_gated_delta_rule, zeco_kda  # noqa: E402
 from allscan.ops.delta import chunk_delta_rule, recurrent_delta_rule_reference  # noqa: E402
-from allscan.ops.delta.chunk import add_incoming, chunk_outputs  # noqa: E402
+from allscan.ops.delta.chunk import chunk_outputs, incoming_map  # noqa: E402
 from allscan.ops.gla import LOCAL  # noqa: E402
 
 H, K, V = 2, 6, 4
@@ -214,6 +215,72 @@ def test_zeco_delta_distributed(world):
         run_distributed(_run_world, world, cases, timeout=600)
 
 
+def _partial_loss_case(rank, world, group, layer, cu, use_o, use_f, wrt):
+    """One loss that uses only part of the outputs (the output, the final state, or both) and asks only
+    some gradients: every rank still joins the reverse scan, and what it returns is the float64 answer."""
+    T_local = 37
+    T = T_local * world
+    n_h0 = 1 if cu is None else len(cu) - 1
+    d, do = _data(5 + world, layer, 1, T, H, n_h0, gated=False)
+    dfin = torch.randn(n_h0, H, K, V, generator=torch.Generator().manual_seed(6), dtype=torch.float64)
+    names = ("q", "k", "v", "g", "beta", "h0")
+    cut = None if cu is None else torch.tensor(cu)
+
+    def loss_of(o, finals):  # finals[p]: the final state rank p returns
+        loss = (o * do).sum() if use_o else 0
+        for p, f in enumerate(finals if use_f else []):
+            loss = loss + (f * dfin * (p + 1)).sum()  # a different weight per rank
+        return loss
+
+    ref_in = {n: d[n].clone().requires_grad_(n in wrt) for n in names}
+    o, fin = recurrent_delta_rule_reference(*(ref_in[n] for n in names[:5]), initial_state=ref_in["h0"],
+                                            cu_seqlens=cut)
+    if cu is None:
+        finals = [recurrent_delta_rule_reference(*(ref_in[n][:, :(p + 1) * T_local] for n in names[:5]),
+                                                 initial_state=ref_in["h0"])[1] for p in range(world)]
+    else:
+        finals = [fin * torch.tensor([float(i in _final_rows(cu, p, T_local)) for i in range(n_h0)],
+                                     dtype=torch.float64).view(-1, 1, 1, 1) for p in range(world)]
+    want = torch.autograd.grad(loss_of(o, finals), [ref_in[n] for n in wrt], allow_unused=True)
+
+    sl = slice(rank * T_local, (rank + 1) * T_local)
+    mine = {n: (d[n] if n == "h0" else d[n][:, sl]).clone().requires_grad_(n in wrt) for n in names}
+    o, fin = LAYERS[layer](*(mine[n] for n in names[:5]), group, initial_state=mine["h0"],
+                           output_final_state=use_f, cu_seqlens=cut)
+    loss = (o * do[:, sl]).sum() if use_o else 0
+    if use_f:
+        loss = loss + (fin * dfin * (rank + 1)).sum()
+    got = torch.autograd.grad(loss, [mine[n] for n in wrt], allow_unused=True)
+    tag = f"{layer} cu={cu} output used={use_o} final used={use_f} grads of {wrt} rank={rank}"
+    for n, a, b in zip(wrt, got, want):
+        a = torch.zeros_like(mine[n]) if a is None else a
+        b = torch.zeros_like(ref_in[n]) if b is None else b
+        if n == "h0":
+            a = a.clone()
+            dist.all_reduce(a)  # used where its sequence starts: summed over the ranks
+        else:
+            b = b[:, sl]
+        assert _rel(a, b) < TOL, f"d{n}: {tag}: {_rel(a, b)}"
+
+
+def _partial_losses(rank, world):
+    group = dist.group.WORLD
+    T = 37 * world
+    for layer in LAYERS:
+        for cu in (None, [0, 10, 37, 41, T], [0, 5, T - 6, T]):
+            _partial_loss_case(rank, world, group, layer, cu, True, False, ("q", "k", "v", "g", "beta", "h0"))
+            _partial_loss_case(rank, world, group, layer, cu, True, True, ("h0",))
+            _partial_loss_case(rank, world, group, layer, cu, True, True, ("v",))
+            if cu is None:  # with packed sequences a rank where none ends would have no loss at all
+                _partial_loss_case(rank, world, group, layer, cu, False, True, ("q", "k", "v", "g", "beta", "h0"))
+
+
+def test_partial_losses_and_gradients_three_ranks():
+    """The layer's backward when the loss uses only the outputs (no final state asked), only the final
+    states (no output gradient), or asks the gradient of one input alone: float64 answers, P = 3."""
+    run_distributed(_partial_losses, 3, timeout=600)
+
+
 def test_chunked_matches_recurrent_single_process():
     """The local chunk kernels (stage by stage) against the token loop: outputs and final states from an
     initial state, the same through the incoming-state fold-in, and the transition against the product
@@ -231,8 +298,8 @@ def test_chunked_matches_recurrent_single_process():
             cp = chunk_delta_rule(q, k, v, g, beta, K ** -0.5, h0)
             assert _rel(chunk_outputs(cp), ro) < TOL and _rel(cp.final, rf) < TOL, (per_key, T)
             cp0 = chunk_delta_rule(q, k, v, g, beta, K ** -0.5)
-            o, f = add_incoming(cp0, chunk_outputs(cp0), h0)
-            assert _rel(o, ro) < TOL and _rel(f, rf) < TOL, (per_key, T)
+            o = chunk_outputs(cp0) + torch.einsum("bthk,bhkv->bthv", incoming_map(cp0), h0)
+            assert _rel(o, ro) < TOL and _rel(cp0.final + cp0.transition @ h0, rf) < TOL, (per_key, T)
             M = torch.eye(K, dtype=torch.float64).expand(2, H, K, K)
             for t in range(T):
                 kt, bt = k[:, t].unsqueeze(-1), beta[:, t, :, None, None]

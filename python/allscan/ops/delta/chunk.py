@@ -15,10 +15,11 @@ recurrence is computed for all chunks at once; the recurrence is itself a matrix
 A state S_in added to the state entering the sequence changes the state entering chunk c by
 ``P_c S_in`` (``P_c = M_{c-1} ... M_0``), the outputs by ``Q~_c P_c S_in`` and the final state by
 ``M S_in`` (``M = P_N``, the sequence's transition): that is how the incoming state of a shard is
-folded in after the All-Scan, without recomputing the local recurrence.
+folded in after the All-Scan (:func:`incoming_map` is ``Q' = Q~_c P_c``), without recomputing the
+local recurrence.
 
-:class:`TorchDelta` is the staged local backend :mod:`allscan.ops.delta.zeco` drives; every stage is
-plain torch (autograd differentiates it). Arithmetic in fp32 (fp64 for fp64 inputs); a T that is not
+:class:`TorchDelta` is the local backend in torch ops (:mod:`allscan.ops.delta.zeco` and
+:mod:`allscan.ops.delta.incoming` drive it; its backward recomputes under autograd). Arithmetic in fp32 (fp64 for fp64 inputs); a T that is not
 a multiple of the chunk size is padded with tokens of k = v = q = 0, beta = 0, g = 0, which leave the
 outputs, the final state and the transition unchanged.
 """
@@ -72,15 +73,6 @@ class ChunkPass(NamedTuple):
     prefix: Optional[torch.Tensor]
 
 
-class ShardSummary(NamedTuple):
-    """Stage 1's result (:meth:`TorchDelta.summarize`): every segment's chunk pass, the segments'
-    final states and the first segment's transition."""
-
-    segments: List[ChunkPass]
-    finals: List[torch.Tensor]
-    transition: Optional[torch.Tensor]
-
-
 def chunk_delta_rule(q, k, v, g, beta, scale: float, h0: Optional[torch.Tensor] = None, chunk: int = CHUNK,
                      with_transition: bool = True):
     """The chunked delta rule of one sequence (per batch row), up to the states entering the chunks.
@@ -126,16 +118,14 @@ def chunk_delta_rule(q, k, v, g, beta, scale: float, h0: Optional[torch.Tensor] 
 
 
 def chunk_outputs(cp) -> torch.Tensor:
-    """Stage 2: the outputs ``[B, T, H, V]`` from the states entering the chunks."""
+    """The outputs ``[B, T, H, V]`` from the states entering the chunks."""
     return _unblocks(cp.o_intra + cp.q_eff @ cp.states, cp.T)
 
 
-def add_incoming(cp, o: torch.Tensor, S_in: torch.Tensor):
-    """Stage 3: a state ``S_in`` ``[B, H, K, V]`` added to the state entering the sequence: returns the
-    outputs and the final state it gives (``o + Q~_c P_c S_in``, ``final + M S_in``)."""
-    S_in = S_in.to(cp.final.dtype)
-    do = cp.q_eff @ (cp.prefix @ S_in.unsqueeze(2))
-    return o + _unblocks(do, cp.T), cp.final + cp.transition @ S_in
+def incoming_map(cp) -> torch.Tensor:
+    """``Q' [B, T, H, K]`` (``Q~_c P_c`` per chunk): a state ``S_in`` added to the state entering the
+    sequence adds ``Q' S_in`` to the outputs (and ``M S_in`` to the final state)."""
+    return _unblocks(cp.q_eff @ cp.prefix, cp.T)
 
 
 def _unblocks(x: torch.Tensor, T: int) -> torch.Tensor:
@@ -173,8 +163,7 @@ class TorchDelta:
         with torch.no_grad():
             qa, ka, ga, ba = gates.activate(opts, q, k, g, beta, v.shape[2], compute_dtype(v))
             cp = chunk_delta_rule(qa, ka, v, ga, ba, scale, h0)
-            q_eff = _unblocks(cp.q_eff @ cp.prefix, cp.T)
-            return chunk_outputs(cp), q_eff, cp.final, cp.transition, ()
+            return chunk_outputs(cp), incoming_map(cp), cp.final, cp.transition, ()
 
     @staticmethod
     def fold(o_loc: torch.Tensor, q_eff: torch.Tensor, S_in: torch.Tensor):

@@ -177,7 +177,8 @@ class FlaDelta:
         qa, ka, ba, q_rstd, k_rstd, *factors = saved
         with _on_device(q):
             dq, dk, dv, dbeta, dg, dS, dA_log, ddt_bias = _backward_steps(
-                qa, ka, v.contiguous(), g.contiguous(), ba, factors, opts, scale, S_full, do.contiguous(), dht)
+                qa, ka, v.contiguous(), g.contiguous(), ba, factors, opts, scale, S_full.contiguous(), do.contiguous(),
+                None if dht is None else dht.contiguous())
             if opts.use_qk_l2norm_in_kernel:
                 from fla.modules.norm.l2norm import l2norm_bwd
 

@@ -104,7 +104,7 @@ def _pow2(n: int) -> int:
 
 def _check_inner_stride(name: str, t: torch.Tensor):
     if t.stride(-1) != 1:
-        raise ValueError(f"fold_incoming: {name} must have a unit stride in its last dimension, got {t.stride()}")
+        raise ValueError(f"fold_forward: {name} must have a unit stride in its last dimension, got {t.stride()}")
 
 
 def fold_forward(o: torch.Tensor, q_eff: torch.Tensor, S_in: torch.Tensor, copy_q: bool = False):

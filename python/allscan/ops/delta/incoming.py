@@ -42,7 +42,7 @@ class IncomingRun(NamedTuple):
     backend: Any        # FlaDelta or TorchDelta
     opts: Any           # DeltaOptions (its A_log and dt_bias are the function's inputs of the same name)
     scale: float
-    group: Any          # the sequence-parallel process group (more than one rank, or a stand-in)
+    group: Any          # the sequence-parallel process group
     method: str         # the scan's method: "pipelined" or "allgather"
     cross: str          # what crosses the shard's end: "own", "ext" or "none" (module docstring)
     need_final: bool    # return this segment's final state (with the incoming state)

@@ -9,7 +9,7 @@ diag(exp(g_t))``), so a shard is summarised by its transition ``M_p = A_T ... A_
 and its final state from a zero incoming state ``h_p``; the state entering rank p is the matrix
 All-Scan ``y_{p+1} = M_p y_p + h_p`` (only the ``[K, V]`` state crosses a boundary)::
 
-    local:    the shard's outputs and final state from zero, Q' and M_p    (wide forward: V + K columns)
+    local:    the shard's outputs and final state without an incoming state, Q' and M_p    (forward on V + K columns)
     All-Scan: S_in = allscan.scan(h_p, transition=M_p, init=initial_state)   (rank 0 reads init)
     fold in:  o += Q' S_in, final = h_p + M_p S_in
 
@@ -28,7 +28,8 @@ next rank's first sequence starts from exactly its own initial state.
 
 Collectives: with more than one rank every rank, in every branch, issues the same one signature
 check and one ``allscan.scan`` (state ``[B, H, K, V]``, transition ``[B, H, K, K]``, init given or
-not on every rank alike) in the forward, and one reverse scan in the backward.
+not on every rank alike) in the forward, and one reverse scan in the backward: every rank's loss must
+depend on its outputs or final state (a rank whose backward does not run leaves its peers waiting).
 """
 from __future__ import annotations
 
