@@ -360,6 +360,10 @@ def _check_mismatch(rank):
     d, _ = _data(5, "kda", 1, 16, H, 1, False)
     with pytest.raises(ValueError, match=r"options .*\(rank 0: 0, rank 1: 1\)"):
         zeco_kda(d["q"], d["k"], d["v"], d["g"], d["beta"], use_qk_l2norm_in_kernel=bool(rank))
+    # a rank whose inputs need no gradient would run no backward (its peer would wait in the reverse scan)
+    with pytest.raises(ValueError, match=r"inputs need gradients \(rank 0: 1, rank 1: 0\)"):
+        zeco_kda(d["q"].requires_grad_(rank == 0), d["k"], d["v"], d["g"], d["beta"])
+    d["q"].requires_grad_(False)
     # one rank's own bad argument reaches its peer at once (its exchange carries the failure marker)
     beta = d["beta"][:, :, :1] if rank == 1 else d["beta"]
     want = (r"zeco_kda: beta must be" if rank == 1 else r"rank\(s\) \[1\] rejected their own arguments")

@@ -162,7 +162,7 @@ def _check_gate_options(op, per_key, HV, K, use_gate_in_kernel, A_log, dt_bias, 
                          f"got {lower_bound}")
 
 
-def _signature(q, v, segs, method, h0, flags):
+def _signature(q, v, segs, method, h0, flags, needs_grad):
     B, T, H, K = q.shape
     return [
         ("dtype", DTYPE_CODES[q.dtype]),
@@ -176,6 +176,8 @@ def _signature(q, v, segs, method, h0, flags):
         ("method", METHODS.index(method)),
         ("initial_state given", int(h0 is not None)),
         ("options (l2norm, gate, beta sigmoid, negative eigenvalues)", flags),
+        # a rank whose inputs need no gradient runs no backward: its peers would wait in the reverse scan
+        ("inputs need gradients", int(needs_grad)),
     ]
 
 
@@ -202,7 +204,9 @@ def _delta_rule(op, per_key, q, k, v, g, beta, group, scale, initial_state, outp
                         bool(use_beta_sigmoid_in_kernel), bool(allow_neg_eigval), bool(safe_gate), lower_bound)
     h0 = initial_state
     if segs.world > 1:
-        check_across_ranks(group, q.device, op, _signature(q, v, segs, method, h0, opts.flags()))
+        needs_grad = torch.is_grad_enabled() and any(
+            t is not None and t.requires_grad for t in (q, k, v, g, beta, h0, A_log, dt_bias))
+        check_across_ranks(group, q.device, op, _signature(q, v, segs, method, h0, opts.flags(), needs_grad))
 
     if method == "fla_cp":
         fn, kw = fla_kernel(opts)
