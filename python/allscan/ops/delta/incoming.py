@@ -63,7 +63,6 @@ class _FirstSegment(torch.autograd.Function):
         final = h + M @ S_in if run.need_final else None
         S_full = S_in if h0 is None else S_in + h0.to(S_in.dtype)
         ctx.run = run
-        ctx.n_saved = len(saved)
         ctx.h0_given = h0 is not None
         ctx.init_shape = None if init is None else init.shape
         ctx.save_for_backward(q, k, v, g, beta, A_log, dt_bias, q_eff, M, S_full, *saved)
@@ -72,6 +71,12 @@ class _FirstSegment(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, do, dfinal):
+        q = ctx.saved_tensors[0]
+        with torch.autocast(device_type=q.device.type, enabled=False):  # the forward's arithmetic, whatever the caller's
+            return _FirstSegment._backward(ctx, do, dfinal)
+
+    @staticmethod
+    def _backward(ctx, do, dfinal):
         from allscan import scan
 
         run = ctx.run
@@ -90,9 +95,8 @@ class _FirstSegment(torch.autograd.Function):
         dht = dfinal
         if run.cross == "own":
             dht = r if dht is None else dht + r
-        with torch.autocast(device_type=q.device.type, enabled=False):  # the forward's arithmetic, whatever the caller's
-            dq, dk, dv, dg, dbeta, dS, dA_log, ddt_bias = be.narrow_backward(saved, q, k, v, g, beta, run.opts,
-                                                                             run.scale, S_full, do, dht)
+        dq, dk, dv, dg, dbeta, dS, dA_log, ddt_bias = be.narrow_backward(saved, q, k, v, g, beta, run.opts, run.scale,
+                                                                         S_full, do, dht)
         dh0 = dS if ctx.h0_given and ctx.needs_input_grad[7] else None
         dinit = None
         if ctx.init_shape is not None and ctx.needs_input_grad[8]:
