@@ -470,6 +470,66 @@ def test_fla_backend_widened_forward_with_a_reference_kernel(monkeypatch):
             assert _rel(f[0], want_f[j]) < TOL, f"{layer}: final state of segment {j}"
 
 
+def test_fla_backend_option_plumbing_with_reference_steps(monkeypatch):
+    """FlaDelta's wrapper around fla's step functions, on CPU: fla's forward and backward steps and its
+    l2norm / beta-sigmoid kernels replaced by float64 torch equivalents with fla's conventions (the
+    steps see the activated q, k and beta; the backward returns dq, dk, dv, dbeta, dg, dh0, dA_log,
+    ddt_bias). With the in-kernel l2norm and beta sigmoid (negative eigenvalues allowed), the forward's
+    pieces and the gradients of the raw inputs must equal autograd through the reference."""
+    l2mod = pytest.importorskip("fla.modules.norm.l2norm")
+    gatemod = pytest.importorskip("fla.ops.common.gate")
+    import allscan.ops.delta.fla as fla_backend
+    from allscan.ops.delta.gates import DeltaOptions, beta_gate, l2norm
+
+    def l2_fwd(x):
+        rstd = torch.rsqrt((x * x).sum(-1) + 1e-6)
+        return x * rstd[..., None], rstd
+
+    def l2_bwd(y, rstd, dy):
+        return (dy - y * (dy * y).sum(-1, keepdim=True)) * rstd[..., None]
+
+    def sig_bwd(x, dy, scale=1.0):
+        s = torch.sigmoid(x)
+        return dy * scale * s * (1 - s)
+
+    def forward_steps(q, k, v, g, beta, opts, scale, h0):
+        return (*recurrent_delta_rule_reference(q, k, v, g, beta, scale, h0), ())
+
+    def backward_steps(q, k, v, g, beta, factors, opts, scale, h0, do, dht):
+        xs = [t.detach().requires_grad_(True) for t in (q, k, v, g, beta, h0)]
+        o, fin = recurrent_delta_rule_reference(*xs[:5], scale, xs[5])
+        dq, dk, dv, dg, db, dh0 = torch.autograd.grad([o, fin], xs, [do, dht])
+        return dq, dk, dv, db, dg, dh0, None, None  # fla's order
+
+    monkeypatch.setattr(l2mod, "l2norm_fwd", l2_fwd)
+    monkeypatch.setattr(l2mod, "l2norm_bwd", l2_bwd)
+    monkeypatch.setattr(gatemod, "fused_beta_sigmoid_fwd", lambda x, scale=1.0: scale * torch.sigmoid(x))
+    monkeypatch.setattr(gatemod, "fused_beta_sigmoid_bwd", sig_bwd)
+    monkeypatch.setattr(fla_backend, "_forward_steps", forward_steps)
+    monkeypatch.setattr(fla_backend, "_backward_steps", backward_steps)
+    be, scale = fla_backend.FlaDelta, K ** -0.5
+    gen = torch.Generator().manual_seed(4)
+    for layer in ("gdn", "kda"):
+        d, do = _data(13, layer, 1, 40, H, 1, gated=False)
+        q, k, v, g = d["q"], 3 * d["k"], d["v"], d["g"]  # raw q, k: the kernel normalises them
+        beta = torch.randn(1, 40, H, generator=gen, dtype=torch.float64)  # raw logits
+        h0, S_in = d["h0"], torch.randn(1, H, K, V, generator=gen, dtype=torch.float64)
+        dht = torch.randn(1, H, K, V, generator=gen, dtype=torch.float64)
+        opts = DeltaOptions(per_key=layer == "kda", use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True,
+                            allow_neg_eigval=True)
+        xs = [t.clone().requires_grad_(True) for t in (q, k, v, g, beta, h0 + S_in)]
+        want_o, want_f = recurrent_delta_rule_reference(l2norm(xs[0]), l2norm(xs[1]), xs[2], xs[3],
+                                                        beta_gate(xs[4], True), scale, xs[5])
+        want = torch.autograd.grad([want_o, want_f], xs, [do, dht])
+
+        o_loc, q_eff, h, M, saved = be.wide_forward(q, k, v, g, beta, opts, scale, h0)
+        assert _rel(o_loc + torch.einsum("bthk,bhkv->bthv", q_eff, S_in), want_o) < TOL, layer
+        assert _rel(h + M @ S_in, want_f) < TOL, layer
+        got = be.narrow_backward(saved, q, k, v, g, beta, opts, scale, h0 + S_in, do, dht)
+        for name, a, b in zip(("q", "k", "v", "g", "beta", "initial state"), got[:6], want):
+            assert a.dtype == b.dtype and _rel(a, b) < TOL, f"{layer}: d{name}: {_rel(a, b)}"
+
+
 def test_fla_cp_refuses_what_fla_refuses(monkeypatch):
     """``method="fla_cp"`` takes only what fla's CP supports; the rest raises naming the argument before
     any collective (fla would assert deep inside). The capability check is forced on (no GPU here)."""
