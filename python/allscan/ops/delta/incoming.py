@@ -63,6 +63,7 @@ class _FirstSegment(torch.autograd.Function):
         final = h + M @ S_in if run.need_final else None
         S_full = S_in if h0 is None else S_in + h0.to(S_in.dtype)
         ctx.run = run
+        ctx.device_type = q.device.type
         ctx.h0_given = h0 is not None
         ctx.init_shape = None if init is None else init.shape
         ctx.save_for_backward(q, k, v, g, beta, A_log, dt_bias, q_eff, M, S_full, *saved)
@@ -71,8 +72,7 @@ class _FirstSegment(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, do, dfinal):
-        q = ctx.saved_tensors[0]
-        with torch.autocast(device_type=q.device.type, enabled=False):  # the forward's arithmetic, whatever the caller's
+        with torch.autocast(device_type=ctx.device_type, enabled=False):  # the forward's arithmetic, whatever the caller's
             return _FirstSegment._backward(ctx, do, dfinal)
 
     @staticmethod
