@@ -437,15 +437,21 @@ def test_fla_backend_widened_forward_with_a_reference_kernel(monkeypatch):
 
     widths = []
 
-    def forward_steps(q, k, v, g, beta, opts, scale, h0):
-        widths.append(v.shape[-1])
-        return (*recurrent_delta_rule_reference(q, k, v, g, beta, scale, h0), ())
+    def state_steps(q, k, v, g, beta, opts, scale, h0):
+        widths.append(h0.shape[-1])  # fla's steps widen the values to the initial state's columns
+        v_wide = torch.cat([v, v.new_zeros(*v.shape[:-1], h0.shape[-1] - v.shape[-1])], -1)
+        o, final = recurrent_delta_rule_reference(q, k, v_wide, g, beta, scale, h0)
+        return final, o
+
+    def output_step(o):
+        return o, ()
 
     def kernel(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
                cu_seqlens_cpu=None):
         return recurrent_delta_rule_reference(q, k, v, g, beta, scale, initial_state, cu_seqlens)
 
-    monkeypatch.setattr(fla_backend, "_forward_steps", forward_steps)
+    monkeypatch.setattr(fla_backend, "_state_steps", state_steps)
+    monkeypatch.setattr(fla_backend, "_output_step", output_step)
     monkeypatch.setattr(fla_backend, "fla_kernel", lambda opts: (kernel, {}))
     be = fla_backend.FlaDelta
     for layer in ("gdn", "kda"):
@@ -455,7 +461,8 @@ def test_fla_backend_widened_forward_with_a_reference_kernel(monkeypatch):
         S_in = torch.randn(1, H, K, V, dtype=torch.float64)
         for h0 in (None, d["h0"][:1]):
             widths.clear()
-            o_loc, q_eff, h, M, _ = be.wide_forward(*args, opts, K ** -0.5, h0)
+            h, M, staged = be.wide_states(*args, opts, K ** -0.5, h0)
+            o_loc, q_eff, _ = be.wide_outputs(staged)
             assert widths == [V + K], f"{layer}: one forward on the widened values; got widths {widths}"
             start = S_in if h0 is None else S_in + h0
             want_o, want_f = recurrent_delta_rule_reference(*args, K ** -0.5, start)
@@ -492,8 +499,10 @@ def test_fla_backend_option_plumbing_with_reference_steps(monkeypatch):
         s = torch.sigmoid(x)
         return dy * scale * s * (1 - s)
 
-    def forward_steps(q, k, v, g, beta, opts, scale, h0):
-        return (*recurrent_delta_rule_reference(q, k, v, g, beta, scale, h0), ())
+    def state_steps(q, k, v, g, beta, opts, scale, h0):
+        v_wide = torch.cat([v, v.new_zeros(*v.shape[:-1], h0.shape[-1] - v.shape[-1])], -1)
+        o, final = recurrent_delta_rule_reference(q, k, v_wide, g, beta, scale, h0)
+        return final, o
 
     def backward_steps(q, k, v, g, beta, factors, opts, scale, h0, do, dht):
         xs = [t.detach().requires_grad_(True) for t in (q, k, v, g, beta, h0)]
@@ -505,7 +514,8 @@ def test_fla_backend_option_plumbing_with_reference_steps(monkeypatch):
     monkeypatch.setattr(l2mod, "l2norm_bwd", l2_bwd)
     monkeypatch.setattr(gatemod, "fused_beta_sigmoid_fwd", lambda x, scale=1.0: scale * torch.sigmoid(x))
     monkeypatch.setattr(gatemod, "fused_beta_sigmoid_bwd", sig_bwd)
-    monkeypatch.setattr(fla_backend, "_forward_steps", forward_steps)
+    monkeypatch.setattr(fla_backend, "_state_steps", state_steps)
+    monkeypatch.setattr(fla_backend, "_output_step", lambda o: (o, ()))
     monkeypatch.setattr(fla_backend, "_backward_steps", backward_steps)
     be, scale = fla_backend.FlaDelta, K ** -0.5
     gen = torch.Generator().manual_seed(4)
@@ -522,7 +532,8 @@ def test_fla_backend_option_plumbing_with_reference_steps(monkeypatch):
                                                         beta_gate(xs[4], True), scale, xs[5])
         want = torch.autograd.grad([want_o, want_f], xs, [do, dht])
 
-        o_loc, q_eff, h, M, saved = be.wide_forward(q, k, v, g, beta, opts, scale, h0)
+        h, M, staged = be.wide_states(q, k, v, g, beta, opts, scale, h0)
+        o_loc, q_eff, saved = be.wide_outputs(staged)
         assert _rel(o_loc + torch.einsum("bthk,bhkv->bthv", q_eff, S_in), want_o) < TOL, layer
         assert _rel(h + M @ S_in, want_f) < TOL, layer
         got = be.narrow_backward(saved, q, k, v, g, beta, opts, scale, h0 + S_in, do, dht)

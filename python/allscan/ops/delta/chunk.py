@@ -156,14 +156,22 @@ class TorchDelta:
         return (torch.cat(outs, 1) if len(outs) > 1 else outs[0]), finals
 
     @staticmethod
-    def wide_forward(q, k, v, g, beta, opts, scale: float, h0: Optional[torch.Tensor]):
-        """One segment without autograd: ``(o_loc, Q', h, M, saved)``: the outputs and final state from
-        ``h0``, the map ``Q' [B, T, HV, K]`` from a state added to ``h0`` to the outputs, the transition
-        ``M [B, HV, K, K]``, and what :meth:`narrow_backward` needs (nothing here: it recomputes)."""
+    def wide_states(q, k, v, g, beta, opts, scale: float, h0: Optional[torch.Tensor]):
+        """One segment without autograd, first half: ``(h, M, staged)``: the final state from ``h0`` and
+        the transition ``M [B, HV, K, K]`` (what the All-Scan needs), and what :meth:`wide_outputs`
+        finishes from."""
         with torch.no_grad():
             qa, ka, ga, ba = gates.activate(opts, q, k, g, beta, v.shape[2], compute_dtype(v))
             cp = chunk_delta_rule(qa, ka, v, ga, ba, scale, h0)
-            return chunk_outputs(cp), incoming_map(cp), cp.final, cp.transition, ()
+        return cp.final, cp.transition, cp
+
+    @staticmethod
+    def wide_outputs(staged):
+        """Second half: ``(o_loc, Q', saved)``: the outputs from ``h0``, the map ``Q' [B, T, HV, K]`` from
+        a state added to ``h0`` to the outputs, and what :meth:`narrow_backward` needs (nothing here:
+        it recomputes)."""
+        with torch.no_grad():
+            return chunk_outputs(staged), incoming_map(staged), ()
 
     @staticmethod
     def fold(o_loc: torch.Tensor, q_eff: torch.Tensor, S_in: torch.Tensor):

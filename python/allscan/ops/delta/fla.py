@@ -17,6 +17,10 @@ autograd functions call) separately:
   all the matrix All-Scan needs (``h_local``, ``M``) and all folding the incoming state in needs
   (``o += Q' S_in``, :mod:`.fold_in`; ``final = h_local + M S_in``), without a second pass over the
   shard after the scan. The WY factors (fla's ``A``, which do not depend on v) are kept for the backward.
+  It runs in two halves (:meth:`FlaDelta.wide_states`, :meth:`FlaDelta.wide_outputs`): the final state
+  and the transition come out of fla's state kernel, so the All-Scan is in flight while the output
+  kernel runs; and the WY values ``u`` are computed on the V columns and widened with zeros (``u`` is
+  linear in v), not computed on ``[v | 0]``.
 - backward on the V value columns only: fla's backward from the whole incoming state, given the final
   state's gradient, exactly what fla runs for a sequence that starts from that state.
 """
@@ -28,7 +32,7 @@ from typing import List, Optional, Sequence
 
 import torch
 
-from .chunk import compute_dtype
+from .chunk import CHUNK, compute_dtype
 
 
 @functools.lru_cache(maxsize=None)
@@ -81,27 +85,71 @@ def _activate(q, k, beta, opts):
     return q, k, beta, q_rstd, k_rstd
 
 
-def _forward_steps(q, k, v, g, beta, opts, scale, h0):
-    """fla's forward of one sequence batch (q, k, beta activated): ``(o, final, factors)``, ``factors``
-    what :func:`_backward_steps` needs besides the inputs."""
-    gate = dict(use_gate_in_kernel=opts.use_gate_in_kernel, A_log=opts.A_log, dt_bias=opts.dt_bias)
+def _widened(u: torch.Tensor, width: int) -> torch.Tensor:
+    """``[u | 0]`` with ``width`` columns: the WY values of ``[v | 0]`` (u is linear in v, so its zero
+    columns need no kernel)."""
+    out = u.new_empty(*u.shape[:-1], width)
+    out[..., :u.shape[-1]].copy_(u)
+    out[..., u.shape[-1]:].zero_()
+    return out
+
+
+def _state_steps(q, k, v, g, beta, opts, scale, h0):
+    """fla's forward of one sequence batch (q, k, beta activated) up to the final state, on the values
+    ``[v | 0]`` with as many columns as ``h0`` has: ``(final, staged)``; :func:`_output_step` finishes
+    from ``staged`` (the split lets the All-Scan run beside the output kernel). The calls and their
+    order are those of fla's ``chunk_gated_delta_rule_fwd`` / ``chunk_kda_fwd`` (chunk 64)."""
+    from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_h
+    from fla.ops.utils import chunk_local_cumsum
+    from fla.ops.utils.constant import RCP_LN2
+
+    width = h0.shape[-1]
     if opts.per_key:
-        from fla.ops.kda.chunk_fwd import chunk_kda_fwd
+        from fla.ops.kda.chunk_intra import chunk_kda_fwd_intra
+        from fla.ops.kda.gate import kda_gate_chunk_cumsum
 
-        o, final, g_cum, Aqk, Akk, *_ = chunk_kda_fwd(q=q, k=k, v=v, g=g, beta=beta, scale=scale, initial_state=h0,
-                                                      output_final_state=True, safe_gate=opts.safe_gate,
-                                                      lower_bound=opts.lower_bound, **gate)
-        return o, final, (g_cum, Aqk, Akk)
-    from fla.ops.gated_delta_rule.chunk import chunk_gated_delta_rule_fwd
+        if opts.use_gate_in_kernel:
+            g_cum = kda_gate_chunk_cumsum(g=g, A_log=opts.A_log, dt_bias=opts.dt_bias, scale=RCP_LN2, chunk_size=CHUNK,
+                                          lower_bound=opts.lower_bound)
+        else:
+            g_cum = chunk_local_cumsum(g=g, scale=RCP_LN2, chunk_size=CHUNK)
+        w, u, _, kg, Aqk, Akk = chunk_kda_fwd_intra(q=q, k=k, v=v, gk=g_cum, beta=beta, scale=scale,
+                                                    chunk_size=CHUNK, safe_gate=opts.safe_gate)
+        h, v_new, final = chunk_gated_delta_rule_fwd_h(k=kg, w=w, u=_widened(u, width), gk=g_cum, initial_state=h0,
+                                                       output_final_state=True, chunk_size=CHUNK)
+        # fla recomputes the cumulative gate in the backward when it applies the gate itself
+        factors = (None if opts.use_gate_in_kernel else g_cum, Aqk, Akk)
+        return final, ("kda", q, v_new, g_cum, Aqk, h, scale, factors)
+    from fla.ops.gated_delta_rule.chunk_fwd import chunk_gated_delta_rule_fwd_intra
+    from fla.ops.gated_delta_rule.gate import gdn_gate_chunk_cumsum
 
-    g_cum, o, A, final, *_ = chunk_gated_delta_rule_fwd(q=q, k=k, v=v, g=g, beta=beta, scale=scale, initial_state=h0,
-                                                        output_final_state=True, **gate)
-    return o, final, (g_cum, A)
+    if opts.use_gate_in_kernel:
+        g_cum = gdn_gate_chunk_cumsum(g=g, A_log=opts.A_log, chunk_size=CHUNK, scale=RCP_LN2, dt_bias=opts.dt_bias)
+    else:
+        g_cum = chunk_local_cumsum(g, chunk_size=CHUNK, scale=RCP_LN2)
+    w, u, A = chunk_gated_delta_rule_fwd_intra(k=k, v=v, g=g_cum, beta=beta, chunk_size=CHUNK)
+    h, v_new, final = chunk_gated_delta_rule_fwd_h(k=k, w=w, u=_widened(u, width), g=g_cum, initial_state=h0,
+                                                   output_final_state=True, chunk_size=CHUNK)
+    return final, ("gdn", q, k, v_new, h, g_cum, scale, (g_cum, A))
+
+
+def _output_step(staged):
+    """fla's output kernel from what :func:`_state_steps` staged: ``(o, factors)``, ``factors`` what
+    :func:`_backward_steps` needs besides the inputs."""
+    if staged[0] == "kda":
+        from fla.ops.gla.chunk import chunk_gla_fwd_o_gk
+
+        _, q, v_new, g_cum, Aqk, h, scale, factors = staged
+        return chunk_gla_fwd_o_gk(q=q, v=v_new, g=g_cum, A=Aqk, h=h, scale=scale, chunk_size=CHUNK), factors
+    from fla.ops.common.chunk_o import chunk_fwd_o
+
+    _, q, k, v_new, h, g_cum, scale, factors = staged
+    return chunk_fwd_o(q=q, k=k, v=v_new, h=h, g=g_cum, scale=scale, chunk_size=CHUNK), factors
 
 
 def _backward_steps(q, k, v, g, beta, factors, opts, scale, h0, do, dht):
-    """fla's backward of :func:`_forward_steps` on ``v`` from ``h0``: ``(dq, dk, dv, dbeta, dg, dh0,
-    dA_log, ddt_bias)`` (q, k, beta activated; dg of the raw g)."""
+    """fla's backward of the forward steps (:func:`_state_steps`, :func:`_output_step`) on ``v`` from
+    ``h0``: ``(dq, dk, dv, dbeta, dg, dh0, dA_log, ddt_bias)`` (q, k, beta activated; dg of the raw g)."""
     gate = dict(use_gate_in_kernel=opts.use_gate_in_kernel, A_log=opts.A_log, dt_bias=opts.dt_bias)
     if opts.per_key:
         from fla.ops.kda.chunk_bwd import chunk_kda_bwd
@@ -138,7 +186,7 @@ class FlaDelta:
         return o, list(final.split(1))
 
     @staticmethod
-    def wide_forward(q, k, v, g, beta, opts, scale: float, h0: Optional[torch.Tensor]):
+    def wide_states(q, k, v, g, beta, opts, scale: float, h0: Optional[torch.Tensor]):
         from allscan.ops.gla.fla import apply_autotune_setting
 
         apply_autotune_setting()
@@ -147,15 +195,18 @@ class FlaDelta:
         q, k, v, g, beta = (t.contiguous() for t in (q, k, v, g, beta))
         with _on_device(q):
             qa, ka, ba, q_rstd, k_rstd = _activate(q, k, beta, opts)
-            v_wide = v.new_empty(B, T, HV, V + K)  # [v | 0] without a separate zeros tensor
-            v_wide[..., :V].copy_(v)
-            v_wide[..., V:].zero_()
             dt = compute_dtype(v)  # fp32: fla's states (fp64 only in the CPU tests of this algebra)
             eye = torch.eye(K, dtype=dt, device=v.device).expand(B, HV, K, K)
             h0 = v.new_zeros(B, HV, K, V, dtype=dt) if h0 is None else h0.to(dt)
-            o, final, factors = _forward_steps(qa, ka, v_wide, g, ba, opts, scale, torch.cat([h0, eye], -1))
-        return o[..., :V], o[..., V:], final[..., :V].contiguous(), final[..., V:].contiguous(), \
-            (qa, ka, ba, q_rstd, k_rstd) + factors
+            final, staged = _state_steps(qa, ka, v, g, ba, opts, scale, torch.cat([h0, eye], -1))
+        return final[..., :V].contiguous(), final[..., V:].contiguous(), (staged, V, (qa, ka, ba, q_rstd, k_rstd))
+
+    @staticmethod
+    def wide_outputs(staged):
+        steps, V, activated = staged
+        with _on_device(activated[0]):
+            o, factors = _output_step(steps)
+        return o[..., :V], o[..., V:], activated + factors
 
     @staticmethod
     def fold(o_loc: torch.Tensor, q_eff: torch.Tensor, S_in: torch.Tensor):

@@ -3,10 +3,12 @@
 Forward, on each rank (``be`` the local backend, :class:`~allscan.ops.delta.fla.FlaDelta` or
 :class:`~allscan.ops.delta.chunk.TorchDelta`)::
 
-    o_loc, Q', h, M = be.wide_forward(...)           the shard from its own initial state, the map Q'
-                                                     from an added incoming state to the outputs, the
-                                                     final state h and the transition M
-    S_in = scan(x, transition=M_scan, init=init)     x = h (or the last packed segment's final state)
+    h, M = be.wide_states(...)                       the shard's final state h from its own initial
+                                                     state and its transition M
+    S_in = scan(x, transition=M_scan, init=init)     x = h (or the last packed segment's final state),
+                                                     in flight during the next line
+    o_loc, Q' = be.wide_outputs(...)                 the outputs from the shard's own initial state and
+                                                     the map Q' from an added incoming state to them
     o = o_loc + Q' S_in,  final = h + M S_in
 
 Backward. The state a rank passes on is its shard's final state from the whole incoming state, so the
@@ -54,11 +56,14 @@ class _FirstSegment(torch.autograd.Function):
         from allscan import scan
 
         be = run.backend
-        o_loc, q_eff, h, M, saved = be.wide_forward(q, k, v, g, beta, run.opts, run.scale, h0)
+        h, M, staged = be.wide_states(q, k, v, g, beta, run.opts, run.scale, h0)
         x = {"own": h, "ext": x_ext, "none": None}[run.cross]
         x = torch.zeros_like(h) if x is None else x.to(h.dtype)
         M_scan = M if run.cross == "own" else torch.zeros_like(M)
-        S_in = scan(x.contiguous(), group=run.group, transition=M_scan, init=init, method=run.method)
+        pending = scan(x.contiguous(), group=run.group, transition=M_scan, init=init, method=run.method,
+                       async_op=True)
+        o_loc, q_eff, saved = be.wide_outputs(staged)
+        S_in = pending.wait()
         o, q_eff = be.fold(o_loc, q_eff, S_in)
         final = h + M @ S_in if run.need_final else None
         S_full = S_in if h0 is None else S_in + h0.to(S_in.dtype)
