@@ -338,8 +338,10 @@ def async_handle(group, x: torch.Tensor, inputs, impl) -> ScanHandle:
     """``impl()`` (the scan of ``x`` on the current stream) as a handle. Off NCCL the
     torch.distributed path computes on the host thread: the handle is complete at once. On NCCL it
     runs on the side stream after the current stream's work, and the tensors in ``inputs`` (None
-    allowed) stay valid until the side stream is done with them."""
-    if not (x.is_cuda and _comm.uses_nccl(group, x)):
+    allowed) stay valid until the side stream is done with them. Traced by torch.compile it is the op
+    in the graph, complete at once: streams and ``record_stream`` are not traceable, and the compiled
+    graph orders the op itself."""
+    if torch.compiler.is_compiling() or not (x.is_cuda and _comm.uses_nccl(group, x)):
         return ScanHandle(impl())
     device = x.device
     cur = torch.cuda.current_stream(device)
