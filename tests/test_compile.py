@@ -1,7 +1,8 @@
 """torch.compile traces allscan without a graph break (CPU, gloo; ``fullgraph=True`` makes any graph
-break an error), and the compiled call equals eager. ``zeco_gla`` is traced as its two custom ops
-(forward, backward), so the compiled layer runs what the eager one runs on every rank; the GPU
-paths (fla's kernels, allscan's Triton kernels, NCCL) run the same ops (tests/test_gla_gpu.py).
+break an error), and the compiled call equals eager. ``zeco_gla`` and the delta-rule layers are traced
+as two custom ops each (forward, backward), so the compiled layer runs what the eager one runs on every
+rank; the GPU paths (fla's kernels, allscan's Triton kernels, NCCL) run the same ops
+(tests/test_gla_gpu.py, tests/test_delta_gpu.py).
 """
 import os
 import sys
@@ -20,9 +21,17 @@ def _inputs(rank, op):
     q, k, v = (torch.randn(B, T, H, K, generator=gen) for _ in range(3))
     if op.startswith("gla"):
         return q, k, v, -torch.rand(B, T, H, K, generator=gen) * 0.2
-    gshape = (B, T, H, K) if op == "kda" else (B, T, H)
-    return (q, torch.nn.functional.normalize(k, dim=-1), v, -torch.rand(*gshape, generator=gen) * 0.2,
-            torch.rand(B, T, H, generator=gen))
+    gshape = (B, T, H, K) if op.startswith("kda") else (B, T, H)
+    ins = (q, torch.nn.functional.normalize(k, dim=-1), v, -torch.rand(*gshape, generator=gen) * 0.2,
+           torch.rand(B, T, H, generator=gen))
+    if op.endswith("varlen"):  # one initial state per packed sequence, the same on every rank
+        ins += (torch.randn(4, H, K, K, generator=torch.Generator().manual_seed(5)) * 0.3,)
+    return ins
+
+
+def _packed(world):
+    """Four packed sequences cut inside shards and, with two ranks or more, exactly on a rank boundary."""
+    return torch.tensor([0, 5, 10, 17, 24] if world == 1 else [0, 10, 24, 30, 24 * world])
 
 
 def _step(op):
@@ -33,9 +42,15 @@ def _step(op):
         return allscan.scan(x, g, inclusive=True) * 2
 
     def layer(q, *rest):
+        world = dist.get_world_size()
         if op == "gla-varlen":  # packed sequences cut inside both shards of two ranks
-            cu = torch.tensor([0, 10, 30, 24 * dist.get_world_size()])
+            cu = torch.tensor([0, 10, 30, 24 * world])
             return zeco_gla(q, *rest, output_final_state=True, cu_seqlens=cu)
+        if op.endswith("varlen"):  # with initial states, l2norm and the beta sigmoid in the kernel
+            fn = zeco_kda if op.startswith("kda") else zeco_gated_delta_rule
+            *ins, h0 = rest
+            return fn(q, *ins, initial_state=h0, output_final_state=True, cu_seqlens=_packed(world),
+                      use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True)
         fn = {"gla": zeco_gla, "gdn": zeco_gated_delta_rule, "kda": zeco_kda}[op]
         o, final = fn(q, *rest, output_final_state=True)
         return o, final
@@ -43,7 +58,7 @@ def _step(op):
     return scan if op == "scan" else layer
 
 
-def _compiled_equals_eager(rank, world, op, backward=True, fullgraph=True):
+def _compiled_equals_eager(rank, world, op):
     torch._dynamo.reset()
     fn = _step(op)
     if op == "scan":
@@ -52,38 +67,26 @@ def _compiled_equals_eager(rank, world, op, backward=True, fullgraph=True):
         args = _inputs(rank, op)
     results = {}
     torch._dynamo.utils.counters.clear()
-    for name, f in (("eager", fn), ("compiled", torch.compile(fn, fullgraph=fullgraph, backend="aot_eager"))):
-        xs = [a.clone().requires_grad_(backward and a.is_floating_point()) for a in args]
+    for name, f in (("eager", fn), ("compiled", torch.compile(fn, fullgraph=True, backend="aot_eager"))):
+        xs = [a.clone().requires_grad_(a.is_floating_point()) for a in args]
         out = f(*xs)
         outs = out if isinstance(out, tuple) else (out,)
-        if backward:
-            sum(o.square().sum() for o in outs).backward()
+        sum(o.square().sum() for o in outs).backward()
         results[name] = [o.detach() for o in outs] + [x.grad for x in xs if x.grad is not None]
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > 0, "nothing was compiled"
+    assert len(results["eager"]) == len(results["compiled"]), "a gradient is missing"
     return max((a - b).abs().max().item() for a, b in zip(results["eager"], results["compiled"]))
 
 
-CASES = [("scan", 1, True), ("scan", 2, True), ("gla", 1, True), ("gla", 2, True), ("gla", 3, True),
-         ("gla-varlen", 2, True), ("gdn", 1, False)]
+CASES = [("scan", 1), ("scan", 2), ("gla", 1), ("gla", 2), ("gla", 3), ("gla-varlen", 2), ("gdn", 1), ("gdn", 2),
+         ("kda", 2), ("kda", 3), ("gdn-varlen", 1), ("gdn-varlen", 3), ("kda-varlen", 2)]
 
 
-@pytest.mark.parametrize("op, world, backward", CASES, ids=[f"{op}-P{w}" for op, w, _ in CASES])
-def test_fullgraph_compile_equals_eager(op, world, backward):
-    """Forward and backward of the scan and of zeco_gla (its custom ops), at P = 1..3, packed
-    sequences included; Gated DeltaNet's forward at P = 1. Not without graph breaks (issue 14): the
-    delta-rule layers' backward (their torch backend recomputes with torch.autograd.grad inside
-    autograd.Function.backward, which Dynamo does not trace; on GPU fla's chunk functions are
-    compiler-disabled) and those layers at P > 1 (below, with graph breaks)."""
-    for diff in run_distributed(_compiled_equals_eager, world, op, backward, timeout=300):
-        assert diff <= 1e-5, diff
-
-
-@pytest.mark.parametrize("op", ["gdn", "kda"])
-def test_delta_layers_compile_with_graph_breaks(op):
-    """The delta-rule layers inside a compiled model at P = 2, forward and backward: Dynamo breaks the
-    graph around them (their cross-rank check, the scan's autograd, on GPU fla's compiler-disabled
-    kernels) and the result equals eager."""
-    for diff in run_distributed(_compiled_equals_eager, 2, op, True, False, timeout=300):
+@pytest.mark.parametrize("op, world", CASES, ids=[f"{op}-P{w}" for op, w in CASES])
+def test_fullgraph_compile_equals_eager(op, world):
+    """Forward and backward of the scan, of zeco_gla and of the delta-rule layers (their custom ops) at
+    P = 1..3, packed sequences with initial states and in-kernel activations included."""
+    for diff in run_distributed(_compiled_equals_eager, world, op, timeout=300):
         assert diff <= 1e-5, diff
 
 
@@ -132,6 +135,57 @@ def _opcheck_zeco_gla(rank, world):
 
 def test_zeco_gla_opcheck_two_ranks():
     assert run_distributed(_opcheck_zeco_gla, 2, timeout=300) == [True, True]
+
+
+def _opcheck_delta_rule(rank, world):
+    """torch.library.opcheck of the delta-rule layers' custom op (schema, fake kernel against the real
+    outputs, autograd registration, AOT dispatch): Gated DeltaNet and KDA, packed sequences with
+    initial states, the in-kernel activations and gate, strided inputs."""
+    import allscan.ops.delta.compiled  # noqa: F401 - registers the ops
+
+    name = dist.group.WORLD.group_name
+    q, k, v, g, beta, h0 = (t.double().requires_grad_() for t in _inputs(rank, "gdn-varlen"))
+    _, _, _, gk, _ = (t.double().requires_grad_() for t in _inputs(rank, "kda"))
+    A_log = torch.zeros(2, dtype=torch.float64, requires_grad=True)
+    dt_bias = torch.full((2,), 0.1, dtype=torch.float64, requires_grad=True)
+    opts = (False, False, False, False, False, None)  # l2norm, gate, beta sigmoid, negative eigenvalues, safe gate, bound
+    cu = _packed(world)
+    for args in ((q, k, v, g, beta, None, None, None, None, name, False, 0.35, *opts, "zeco", True, True),
+                 (q, k, v, gk, beta, None, None, h0, cu, name, True, 0.35, *opts, "zeco", True, True),
+                 (q, k, v, g, beta, A_log, dt_bias, h0, cu, name, False, 0.35, True, True, True, True, False, None,
+                  "allgather", True, True),
+                 (q.transpose(1, 2).contiguous().transpose(1, 2), k, v, g, beta, None, None, None, None, name, False,
+                  0.35, *opts, "zeco", False, True)):
+        torch.library.opcheck(torch.ops.allscan.zeco_delta_rule.default, args)
+    return True
+
+
+def test_delta_rule_opcheck_two_ranks():
+    assert run_distributed(_opcheck_delta_rule, 2, timeout=300) == [True, True]
+
+
+def _compiled_delta_invalid_arguments(rank, world):
+    """Under torch.compile the delta-rule layers check their arguments inside the op, when it runs: a
+    rank whose cu_seqlens, or whose beta, is wrong raises there and its peer's exchange fails too."""
+    from allscan.layers import zeco_gated_delta_rule
+
+    torch._dynamo.reset()
+    q, k, v, g, beta = _inputs(rank, "gdn")
+    step = torch.compile(lambda b, cu: zeco_gated_delta_rule(q, k, v, g, b, cu_seqlens=cu)[0], fullgraph=True,
+                         backend="aot_eager")
+    good = _packed(world)
+    assert step(beta, good).shape == v.shape
+    peer = r"rank\(s\) \[1\] rejected their own arguments"
+    with pytest.raises(ValueError, match="strictly increasing" if rank == 1 else peer):
+        step(beta, torch.tensor([0, 30, 10, 24, 24 * world]) if rank == 1 else good)
+    with pytest.raises(ValueError, match="beta must be" if rank == 1 else peer):
+        step(beta[:, :23] if rank == 1 else beta, good)
+    assert step(beta, good).shape == v.shape  # and the group still works
+    return True
+
+
+def test_compiled_delta_rule_invalid_arguments_reach_every_rank():
+    assert run_distributed(_compiled_delta_invalid_arguments, 2, timeout=300) == [True, True]
 
 
 def _inductor_strided(rank, world):

@@ -14,6 +14,7 @@ is the default group; bad arguments raise naming the argument. Everything in flo
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 
@@ -429,31 +430,32 @@ def test_errors():
 
 def test_fla_backend_widened_forward_with_a_reference_kernel(monkeypatch):
     """FlaDelta's algebra on CPU: fla's forward steps replaced by the float64 token-by-token reference
-    (same convention), the forward on ``[v | 0]`` from ``[h0 | I]`` must give the local outputs, Q', the
-    final state and the transition, so that folding an incoming state in equals running the segment
-    from it; packed sequences run in one varlen call of fla's public function."""
+    (same convention). The first segment's forward on ``[v | 0]`` from ``[h0 | I]`` must give its local
+    outputs, Q', its final state and its transition, so that folding an incoming state in equals running
+    the segment from it; the packed segments after it run in one varlen call on the V columns; with no
+    incoming state (``wide=False``) every segment runs in that one call. fla's factors of both calls are
+    joined per token (the backward is one call over the shard)."""
     import allscan.ops.delta.fla as fla_backend
     from allscan.ops.delta.gates import DeltaOptions
 
     widths = []
 
-    def state_steps(q, k, v, g, beta, opts, scale, h0):
-        widths.append(h0.shape[-1])  # fla's steps widen the values to the initial state's columns
-        v_wide = torch.cat([v, v.new_zeros(*v.shape[:-1], h0.shape[-1] - v.shape[-1])], -1)
-        o, final = recurrent_delta_rule_reference(q, k, v_wide, g, beta, scale, h0)
-        return final, o
+    def state_steps(q, k, v, g, beta, opts, scale, h0, width, cu=None, ci=None):
+        widths.append(width)  # fla's steps widen the values to the state's columns
+        v_wide = torch.cat([v, v.new_zeros(*v.shape[:-1], width - v.shape[-1])], -1)
+        o, final = recurrent_delta_rule_reference(q, k, v_wide, g, beta, scale, h0, cu)
+        return final, (o, q.shape[1])
 
-    def output_step(o):
-        return o, ()
-
-    def kernel(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
-               cu_seqlens_cpu=None):
-        return recurrent_delta_rule_reference(q, k, v, g, beta, scale, initial_state, cu_seqlens)
+    def output_step(staged):
+        o, T = staged
+        return o, (torch.full((1, T), float(T)),)  # a per-token factor that says which call made it
 
     monkeypatch.setattr(fla_backend, "_state_steps", state_steps)
     monkeypatch.setattr(fla_backend, "_output_step", output_step)
-    monkeypatch.setattr(fla_backend, "fla_kernel", lambda opts: (kernel, {}))
-    be = fla_backend.FlaDelta
+    monkeypatch.setattr(fla_backend, "local_varlen",
+                        lambda bounds, device: (None, None) if len(bounds) == 2 else (torch.tensor(bounds), None))
+    monkeypatch.setattr(fla_backend, "_on_device", lambda t: contextlib.nullcontext())
+    be, scale = fla_backend.FlaDelta, K ** -0.5
     for layer in ("gdn", "kda"):
         d, _ = _data(11, layer, 1, 40, H, 3, gated=False)
         opts = DeltaOptions(per_key=layer == "kda")
@@ -461,20 +463,33 @@ def test_fla_backend_widened_forward_with_a_reference_kernel(monkeypatch):
         S_in = torch.randn(1, H, K, V, dtype=torch.float64)
         for h0 in (None, d["h0"][:1]):
             widths.clear()
-            h, M, staged = be.wide_states(*args, opts, K ** -0.5, h0)
-            o_loc, q_eff, _ = be.wide_outputs(staged)
-            assert widths == [V + K], f"{layer}: one forward on the widened values; got widths {widths}"
+            finals, M, staged = be.states(*args, opts, scale, [0, 40], [h0], True)
+            o_head, q_eff, o_tail, _ = be.outputs(staged)
+            assert widths == [V + K] and o_tail is None, f"{layer}: one forward on the widened values; got {widths}"
             start = S_in if h0 is None else S_in + h0
-            want_o, want_f = recurrent_delta_rule_reference(*args, K ** -0.5, start)
-            got_o = o_loc + torch.einsum("bthk,bhkv->bthv", q_eff, S_in)
-            assert _rel(got_o, want_o) < TOL and _rel(h + M @ S_in, want_f) < TOL, (layer, h0 is None)
-        bounds, h0s = [0, 15, 31, 40], [None, d["h0"][1:2], None]
-        o, finals = be.segments(*args, opts, K ** -0.5, bounds, h0s)
-        inits = torch.cat([h if h is not None else torch.zeros(1, H, K, V, dtype=torch.float64) for h in h0s])
-        want_o, want_f = recurrent_delta_rule_reference(*args, initial_state=inits, cu_seqlens=torch.tensor(bounds))
-        assert _rel(o, want_o) < TOL and len(finals) == 3, layer
-        for j, f in enumerate(finals):
-            assert _rel(f[0], want_f[j]) < TOL, f"{layer}: final state of segment {j}"
+            want_o, want_f = recurrent_delta_rule_reference(*args, scale, start)
+            got_o = o_head + torch.einsum("bthk,bhkv->bthv", q_eff, S_in)
+            assert _rel(got_o, want_o) < TOL and _rel(finals[0] + M @ S_in, want_f) < TOL, (layer, h0 is None)
+        bounds, h0s = [0, 15, 31, 40], [d["h0"][:1], d["h0"][1:2], None]
+        inits = torch.cat([S_in + h0s[0], h0s[1], torch.zeros(1, H, K, V, dtype=torch.float64)])
+        want_o, want_f = recurrent_delta_rule_reference(*args, scale, inits, torch.tensor(bounds))
+        widths.clear()
+        finals, M, staged = be.states(*args, opts, scale, bounds, h0s, True)
+        o_head, q_eff, o_tail, saved = be.outputs(staged)
+        assert widths == [V + K, V], f"{layer}: the first segment widened, the others in one call: {widths}"
+        assert _rel(o_head + torch.einsum("bthk,bhkv->bthv", q_eff, S_in), want_o[:, :15]) < TOL, layer
+        assert _rel(o_tail, want_o[:, 15:]) < TOL and len(finals) == 3, layer
+        assert _rel(finals[0] + M @ S_in, want_f[:1]) < TOL, layer
+        for j in (1, 2):
+            assert _rel(finals[j][0], want_f[j]) < TOL, f"{layer}: final state of segment {j}"
+        assert torch.equal(saved[-1], torch.tensor([[15.0] * 15 + [25.0] * 25])), "the factors joined per token"
+        widths.clear()
+        finals, M, staged = be.states(*args, opts, scale, bounds, [None] + h0s[1:], False)
+        o_head, q_eff, o_tail, _ = be.outputs(staged)
+        assert widths == [V] and M is None and o_head is None and q_eff is None, layer
+        inits[0] = 0
+        want_o, want_f = recurrent_delta_rule_reference(*args, scale, inits, torch.tensor(bounds))
+        assert _rel(o_tail, want_o) < TOL and all(_rel(f[0], w) < TOL for f, w in zip(finals, want_f)), layer
 
 
 def test_fla_backend_option_plumbing_with_reference_steps(monkeypatch):
@@ -499,12 +514,12 @@ def test_fla_backend_option_plumbing_with_reference_steps(monkeypatch):
         s = torch.sigmoid(x)
         return dy * scale * s * (1 - s)
 
-    def state_steps(q, k, v, g, beta, opts, scale, h0):
-        v_wide = torch.cat([v, v.new_zeros(*v.shape[:-1], h0.shape[-1] - v.shape[-1])], -1)
+    def state_steps(q, k, v, g, beta, opts, scale, h0, width, cu=None, ci=None):
+        v_wide = torch.cat([v, v.new_zeros(*v.shape[:-1], width - v.shape[-1])], -1)
         o, final = recurrent_delta_rule_reference(q, k, v_wide, g, beta, scale, h0)
-        return final, o
+        return final, (o, q)
 
-    def backward_steps(q, k, v, g, beta, factors, opts, scale, h0, do, dht):
+    def backward_steps(q, k, v, g, beta, factors, opts, scale, h0, do, dht, cu=None, ci=None):
         xs = [t.detach().requires_grad_(True) for t in (q, k, v, g, beta, h0)]
         o, fin = recurrent_delta_rule_reference(*xs[:5], scale, xs[5])
         dq, dk, dv, dg, db, dh0 = torch.autograd.grad([o, fin], xs, [do, dht])
@@ -515,8 +530,9 @@ def test_fla_backend_option_plumbing_with_reference_steps(monkeypatch):
     monkeypatch.setattr(gatemod, "fused_beta_sigmoid_fwd", lambda x, scale=1.0: scale * torch.sigmoid(x))
     monkeypatch.setattr(gatemod, "fused_beta_sigmoid_bwd", sig_bwd)
     monkeypatch.setattr(fla_backend, "_state_steps", state_steps)
-    monkeypatch.setattr(fla_backend, "_output_step", lambda o: (o, ()))
+    monkeypatch.setattr(fla_backend, "_output_step", lambda staged: (staged[0], ()))
     monkeypatch.setattr(fla_backend, "_backward_steps", backward_steps)
+    monkeypatch.setattr(fla_backend, "_on_device", lambda t: contextlib.nullcontext())
     be, scale = fla_backend.FlaDelta, K ** -0.5
     gen = torch.Generator().manual_seed(4)
     for layer in ("gdn", "kda"):
@@ -532,12 +548,13 @@ def test_fla_backend_option_plumbing_with_reference_steps(monkeypatch):
                                                         beta_gate(xs[4], True), scale, xs[5])
         want = torch.autograd.grad([want_o, want_f], xs, [do, dht])
 
-        h, M, staged = be.wide_states(q, k, v, g, beta, opts, scale, h0)
-        o_loc, q_eff, saved = be.wide_outputs(staged)
+        (h,), M, staged = be.states(q, k, v, g, beta, opts, scale, [0, 40], [h0], True)
+        o_loc, q_eff, _, saved = be.outputs(staged)
         assert _rel(o_loc + torch.einsum("bthk,bhkv->bthv", q_eff, S_in), want_o) < TOL, layer
         assert _rel(h + M @ S_in, want_f) < TOL, layer
-        got = be.narrow_backward(saved, q, k, v, g, beta, opts, scale, h0 + S_in, do, dht)
-        for name, a, b in zip(("q", "k", "v", "g", "beta", "initial state"), got[:6], want):
+        dq, dk, dv, dg, dbeta, (dh0,), _, _ = be.backward(saved, q, k, v, g, beta, opts, scale, [0, 40], [h0 + S_in],
+                                                          do, [dht])
+        for name, a, b in zip(("q", "k", "v", "g", "beta", "initial state"), (dq, dk, dv, dg, dbeta, dh0), want):
             assert a.dtype == b.dtype and _rel(a, b) < TOL, f"{layer}: d{name}: {_rel(a, b)}"
 
 

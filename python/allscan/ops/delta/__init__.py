@@ -7,13 +7,15 @@ Files, in the layout of flash-linear-attention's ``ops/<op>/``:
 - :mod:`.chunk`: the chunked delta rule in torch ops and its local backend ``TorchDelta``.
 - :mod:`.fla`: ``FlaDelta``, the same with fla-core's kernels (GPU), and the ``fla_cp`` call.
 - :mod:`.fold_in`: the Triton kernels that fold the incoming state into the outputs (and its gradient).
-- :mod:`.incoming`: the shard's first segment and the All-Scan in one autograd function.
+- :mod:`.shard`: one shard's forward and backward with the All-Scan, and their autograd function.
+- :mod:`.compiled`: the same as custom ops with fake kernels (torch.compile without graph breaks).
 - :mod:`.gates`: the q/k l2norm and gate activations fla's kernels apply first, in torch ops; the options.
 - :mod:`.zeco`: :func:`zeco_gated_delta_rule` and :func:`zeco_kda`, the sequence-parallel ops.
 """
 from .chunk import TorchDelta, chunk_delta_rule
 from .naive import recurrent_delta_rule_reference
 from .zeco import METHODS, zeco_gated_delta_rule, zeco_kda
+from . import compiled  # noqa: F401,E402 - registers the custom ops (after .zeco: they use it)
 
 __all__ = [
     "zeco_gated_delta_rule",

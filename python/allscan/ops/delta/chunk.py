@@ -18,8 +18,8 @@ A state S_in added to the state entering the sequence changes the state entering
 folded in after the All-Scan (:func:`incoming_map` is ``Q' = Q~_c P_c``), without recomputing the
 local recurrence.
 
-:class:`TorchDelta` is the local backend in torch ops (:mod:`allscan.ops.delta.zeco` and
-:mod:`allscan.ops.delta.incoming` drive it; its backward recomputes under autograd). Arithmetic in fp32 (fp64 for fp64 inputs); a T that is not
+:class:`TorchDelta` is the local backend in torch ops (:mod:`allscan.ops.delta.shard` drives it; its
+backward recomputes under autograd). Arithmetic in fp32 (fp64 for fp64 inputs); a T that is not
 a multiple of the chunk size is padded with tokens of k = v = q = 0, beta = 0, g = 0, which leave the
 outputs, the final state and the transition unchanged.
 """
@@ -135,43 +135,46 @@ def _unblocks(x: torch.Tensor, T: int) -> torch.Tensor:
 
 
 class TorchDelta:
-    """The local work of one shard in torch ops: what :mod:`allscan.ops.delta.zeco` and
-    :mod:`allscan.ops.delta.incoming` ask of a backend; :class:`allscan.ops.delta.fla.FlaDelta` does the
+    """The local work of one shard in torch ops: what :mod:`allscan.ops.delta.shard` asks of a backend; :class:`allscan.ops.delta.fla.FlaDelta` does the
     same with fla-core's kernels. q, k, g, beta raw (``opts``, a
     :class:`~allscan.ops.delta.gates.DeltaOptions`, says what fla would apply to them first)."""
 
     name = "torch"
 
     @staticmethod
-    def segments(q, k, v, g, beta, opts, scale: float, bounds: Sequence[int], h0s: List[Optional[torch.Tensor]]):
-        """Independent sequences ``bounds`` (local boundaries ``[0, ..., T]``), each from its own initial
-        state (``h0s``, None = zeros), differentiable: ``(o [B, T, HV, V], [final state per segment])``."""
-        q, k, g, beta = gates.activate(opts, q, k, g, beta, v.shape[2], compute_dtype(v))
-        outs, finals = [], []
-        for j, (a, e) in enumerate(zip(bounds, bounds[1:])):
-            cp = chunk_delta_rule(q[:, a:e], k[:, a:e], v[:, a:e], g[:, a:e], beta[:, a:e], scale, h0s[j],
-                                  with_transition=False)
-            outs.append(chunk_outputs(cp))
-            finals.append(cp.final)
-        return (torch.cat(outs, 1) if len(outs) > 1 else outs[0]), finals
-
-    @staticmethod
-    def wide_states(q, k, v, g, beta, opts, scale: float, h0: Optional[torch.Tensor]):
-        """One segment without autograd, first half: ``(h, M, staged)``: the final state from ``h0`` and
-        the transition ``M [B, HV, K, K]`` (what the All-Scan needs), and what :meth:`wide_outputs`
-        finishes from."""
+    def states(q, k, v, g, beta, opts, scale: float, bounds: Sequence[int], h0s: List[Optional[torch.Tensor]],
+               wide: bool):
+        """The independent sequences ``bounds`` (local boundaries ``[0, ..., T]``) of a shard, each from its
+        own initial state (``h0s``, None = zeros), without autograd, first half: ``(finals, M, staged)``:
+        the final state of every segment, the transition ``M [B, HV, K, K]`` of the first (``wide``; else
+        None): what the All-Scan needs; :meth:`outputs` finishes from ``staged``."""
         with torch.no_grad():
             qa, ka, ga, ba = gates.activate(opts, q, k, g, beta, v.shape[2], compute_dtype(v))
-            cp = chunk_delta_rule(qa, ka, v, ga, ba, scale, h0)
-        return cp.final, cp.transition, cp
+            cps = [chunk_delta_rule(qa[:, a:e], ka[:, a:e], v[:, a:e], ga[:, a:e], ba[:, a:e], scale, h0s[j],
+                                    with_transition=wide and j == 0)
+                   for j, (a, e) in enumerate(zip(bounds, bounds[1:]))]
+        return [cp.final for cp in cps], (cps[0].transition if wide else None), (cps, wide)
 
     @staticmethod
-    def wide_outputs(staged):
-        """Second half: ``(o_loc, Q', saved)``: the outputs from ``h0``, the map ``Q' [B, T, HV, K]`` from
-        a state added to ``h0`` to the outputs, and what :meth:`narrow_backward` needs (nothing here:
-        it recomputes)."""
+    def outputs(staged):
+        """Second half: ``(o_head, Q', o_tail, saved)``: with ``wide``, the first segment's outputs from its
+        own initial state and the map ``Q' [B, T0, HV, K]`` from a state added to it to its outputs (else
+        None, None); the outputs of the other segments (None if none); what :meth:`backward` needs
+        (nothing here: it recomputes)."""
+        cps, wide = staged
         with torch.no_grad():
-            return chunk_outputs(staged), incoming_map(staged), ()
+            o_head, q_eff = (chunk_outputs(cps[0]), incoming_map(cps[0])) if wide else (None, None)
+            tail = [chunk_outputs(cp) for cp in cps[int(wide):]]
+        o_tail = (torch.cat(tail, 1) if len(tail) > 1 else tail[0]) if tail else None
+        return o_head, q_eff, o_tail, ()
+
+    @staticmethod
+    def saved_like(q, k, v, g, beta, opts):
+        return ()
+
+    @staticmethod
+    def q_eff_dtype(v: torch.Tensor) -> torch.dtype:
+        return compute_dtype(v)
 
     @staticmethod
     def fold(o_loc: torch.Tensor, q_eff: torch.Tensor, S_in: torch.Tensor):
@@ -183,24 +186,40 @@ class TorchDelta:
         return torch.einsum("bthk,bthv->bhkv", q_eff, do.to(q_eff.dtype))
 
     @staticmethod
-    def narrow_backward(saved, q, k, v, g, beta, opts, scale: float, S_full: torch.Tensor, do: torch.Tensor,
-                        dht: Optional[torch.Tensor]):
-        """The gradients of one segment run from ``S_full``, given ``do`` and the final state's ``dht``
-        (None: zero): ``(dq, dk, dv, dg, dbeta, dS_full, dA_log, ddt_bias)`` (None where not an input)."""
-        with torch.enable_grad():
-            leaves = [t.detach().requires_grad_(True) for t in (q, k, v, g, beta, S_full)]
-            params = [None if t is None else t.detach().requires_grad_(True) for t in (opts.A_log, opts.dt_bias)]
-            with_params = dataclasses.replace(opts, A_log=params[0], dt_bias=params[1])
-            qa, ka, ga, ba = gates.activate(with_params, leaves[0], leaves[1], leaves[3], leaves[4], v.shape[2],
-                                            compute_dtype(v))
-            cp = chunk_delta_rule(qa, ka, leaves[2], ga, ba, scale, leaves[5], with_transition=False)
-            outs, grads = [chunk_outputs(cp)], [do.to(cp.final.dtype)]
-            if dht is not None:
-                outs.append(cp.final)
-                grads.append(dht.to(cp.final.dtype))
-            wrt = leaves + [p for p in params if p is not None]
-            got = list(torch.autograd.grad(outs, wrt, grads, allow_unused=True))
-        got = [torch.zeros_like(w) if d is None else d for d, w in zip(got, wrt)]
-        dA_log = got[6] if params[0] is not None else None
-        ddt_bias = got[6 + (params[0] is not None)] if params[1] is not None else None
-        return (*got[:6], dA_log, ddt_bias)
+    def backward(saved, q, k, v, g, beta, opts, scale: float, bounds: Sequence[int],
+                 h0s: List[Optional[torch.Tensor]], do: torch.Tensor, dhts: List[Optional[torch.Tensor]]):
+        """The gradients of the segments run from ``h0s``, given ``do`` and their final states' ``dhts``
+        (None: zero): ``(dq, dk, dv, dg, dbeta, [dh0 per segment], dA_log, ddt_bias)`` (None where not an
+        input)."""
+        # torch.func.vjp, not torch.autograd.grad: it also works inside a custom op's implementation
+        # (below autograd: the layers under torch.compile)
+        given = [j for j, h in enumerate(h0s) if h is not None]
+        ends = [j for j, d in enumerate(dhts) if d is not None]
+        params = [t for t in (opts.A_log, opts.dt_bias) if t is not None]
+        dt = compute_dtype(v)
+
+        def local(qq, kk, vv, gg, bb, *rest):
+            starts = dict(zip(given, rest[:len(given)]))
+            it = iter(rest[len(given):])
+            A_log, dt_bias = (None if t is None else next(it) for t in (opts.A_log, opts.dt_bias))
+            qa, ka, ga, ba = gates.activate(dataclasses.replace(opts, A_log=A_log, dt_bias=dt_bias), qq, kk, gg, bb,
+                                            v.shape[2], dt)
+            outs, finals = [], []
+            for j, (a, e) in enumerate(zip(bounds, bounds[1:])):
+                cp = chunk_delta_rule(qa[:, a:e], ka[:, a:e], vv[:, a:e], ga[:, a:e], ba[:, a:e], scale, starts.get(j),
+                                      with_transition=False)
+                outs.append(chunk_outputs(cp))
+                if j in ends:
+                    finals.append(cp.final)
+            return (torch.cat(outs, 1) if len(outs) > 1 else outs[0], *finals)
+
+        outputs, vjp = torch.func.vjp(local, q, k, v, g, beta, *[h0s[j] for j in given], *params)
+        cotangents = [do] + [dhts[j] for j in ends]
+        res = list(vjp(tuple(c.to(o.dtype) for c, o in zip(cotangents, outputs))))
+        dq, dk, dv, dg, dbeta = (r.to(x.dtype) for r, x in zip(res[:5], (q, k, v, g, beta)))
+        dh0s = [None] * len(h0s)
+        for j, r in zip(given, res[5:]):
+            dh0s[j] = r
+        rest = iter(res[5 + len(given):])
+        dA_log, ddt_bias = (None if t is None else next(rest) for t in (opts.A_log, opts.dt_bias))
+        return dq, dk, dv, dg, dbeta, dh0s, dA_log, ddt_bias

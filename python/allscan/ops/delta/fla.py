@@ -1,11 +1,10 @@
 """The delta-rule layers' local work on GPU with flash-linear-attention's kernels (fla-core 0.6.0), and
 fla's own context parallelism as the ``method="fla_cp"`` baseline.
 
-:class:`FlaDelta` does what :class:`allscan.ops.delta.chunk.TorchDelta` does with fla's kernels. Packed
-sequences that no incoming state reaches run through fla's public ``chunk_gated_delta_rule`` /
-``chunk_kda`` (fla's autograd). The shard's first segment, the one the All-Scan's state enters
-(:mod:`allscan.ops.delta.incoming`), runs fla's forward and backward steps (the functions fla's own
-autograd functions call) separately:
+:class:`FlaDelta` does what :class:`allscan.ops.delta.chunk.TorchDelta` does with fla's kernels: fla's
+forward and backward steps (the functions fla's own autograd functions call), so that the shard's
+forward and backward (:mod:`allscan.ops.delta.shard`) can put the All-Scan between them. The shard's
+first segment, the one the All-Scan's state enters, runs:
 
 - forward on the widened problem. The state dynamics act on the state's columns independently
   (``S_t = A_t S_{t-1} + beta_t k_t v_t^T``, ``o_t = scale S_t^T q_t``), so fla's forward on
@@ -17,12 +16,17 @@ autograd functions call) separately:
   all the matrix All-Scan needs (``h_local``, ``M``) and all folding the incoming state in needs
   (``o += Q' S_in``, :mod:`.fold_in`; ``final = h_local + M S_in``), without a second pass over the
   shard after the scan. The WY factors (fla's ``A``, which do not depend on v) are kept for the backward.
-  It runs in two halves (:meth:`FlaDelta.wide_states`, :meth:`FlaDelta.wide_outputs`): the final state
-  and the transition come out of fla's state kernel, so the All-Scan is in flight while the output
-  kernel runs; and the WY values ``u`` are computed on the V columns and widened with zeros (``u`` is
-  linear in v), not computed on ``[v | 0]``.
+  It runs in two halves (:meth:`FlaDelta.states`, :meth:`FlaDelta.outputs`): the final state and the
+  transition come out of fla's state kernel, so the All-Scan is in flight while the output kernel
+  runs; and the WY values ``u`` are computed on the V columns and widened with zeros (``u`` is linear
+  in v), not computed on ``[v | 0]``.
 - backward on the V value columns only: fla's backward from the whole incoming state, given the final
   state's gradient, exactly what fla runs for a sequence that starts from that state.
+
+Packed sequences after it (no incoming state reaches them) run in one varlen call of the same steps on
+the V columns; the backward is one varlen call over the whole shard, with fla's per-token factors of the
+two forward calls joined (fla's chunks start at each sequence's start, so they are the factors one
+varlen call over the shard would have made).
 """
 from __future__ import annotations
 
@@ -94,63 +98,77 @@ def _widened(u: torch.Tensor, width: int) -> torch.Tensor:
     return out
 
 
-def _state_steps(q, k, v, g, beta, opts, scale, h0):
-    """fla's forward of one sequence batch (q, k, beta activated) up to the final state, on the values
-    ``[v | 0]`` with as many columns as ``h0`` has: ``(final, staged)``; :func:`_output_step` finishes
-    from ``staged`` (the split lets the All-Scan run beside the output kernel). The calls and their
-    order are those of fla's ``chunk_gated_delta_rule_fwd`` / ``chunk_kda_fwd`` (chunk 64)."""
+def local_varlen(bounds: Sequence[int], device):
+    """fla's ``(cu_seqlens, chunk_indices)`` for local segment ``bounds``, ``(None, None)`` for one."""
+    if len(bounds) == 2:
+        return None, None
+    from fla.ops.utils.index import prepare_chunk_indices
+
+    cu_cpu = torch.tensor(list(bounds), dtype=torch.long)
+    cu = cu_cpu.to(device, non_blocking=True)
+    return cu, prepare_chunk_indices(cu, CHUNK, cu_seqlens_cpu=cu_cpu)
+
+
+def _state_steps(q, k, v, g, beta, opts, scale, h0, width, cu=None, ci=None):
+    """fla's forward of one sequence batch (q, k, beta activated; packed sequences with ``cu``, ``ci``)
+    up to the final states, on the values ``[v | 0]`` with ``width`` columns (``h0``, None = zeros, as
+    wide): ``(final, staged)``; :func:`_output_step` finishes from ``staged`` (the split lets the
+    All-Scan run beside the output kernel). The calls and their order are those of fla's
+    ``chunk_gated_delta_rule_fwd`` / ``chunk_kda_fwd`` (chunk 64)."""
     from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_h
     from fla.ops.utils import chunk_local_cumsum
     from fla.ops.utils.constant import RCP_LN2
 
-    width = h0.shape[-1]
+    vl = dict(cu_seqlens=cu, chunk_indices=ci)
     if opts.per_key:
         from fla.ops.kda.chunk_intra import chunk_kda_fwd_intra
         from fla.ops.kda.gate import kda_gate_chunk_cumsum
 
         if opts.use_gate_in_kernel:
             g_cum = kda_gate_chunk_cumsum(g=g, A_log=opts.A_log, dt_bias=opts.dt_bias, scale=RCP_LN2, chunk_size=CHUNK,
-                                          lower_bound=opts.lower_bound)
+                                          lower_bound=opts.lower_bound, **vl)
         else:
-            g_cum = chunk_local_cumsum(g=g, scale=RCP_LN2, chunk_size=CHUNK)
+            g_cum = chunk_local_cumsum(g=g, scale=RCP_LN2, chunk_size=CHUNK, **vl)
         w, u, _, kg, Aqk, Akk = chunk_kda_fwd_intra(q=q, k=k, v=v, gk=g_cum, beta=beta, scale=scale,
-                                                    chunk_size=CHUNK, safe_gate=opts.safe_gate)
+                                                    chunk_size=CHUNK, safe_gate=opts.safe_gate, **vl)
         h, v_new, final = chunk_gated_delta_rule_fwd_h(k=kg, w=w, u=_widened(u, width), gk=g_cum, initial_state=h0,
-                                                       output_final_state=True, chunk_size=CHUNK)
+                                                       output_final_state=True, chunk_size=CHUNK, **vl)
         # fla recomputes the cumulative gate in the backward when it applies the gate itself
         factors = (None if opts.use_gate_in_kernel else g_cum, Aqk, Akk)
-        return final, ("kda", q, v_new, g_cum, Aqk, h, scale, factors)
+        return final, ("kda", q, v_new, g_cum, Aqk, h, scale, vl, factors)
     from fla.ops.gated_delta_rule.chunk_fwd import chunk_gated_delta_rule_fwd_intra
     from fla.ops.gated_delta_rule.gate import gdn_gate_chunk_cumsum
 
     if opts.use_gate_in_kernel:
-        g_cum = gdn_gate_chunk_cumsum(g=g, A_log=opts.A_log, chunk_size=CHUNK, scale=RCP_LN2, dt_bias=opts.dt_bias)
+        g_cum = gdn_gate_chunk_cumsum(g=g, A_log=opts.A_log, chunk_size=CHUNK, scale=RCP_LN2, dt_bias=opts.dt_bias,
+                                      **vl)
     else:
-        g_cum = chunk_local_cumsum(g, chunk_size=CHUNK, scale=RCP_LN2)
-    w, u, A = chunk_gated_delta_rule_fwd_intra(k=k, v=v, g=g_cum, beta=beta, chunk_size=CHUNK)
+        g_cum = chunk_local_cumsum(g, chunk_size=CHUNK, scale=RCP_LN2, **vl)
+    w, u, A = chunk_gated_delta_rule_fwd_intra(k=k, v=v, g=g_cum, beta=beta, chunk_size=CHUNK, **vl)
     h, v_new, final = chunk_gated_delta_rule_fwd_h(k=k, w=w, u=_widened(u, width), g=g_cum, initial_state=h0,
-                                                   output_final_state=True, chunk_size=CHUNK)
-    return final, ("gdn", q, k, v_new, h, g_cum, scale, (g_cum, A))
+                                                   output_final_state=True, chunk_size=CHUNK, **vl)
+    return final, ("gdn", q, k, v_new, h, g_cum, scale, vl, (g_cum, A))
 
 
 def _output_step(staged):
     """fla's output kernel from what :func:`_state_steps` staged: ``(o, factors)``, ``factors`` what
-    :func:`_backward_steps` needs besides the inputs."""
+    :func:`_backward_steps` needs besides the inputs (per-token tensors, or None)."""
     if staged[0] == "kda":
         from fla.ops.gla.chunk import chunk_gla_fwd_o_gk
 
-        _, q, v_new, g_cum, Aqk, h, scale, factors = staged
-        return chunk_gla_fwd_o_gk(q=q, v=v_new, g=g_cum, A=Aqk, h=h, scale=scale, chunk_size=CHUNK), factors
+        _, q, v_new, g_cum, Aqk, h, scale, vl, factors = staged
+        return chunk_gla_fwd_o_gk(q=q, v=v_new, g=g_cum, A=Aqk, h=h, scale=scale, chunk_size=CHUNK, **vl), factors
     from fla.ops.common.chunk_o import chunk_fwd_o
 
-    _, q, k, v_new, h, g_cum, scale, factors = staged
-    return chunk_fwd_o(q=q, k=k, v=v_new, h=h, g=g_cum, scale=scale, chunk_size=CHUNK), factors
+    _, q, k, v_new, h, g_cum, scale, vl, factors = staged
+    return chunk_fwd_o(q=q, k=k, v=v_new, h=h, g=g_cum, scale=scale, chunk_size=CHUNK, **vl), factors
 
 
-def _backward_steps(q, k, v, g, beta, factors, opts, scale, h0, do, dht):
+def _backward_steps(q, k, v, g, beta, factors, opts, scale, h0, do, dht, cu=None, ci=None):
     """fla's backward of the forward steps (:func:`_state_steps`, :func:`_output_step`) on ``v`` from
     ``h0``: ``(dq, dk, dv, dbeta, dg, dh0, dA_log, ddt_bias)`` (q, k, beta activated; dg of the raw g)."""
-    gate = dict(use_gate_in_kernel=opts.use_gate_in_kernel, A_log=opts.A_log, dt_bias=opts.dt_bias)
+    gate = dict(use_gate_in_kernel=opts.use_gate_in_kernel, A_log=opts.A_log, dt_bias=opts.dt_bias,
+                cu_seqlens=cu, chunk_indices=ci)
     if opts.per_key:
         from fla.ops.kda.chunk_bwd import chunk_kda_bwd
 
@@ -165,48 +183,90 @@ def _backward_steps(q, k, v, g, beta, factors, opts, scale, h0, do, dht):
                                       dht=dht, g_input=g if opts.use_gate_in_kernel else None, **gate)
 
 
+def _stacked(states: Sequence[Optional[torch.Tensor]], like: torch.Tensor) -> Optional[torch.Tensor]:
+    """One state per segment (None = zeros) as fla's ``[N, ...]`` tensor; None when all are None."""
+    if all(s is None for s in states):
+        return None
+    if len(states) == 1:
+        return states[0].to(like.dtype).contiguous()
+    return torch.cat([like.new_zeros(1, *like.shape[1:]) if s is None else s.to(like.dtype) for s in states])
+
+
 class FlaDelta:
     """The local work of one shard with fla-core's kernels (CUDA, bf16 / fp16 / fp32): the methods of
-    :class:`allscan.ops.delta.chunk.TorchDelta`."""
+    :class:`allscan.ops.delta.chunk.TorchDelta`. ``saved`` is ``(qa, ka, ba, q_rstd, k_rstd, *factors)``:
+    the activated q, k, beta and the l2 norms' reciprocals (None where fla applies nothing) and fla's
+    WY factors, every one per token over the whole shard."""
 
     name = "fla"
 
     @staticmethod
-    def segments(q, k, v, g, beta, opts, scale: float, bounds: Sequence[int], h0s: List[Optional[torch.Tensor]]):
-        fn, kw = fla_kernel(opts)
-        if len(bounds) == 2:
-            o, final = fn(q, k, v, g, beta, scale=scale, initial_state=h0s[0], output_final_state=True, **kw)
-            return o, [final]
-        B, T, HV, V = v.shape
-        K = q.shape[-1]
-        cu_cpu = torch.tensor(list(bounds), dtype=torch.long)
-        inits = torch.cat([h if h is not None else v.new_zeros(1, HV, K, V, dtype=compute_dtype(v)) for h in h0s])
-        o, final = fn(q, k, v, g, beta, scale=scale, initial_state=inits, output_final_state=True,
-                      cu_seqlens=cu_cpu.to(q.device, non_blocking=True), cu_seqlens_cpu=cu_cpu, **kw)
-        return o, list(final.split(1))
-
-    @staticmethod
-    def wide_states(q, k, v, g, beta, opts, scale: float, h0: Optional[torch.Tensor]):
+    def states(q, k, v, g, beta, opts, scale: float, bounds: Sequence[int], h0s: List[Optional[torch.Tensor]],
+               wide: bool):
         from allscan.ops.gla.fla import apply_autotune_setting
 
         apply_autotune_setting()
         B, T, HV, V = v.shape
         K = q.shape[-1]
         q, k, v, g, beta = (t.contiguous() for t in (q, k, v, g, beta))
+        dt = compute_dtype(v)  # fp32: fla's states (fp64 only in the CPU tests of this algebra)
+        finals, M, steps = [], None, []
         with _on_device(q):
             qa, ka, ba, q_rstd, k_rstd = _activate(q, k, beta, opts)
-            dt = compute_dtype(v)  # fp32: fla's states (fp64 only in the CPU tests of this algebra)
-            eye = torch.eye(K, dtype=dt, device=v.device).expand(B, HV, K, K)
-            h0 = v.new_zeros(B, HV, K, V, dtype=dt) if h0 is None else h0.to(dt)
-            final, staged = _state_steps(qa, ka, v, g, ba, opts, scale, torch.cat([h0, eye], -1))
-        return final[..., :V].contiguous(), final[..., V:].contiguous(), (staged, V, (qa, ka, ba, q_rstd, k_rstd))
+            T0 = bounds[1] if wide else 0
+            if wide:  # the first segment on [v | 0] from [h0 | I]
+                eye = torch.eye(K, dtype=dt, device=v.device).expand(B, HV, K, K)
+                h0 = v.new_zeros(B, HV, K, V, dtype=dt) if h0s[0] is None else h0s[0].to(dt)
+                final, st = _state_steps(qa[:, :T0], ka[:, :T0], v[:, :T0], g[:, :T0], ba[:, :T0], opts, scale,
+                                         torch.cat([h0, eye], -1), V + K)
+                finals.append(final[..., :V].contiguous())
+                M = final[..., V:].contiguous()
+                steps.append(st)
+            if T0 < T:  # the other segments in one (varlen) call, on the V columns
+                rest = [b - T0 for b in bounds if b >= T0]
+                cu, ci = local_varlen(rest, q.device)
+                inits = _stacked(h0s[len(bounds) - len(rest):], v.new_empty(1, HV, K, V, dtype=dt))
+                part = (lambda t: t[:, T0:]) if T0 else (lambda t: t)  # noqa: E731
+                final, st = _state_steps(part(qa), part(ka), part(v), part(g), part(ba), opts, scale, inits, V, cu, ci)
+                finals.extend(final.split(1) if cu is not None else [final])
+                steps.append(st)
+        activated = (qa if opts.use_qk_l2norm_in_kernel else None, ka if opts.use_qk_l2norm_in_kernel else None,
+                     ba if opts.use_beta_sigmoid_in_kernel else None, q_rstd, k_rstd)
+        return finals, M, (steps, wide, V, activated)
 
     @staticmethod
-    def wide_outputs(staged):
-        steps, V, activated = staged
-        with _on_device(activated[0]):
-            o, factors = _output_step(steps)
-        return o[..., :V], o[..., V:], activated + factors
+    def outputs(staged):
+        steps, wide, V, activated = staged
+        with _on_device(steps[0][1]):
+            outs = [_output_step(st) for st in steps]
+        o_head = q_eff = o_tail = None
+        if wide:
+            o_head, q_eff = outs[0][0][..., :V], outs[0][0][..., V:]
+        if len(outs) > int(wide):
+            o_tail = outs[-1][0]
+        # the factors of both calls, per token over the whole shard (the backward is one call)
+        factors = tuple(None if fs[0] is None else (fs[0] if len(fs) == 1 else torch.cat(fs, 1))
+                        for fs in zip(*(f for _, f in outs)))
+        return o_head, q_eff, o_tail, activated + factors
+
+    @staticmethod
+    def saved_like(q, k, v, g, beta, opts):
+        """Empty tensors shaped like :meth:`outputs`' ``saved`` (None where absent): the fake kernels'."""
+        l2, sig = opts.use_qk_l2norm_in_kernel, opts.use_beta_sigmoid_in_kernel
+        B, T, H, K = q.shape
+        HV = v.shape[2]
+        rstd = q.new_empty(B, T, H, dtype=torch.float32) if l2 else None
+        factor = k.new_empty(B, T, HV, CHUNK)
+        g_cum = None if (opts.per_key and opts.use_gate_in_kernel) else g.new_empty(g.shape, dtype=torch.float32)
+        factors = (g_cum, factor, k.new_empty(B, T, HV, CHUNK)) if opts.per_key else (g_cum, factor)
+        return (q.new_empty(q.shape) if l2 else None, k.new_empty(k.shape) if l2 else None,
+                beta.new_empty(beta.shape, dtype=torch.float32) if sig else None, rstd,
+                None if rstd is None else q.new_empty(B, T, H, dtype=torch.float32)) + factors
+
+    @staticmethod
+    def q_eff_dtype(v: torch.Tensor) -> torch.dtype:
+        """The dtype of Q' (fla's widened output: the values' dtype)."""
+        return v.dtype
 
     @staticmethod
     def fold(o_loc: torch.Tensor, q_eff: torch.Tensor, S_in: torch.Tensor):
@@ -223,13 +283,19 @@ class FlaDelta:
         return fold_state_grad(q_eff, do)
 
     @staticmethod
-    def narrow_backward(saved, q, k, v, g, beta, opts, scale: float, S_full: torch.Tensor, do: torch.Tensor,
-                        dht: Optional[torch.Tensor]):
+    def backward(saved, q, k, v, g, beta, opts, scale: float, bounds: Sequence[int],
+                 h0s: List[Optional[torch.Tensor]], do: torch.Tensor, dhts: List[Optional[torch.Tensor]]):
         qa, ka, ba, q_rstd, k_rstd, *factors = saved
+        qa = q.contiguous() if qa is None else qa
+        ka = k.contiguous() if ka is None else ka
+        ba = beta.contiguous() if ba is None else ba
+        B, T, HV, V = v.shape
+        like = v.new_empty(1, HV, q.shape[-1], V, dtype=compute_dtype(v))
         with _on_device(q):
-            dq, dk, dv, dbeta, dg, dS, dA_log, ddt_bias = _backward_steps(
-                qa, ka, v.contiguous(), g.contiguous(), ba, factors, opts, scale, S_full.contiguous(), do.contiguous(),
-                None if dht is None else dht.contiguous())
+            cu, ci = local_varlen(bounds, q.device)
+            dq, dk, dv, dbeta, dg, dh0, dA_log, ddt_bias = _backward_steps(
+                qa, ka, v.contiguous(), g.contiguous(), ba, factors, opts, scale, _stacked(h0s, like), do.contiguous(),
+                _stacked(dhts, like), cu, ci)
             if opts.use_qk_l2norm_in_kernel:
                 from fla.modules.norm.l2norm import l2norm_bwd
 
@@ -238,7 +304,11 @@ class FlaDelta:
                 from fla.ops.common.gate import fused_beta_sigmoid_bwd
 
                 dbeta = fused_beta_sigmoid_bwd(beta.contiguous(), dbeta, 2.0 if opts.allow_neg_eigval else 1.0)
-        return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dg.to(g.dtype), dbeta.to(beta.dtype), dS,
+        if dh0 is None:
+            dh0s = [None] * len(h0s)
+        else:
+            dh0s = list(dh0.split(1)) if cu is not None else [dh0]
+        return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dg.to(g.dtype), dbeta.to(beta.dtype), dh0s,
                 dA_log, ddt_bias)
 
 

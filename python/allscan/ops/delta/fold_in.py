@@ -1,7 +1,7 @@
 """Folding the incoming state into a shard's outputs, ``o + Q' S_in``, in Triton kernels that read each operand once.
 
 ``Q' [B, T, H, K]`` maps the state entering the shard to every token's output (from fla's forward on
-the widened values, :meth:`allscan.ops.delta.fla.FlaDelta.wide_outputs`), ``S_in [B, H, K, V]`` fp32 is
+the widened values, :meth:`allscan.ops.delta.fla.FlaDelta.outputs`), ``S_in [B, H, K, V]`` fp32 is
 the state the All-Scan delivered, ``o [B, T, H, V]`` the local outputs. Done with torch ops this was an
 fp32 GEMM with casts of ``o`` and ``Q'`` around it; here each direction reads its operands once:
 
@@ -10,7 +10,7 @@ fp32 GEMM with casts of ``o`` and ``Q'`` around it; here each direction reads it
                                                          over CTAs, then summed
 
 (``Q'`` needs no gradient: the layer's backward differentiates fla's forward from the whole incoming
-state, :mod:`allscan.ops.delta.incoming`.)
+state, :mod:`allscan.ops.delta.shard`.)
 
 Precision: ``Q'`` and ``dout`` are exact in their (16-bit) dtype; ``S_in`` is split into two bf16
 parts (hi + lo carry 16 significant bits), so the product is fp32-accurate on bf16 tensor cores and

@@ -15,7 +15,7 @@ All-Scan ``y_{p+1} = M_p y_p + h_p`` (only the ``[K, V]`` state crosses a bounda
 
 The backward is the shard's own backward from its whole incoming state (V columns only), after one
 reverse scan with the transposed transitions has brought each rank the gradient of its final state
-(:mod:`allscan.ops.delta.incoming`), so the gradients of q, k, v, g, beta and ``initial_state`` cross
+(:mod:`allscan.ops.delta.shard`), so the gradients of q, k, v, g, beta and ``initial_state`` cross
 ranks with one state per boundary.
 
 Packed sequences (``cu_seqlens`` over the GLOBAL sequence, B = 1, equal shard lengths) are cut as
@@ -45,7 +45,7 @@ from .._shards import ShardSegments, sequence_parallel_group
 from .chunk import TorchDelta, compute_dtype
 from .fla import FlaDelta, fla_context_parallel, fla_delta_available, fla_kernel
 from .gates import DeltaOptions
-from .incoming import IncomingRun, first_segment_with_incoming
+from .shard import ShardFunction, ShardRun, plan
 
 __all__ = ["zeco_gated_delta_rule", "zeco_kda", "METHODS"]
 
@@ -181,10 +181,17 @@ def _signature(q, v, segs, method, h0, flags, needs_grad):
     ]
 
 
-def _delta_rule(op, per_key, q, k, v, g, beta, group, scale, initial_state, output_final_state, cu_seqlens,
-                use_qk_l2norm_in_kernel, method, use_gate_in_kernel, A_log, dt_bias, use_beta_sigmoid_in_kernel,
-                allow_neg_eigval, safe_gate=False, lower_bound=None):
-    group = sequence_parallel_group(group, op)
+def shard_cut(group, q, cu_seqlens, op) -> ShardSegments:
+    """This rank's shard cut at the packed sequences' boundaries (checked)."""
+    return ShardSegments(group, q.shape[1], q.shape[0], cu_seqlens, op)
+
+
+def prepared(op, per_key, q, k, v, g, beta, group, scale, initial_state, output_final_state, cu_seqlens,
+             use_qk_l2norm_in_kernel, method, use_gate_in_kernel, A_log, dt_bias, use_beta_sigmoid_in_kernel,
+             allow_neg_eigval, safe_gate, lower_bound, needs_grad):
+    """Every check of a call (the local ones, then across ranks: a rank whose arguments fail tells its
+    peers, whose signature exchange then fails too): ``(segs, opts, scale)``, the shard's cut, the
+    options and the scale."""
     segs = None
 
     def validate():  # every local check, the packed sequences' cut of this shard included
@@ -192,82 +199,49 @@ def _delta_rule(op, per_key, q, k, v, g, beta, group, scale, initial_state, outp
         _validate(op, q, k, v, g, beta, per_key, initial_state, output_final_state, cu_seqlens, method)
         _check_gate_options(op, per_key, v.shape[2], q.shape[-1], use_gate_in_kernel, A_log, dt_bias,
                             use_beta_sigmoid_in_kernel, allow_neg_eigval, safe_gate, lower_bound)
-        segs = ShardSegments(group, q.shape[1], q.shape[0], cu_seqlens, op)
+        segs = shard_cut(group, q, cu_seqlens, op)
 
     if group is None:
         validate()
-    else:  # a rank whose arguments fail tells its peers, whose signature exchange then fails too
+    else:
         validated_group(group, q, op, validate)
-    B, T, H, K = q.shape
-    scale = K ** -0.5 if scale is None else float(scale)
     opts = DeltaOptions(per_key, bool(use_qk_l2norm_in_kernel), bool(use_gate_in_kernel), A_log, dt_bias,
                         bool(use_beta_sigmoid_in_kernel), bool(allow_neg_eigval), bool(safe_gate), lower_bound)
-    h0 = initial_state
     if segs.world > 1:
-        needs_grad = torch.is_grad_enabled() and any(
-            t is not None and t.requires_grad for t in (q, k, v, g, beta, h0, A_log, dt_bias))
-        check_across_ranks(group, q.device, op, _signature(q, v, segs, method, h0, opts.flags(), needs_grad))
+        check_across_ranks(group, q.device, op, _signature(q, v, segs, method, initial_state, opts.flags(),
+                                                           needs_grad))
+    return segs, opts, q.shape[-1] ** -0.5 if scale is None else float(scale)
 
+
+def shard_plan(segs, q, opts, scale, group, method, output_final_state) -> ShardRun:
+    """The :class:`~allscan.ops.delta.shard.ShardRun` of a checked call (not ``fla_cp``)."""
+    return plan(segs, select_backend(q), opts, scale, group, _SCAN_METHOD[method], bool(output_final_state))
+
+
+def _delta_rule(op, per_key, q, k, v, g, beta, group, scale, initial_state, output_final_state, cu_seqlens,
+                use_qk_l2norm_in_kernel, method, use_gate_in_kernel, A_log, dt_bias, use_beta_sigmoid_in_kernel,
+                allow_neg_eigval, safe_gate=False, lower_bound=None):
+    group = sequence_parallel_group(group, op)
+    # a rank whose inputs need no gradient runs no backward: its peers would wait in the reverse scan
+    needs_grad = torch.is_grad_enabled() and any(
+        isinstance(t, torch.Tensor) and t.requires_grad for t in (q, k, v, g, beta, initial_state, A_log, dt_bias))
+    args = (q, k, v, g, beta, group, scale, initial_state, output_final_state, cu_seqlens, use_qk_l2norm_in_kernel,
+            method, use_gate_in_kernel, A_log, dt_bias, use_beta_sigmoid_in_kernel, allow_neg_eigval, safe_gate,
+            lower_bound)
+    if torch.compiler.is_compiling() and method != "fla_cp":
+        # checked, cut and run inside the custom op, when it runs (the trace runs no collective)
+        from .compiled import compiled_delta_rule
+
+        return compiled_delta_rule(op, per_key, *args, needs_grad)
+    segs, opts, scale = prepared(op, per_key, *args, needs_grad)
     if method == "fla_cp":
         fn, kw = fla_kernel(opts)
         o = fla_context_parallel(fn, kw, q, k, v, g, beta, scale, group if segs.world > 1 else None, cu_seqlens,
-                                 T * segs.world)
+                                 q.shape[1] * segs.world)
         return o, None
-
-    # the initial state of every local segment (None = zeros). Rank 0's first segment gets
-    # initial_state through the scan's init; a sequence starting exactly at a later rank's start
-    # adds its own to the (exactly zero) incoming state.
-    h0s = [None] * segs.nseg
-    if h0 is not None and segs.varlen:
-        for j in range(segs.nseg):
-            if j > 0 or (segs.rank > 0 and not segs.continued):
-                h0s[j] = h0[segs.seq_ids[j]:segs.seq_ids[j] + 1]
-    init = None if h0 is None else (h0[:1] if segs.varlen else h0)
-    if segs.world == 1:  # no scan: the initial state is the first segment's own
-        h0s[0], init = init, None
-
+    run = shard_plan(segs, q, opts, scale, group, method, output_final_state)
     with torch.autocast(device_type=q.device.type, enabled=False):  # the compute dtype is ours
-        return _sharded(q, k, v, g, beta, opts, scale, segs, group, h0s, init, method, output_final_state)
-
-
-def _sharded(q, k, v, g, beta, opts, scale, segs, group, h0s, init, method, output_final_state):
-    """The first segment (with the incoming state, :mod:`.incoming`, when there is more than one rank)
-    and the packed sequences after it; finals gathered as zeco_gla returns them."""
-    B, T, HV, V = v.shape
-    K = q.shape[-1]
-    be = select_backend(q)
-    T0 = segs.bounds[1]
-    finals = [None] * segs.nseg
-    o_rest = None
-    if segs.world == 1:
-        o, finals = be.segments(q, k, v, g, beta, opts, scale, segs.bounds, h0s)
-    else:
-        if segs.nseg > 1:  # the packed sequences that start inside the shard: no incoming state reaches them
-            o_rest, finals[1:] = be.segments(q[:, T0:], k[:, T0:], v[:, T0:], g[:, T0:], beta[:, T0:], opts, scale,
-                                             [b - T0 for b in segs.bounds[1:]], h0s[1:])
-        if segs.varlen and segs.ends_here[-1]:
-            cross = "none"  # nothing crosses the shard's end
-        else:
-            cross = "ext" if segs.nseg > 1 else "own"
-        run = IncomingRun(be, opts, scale, group, _SCAN_METHOD[method], cross,
-                          need_final=output_final_state and segs.ends_here[0])
-        first = lambda t: t[:, :T0]  # noqa: E731
-        o, finals[0] = first_segment_with_incoming(first(q), first(k), first(v), first(g), first(beta), h0s[0],
-                                                   init, finals[-1] if cross == "ext" else None, run)
-        if o_rest is not None:
-            o = torch.cat([o, o_rest], 1)
-
-    final = None
-    if output_final_state:
-        if segs.varlen:
-            rows = [o.new_zeros(HV, K, V, dtype=compute_dtype(v))] * segs.num_seqs
-            for j in range(segs.nseg):
-                if segs.ends_here[j]:
-                    rows[segs.seq_ids[j]] = finals[j][0]
-            final = torch.stack(rows)
-        else:
-            final = finals[0]
-    return o.to(v.dtype), final
+        return ShardFunction.apply(q, k, v, g, beta, A_log, dt_bias, initial_state, run)
 
 
 def zeco_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,

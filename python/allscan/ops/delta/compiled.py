@@ -1,0 +1,150 @@
+"""The delta-rule layers under torch.compile: the shard's forward and backward
+(:mod:`allscan.ops.delta.shard`) as two custom ops, opaque to the tracer (no graph break, no collective
+while tracing; every rank runs them as the eager layer does, the checks and the shard's cut included).
+
+Absent results travel as empty tensors (a schema has no optional outputs). Which ones are absent, and
+every shape, depends on shapes, options and the group only, so the fake kernels know them; Q' covers
+the first packed segment only, so the op pads it with zero rows to the shard's length (its length
+depends on ``cu_seqlens``' values, which a fake kernel cannot read).
+"""
+from __future__ import annotations
+
+from typing import List, Optional, Tuple
+
+import torch
+
+from allscan._comm import resolve_group
+
+from .chunk import compute_dtype
+from .gates import DeltaOptions
+from .shard import shard_backward, shard_forward
+from .zeco import prepared, select_backend, shard_cut, shard_plan
+
+_Tensors = Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, List[torch.Tensor]]
+
+
+def _op_name(per_key: bool) -> str:
+    return "zeco_kda" if per_key else "zeco_gated_delta_rule"
+
+
+def _or_empty(t: Optional[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
+    """``t`` contiguous, or for None a new empty fp32 tensor (one each: an op's outputs may not alias)."""
+    return like.new_empty(0, dtype=torch.float32) if t is None else t.contiguous()
+
+
+def _absent(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    return None if t is None or t.numel() == 0 else t
+
+
+def _options(per_key, A_log, dt_bias, l2norm, gate, beta_sigmoid, neg_eigval, safe_gate, lower_bound):
+    return DeltaOptions(per_key, l2norm, gate, A_log, dt_bias, beta_sigmoid, neg_eigval, safe_gate, lower_bound)
+
+
+@torch.library.custom_op("allscan::zeco_delta_rule", mutates_args=())
+def zeco_delta_rule_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                       A_log: Optional[torch.Tensor], dt_bias: Optional[torch.Tensor], h0: Optional[torch.Tensor],
+                       cu_seqlens: Optional[torch.Tensor], group_name: str, per_key: bool, scale: float,
+                       l2norm: bool, gate: bool, beta_sigmoid: bool, neg_eigval: bool, safe_gate: bool,
+                       lower_bound: Optional[float], method: str, want_final: bool, needs_grad: bool) -> _Tensors:
+    """:func:`zeco_gated_delta_rule` / :func:`zeco_kda` (``per_key``) forward under torch.compile
+    (``group_name`` "" = one process): ``(o, final, Q', M, S_in, saved)``, each absent one empty."""
+    group = resolve_group(group_name) if group_name else None
+    segs, opts, scale = prepared(_op_name(per_key), per_key, q, k, v, g, beta, group, scale, h0, want_final,
+                                 cu_seqlens, l2norm, method, gate, A_log, dt_bias, beta_sigmoid, neg_eigval,
+                                 safe_gate, lower_bound, needs_grad)
+    run = shard_plan(segs, q, opts, scale, group, method, want_final)
+    with torch.autocast(device_type=q.device.type, enabled=False):
+        o, final, q_eff, M, S_in, saved = shard_forward(run, q, k, v, g, beta, h0)
+    if q_eff is not None and q_eff.shape[1] != q.shape[1]:  # packed: the first segment's rows, then zeros
+        padded = q_eff.new_zeros(*q.shape[:2], *q_eff.shape[2:])
+        padded[:, :q_eff.shape[1]] = q_eff
+        q_eff = padded
+    return (o.contiguous(), _or_empty(final, q), _or_empty(q_eff, q), _or_empty(M, q), _or_empty(S_in, q),
+            [_or_empty(t, q) for t in saved])
+
+
+@zeco_delta_rule_op.register_fake
+def _zeco_delta_rule_fake(q, k, v, g, beta, A_log, dt_bias, h0, cu_seqlens, group_name, per_key, scale, l2norm,
+                          gate, beta_sigmoid, neg_eigval, safe_gate, lower_bound, method, want_final, needs_grad):
+    B, T, H, K = q.shape
+    HV, V = v.shape[2:]
+    be = select_backend(q)
+    dt = compute_dtype(v)
+    group = resolve_group(group_name) if group_name else None
+    # the world as the shard's cut sees it (it does not depend on cu_seqlens' values, which fakes lack)
+    sp = shard_cut(group, q, None, _op_name(per_key)).world > 1
+    n = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    final = v.new_empty(n, HV, K, V, dtype=dt) if want_final else None
+    q_eff = v.new_empty(B, T, HV, K, dtype=be.q_eff_dtype(v)) if sp else None
+    M = v.new_empty(B, HV, K, K, dtype=dt) if sp else None
+    S_in = v.new_empty(B, HV, K, V, dtype=dt) if sp else None
+    opts = _options(per_key, A_log, dt_bias, l2norm, gate, beta_sigmoid, neg_eigval, safe_gate, lower_bound)
+    return (v.new_empty(B, T, HV, V), _or_empty(final, q), _or_empty(q_eff, q), _or_empty(M, q), _or_empty(S_in, q),
+            [_or_empty(t, q) for t in be.saved_like(q, k, v, g, beta, opts)])
+
+
+_Grads = Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+               torch.Tensor]
+
+
+@torch.library.custom_op("allscan::zeco_delta_rule_backward", mutates_args=())
+def zeco_delta_rule_backward_op(do: torch.Tensor, dfinal: Optional[torch.Tensor], q: torch.Tensor, k: torch.Tensor,
+                                v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, A_log: Optional[torch.Tensor],
+                                dt_bias: Optional[torch.Tensor], h0: Optional[torch.Tensor],
+                                cu_seqlens: Optional[torch.Tensor], q_eff: Optional[torch.Tensor],
+                                M: Optional[torch.Tensor], S_in: Optional[torch.Tensor], saved: List[torch.Tensor],
+                                group_name: str, per_key: bool, scale: float, l2norm: bool, gate: bool,
+                                beta_sigmoid: bool, neg_eigval: bool, safe_gate: bool, lower_bound: Optional[float],
+                                method: str, want_final: bool) -> _Grads:
+    """The backward op: ``(dq, dk, dv, dg, dbeta, dA_log, ddt_bias, dh0)``, an absent one empty (the
+    forward op checked the arguments)."""
+    group = resolve_group(group_name) if group_name else None
+    segs = shard_cut(group, q, cu_seqlens, _op_name(per_key))
+    opts = _options(per_key, A_log, dt_bias, l2norm, gate, beta_sigmoid, neg_eigval, safe_gate, lower_bound)
+    run = shard_plan(segs, q, opts, scale, group, method, want_final)
+    if q_eff is not None:
+        q_eff = q_eff[:, :run.bounds[1]]  # the padding's zero rows dropped
+    with torch.autocast(device_type=do.device.type, enabled=False):
+        grads = shard_backward(run, q, k, v, g, beta, h0, q_eff, M, S_in, [_absent(t) for t in saved], do, dfinal)
+    dq, dk, dv, dg, dbeta, dA_log, ddt_bias, dh0 = grads
+    like = (q, k, v, g, beta, A_log, dt_bias, h0)
+    return tuple(_or_empty(None if d is None else d.to(x.dtype), q) for d, x in zip(grads, like))
+
+
+@zeco_delta_rule_backward_op.register_fake
+def _zeco_delta_rule_backward_fake(do, dfinal, q, k, v, g, beta, A_log, dt_bias, h0, *_):
+    return tuple(_or_empty(None if x is None else x.new_empty(x.shape), q) for x in (q, k, v, g, beta, A_log, dt_bias, h0))
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, g, beta, A_log, dt_bias, h0, cu_seqlens, *options = inputs
+    _, _, q_eff, M, S_in, saved = output
+    ctx.save_for_backward(q, k, v, g, beta, A_log, dt_bias, h0, cu_seqlens, q_eff, M, S_in, *saved)
+    ctx.options = options[:-1]  # needs_grad: the forward's signature only
+
+
+def _backward(ctx, do, dfinal, *_):
+    q, k, v, g, beta, A_log, dt_bias, h0, cu_seqlens, q_eff, M, S_in, *saved = ctx.saved_tensors
+    if do is None:
+        do = torch.zeros_like(v)
+    grads = zeco_delta_rule_backward_op(do, _absent(dfinal), q, k, v, g, beta, A_log, dt_bias, h0, cu_seqlens,
+                                        _absent(q_eff), _absent(M), _absent(S_in), saved, *ctx.options)
+    grads = [None if x is None else d for d, x in zip(grads, (q, k, v, g, beta, A_log, dt_bias, h0))]
+    return (*grads, *([None] * 13))
+
+
+zeco_delta_rule_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def compiled_delta_rule(op, per_key, q, k, v, g, beta, group, scale, initial_state, output_final_state, cu_seqlens,
+                        use_qk_l2norm_in_kernel, method, use_gate_in_kernel, A_log, dt_bias,
+                        use_beta_sigmoid_in_kernel, allow_neg_eigval, safe_gate, lower_bound, needs_grad):
+    """The layer's call as traced by torch.compile: ``(o, final or None)`` from the forward op."""
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    o, final = zeco_delta_rule_op(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens,
+                                  "" if group is None else group.group_name, per_key, scale,
+                                  bool(use_qk_l2norm_in_kernel), bool(use_gate_in_kernel),
+                                  bool(use_beta_sigmoid_in_kernel), bool(allow_neg_eigval), bool(safe_gate),
+                                  None if lower_bound is None else float(lower_bound), method,
+                                  bool(output_final_state), bool(needs_grad))[:2]
+    return o, (final if output_final_state else None)
