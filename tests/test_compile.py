@@ -90,6 +90,40 @@ def test_fullgraph_compile_equals_eager(op, world):
         assert diff <= 1e-5, diff
 
 
+def _module_compiled(rank, world):
+    """GatedDeltaNet (fla's parameters: projections, short convolutions with their halo exchange, the
+    delta rule with in-kernel gate, l2norm and beta sigmoid, gated RMSNorm) with packed sequences, forward
+    and backward under torch.compile(fullgraph=True): the output and every gradient equal eager; and
+    opcheck of the halo's custom op."""
+    from allscan.layers import GatedDeltaNet
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    m = GatedDeltaNet(hidden_size=16, head_dim=8, num_heads=2, num_v_heads=4, expand_v=2, conv_size=4,
+                      conv_bias=True)
+    x = torch.randn(1, 24, 16, generator=torch.Generator().manual_seed(rank))
+    cu = _packed(world)
+    got = {}
+    for name, f in (("eager", m), ("compiled", torch.compile(m, fullgraph=True, backend="aot_eager"))):
+        m.zero_grad()
+        xs = x.clone().requires_grad_(True)
+        y = f(xs, cu_seqlens=cu)[0]
+        y.square().sum().backward()
+        got[name] = [y.detach(), xs.grad] + [p.grad.clone() for p in m.parameters()]
+    if world > 1:
+        import torch.distributed as dist
+
+        torch.library.opcheck(torch.ops.allscan.halo_shift.default,
+                              (x[:, -3:].clone().requires_grad_(True), dist.group.WORLD.group_name, True))
+    return max((a - b).abs().max().item() for a, b in zip(got["eager"], got["compiled"]))
+
+
+@pytest.mark.parametrize("world", [1, 3])
+def test_gated_deltanet_module_fullgraph_compile_equals_eager(world):
+    for diff in run_distributed(_module_compiled, world, timeout=300):
+        assert diff <= 1e-5, diff
+
+
 def _compiled_invalid_arguments(rank, world):
     """Under torch.compile zeco_gla checks its arguments and cuts its shard inside the op, when it runs
     (the trace runs no collective, so a check failed there could not tell the peers): a rank whose

@@ -4,12 +4,14 @@
 
 Rank 0 (and a single process) receives zeros. Autograd: the gradient of the received halo goes back to
 its sender and is added to the gradient of its last ``w`` tokens. Point-to-point (isend/irecv), so it runs
-on gloo and NCCL alike.
+on gloo and NCCL alike; a custom op (:func:`halo_shift`), so torch.compile traces it without a graph break.
 """
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+
+from allscan._comm import resolve_group
 
 from ._shards import sequence_parallel_group
 
@@ -32,21 +34,30 @@ def _shift(send: torch.Tensor, pg, to_next: bool) -> torch.Tensor:
     return recv
 
 
-class _Halo(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, w, pg):
-        ctx.w, ctx.pg, ctx.T = w, pg, x.shape[1]
-        if pg is None or dist.get_world_size(pg) == 1:
-            return x.new_zeros((x.shape[0], w) + tuple(x.shape[2:]))
-        return _shift(x[:, x.shape[1] - w:], pg, to_next=True)
+@torch.library.custom_op("allscan::halo_shift", mutates_args=())
+def halo_shift(send: torch.Tensor, group_name: str, to_next: bool) -> torch.Tensor:
+    """``send`` one rank along ``group_name``'s chain (to the next rank if ``to_next``), what arrives from
+    the other side returned (zeros at the chain's end; ``""``: one process, zeros). A custom op:
+    torch.compile traces it without a graph break, and its gradient is the shift the other way."""
+    if not group_name:
+        return torch.zeros_like(send, memory_format=torch.contiguous_format)
+    return _shift(send, resolve_group(group_name), to_next)
 
-    @staticmethod
-    def backward(ctx, grad_halo):
-        w, pg, T = ctx.w, ctx.pg, ctx.T
-        grad_x = grad_halo.new_zeros((grad_halo.shape[0], T) + tuple(grad_halo.shape[2:]))
-        if pg is not None and dist.get_world_size(pg) > 1:
-            grad_x[:, T - w:] = _shift(grad_halo, pg, to_next=False)
-        return grad_x, None, None
+
+@halo_shift.register_fake
+def _halo_shift_fake(send, group_name, to_next):
+    return torch.empty_like(send, memory_format=torch.contiguous_format)
+
+
+def _halo_shift_setup(ctx, inputs, output):
+    ctx.group_name, ctx.to_next = inputs[1], inputs[2]
+
+
+def _halo_shift_backward(ctx, grad):
+    return halo_shift(grad.contiguous(), ctx.group_name, not ctx.to_next), None, None
+
+
+halo_shift.register_autograd(_halo_shift_backward, setup_context=_halo_shift_setup)
 
 
 def halo_exchange(x: torch.Tensor, w: int, group=None) -> torch.Tensor:
@@ -61,4 +72,10 @@ def halo_exchange(x: torch.Tensor, w: int, group=None) -> torch.Tensor:
     pg = sequence_parallel_group(group, "halo_exchange")
     if pg is not None and dist.get_world_size(pg) > 1 and x.shape[1] < w:
         raise ValueError(f"halo_exchange: x's local length T_local={x.shape[1]} is shorter than the halo w={w}")
-    return _Halo.apply(x, w, pg)
+    T = x.shape[1]
+    # one process: zeros, through the op all the same (so the halo is part of x's autograd graph, as
+    # with several ranks); it may hold fewer than w tokens
+    send = x[:, T - w:] if T >= w else torch.cat([x.new_zeros((x.shape[0], w - T) + tuple(x.shape[2:])), x], 1)
+    name = pg.group_name if pg is not None and dist.get_world_size(pg) > 1 else ""
+    # the gradient of the received halo goes back to the sender's last w tokens (autograd of the slice)
+    return halo_shift(send.contiguous(), name, True)
