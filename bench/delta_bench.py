@@ -137,6 +137,13 @@ def _measure(args, rows, dev):
                     t = torch.tensor([ms, 0.0 if equal else 1.0], device=dev)
                     dist.all_reduce(t, op=dist.ReduceOp.MAX)
                     graphs[n] = dict(graph_ms=t[0].item(), graph_equal=t[1].item() == 0.0)
+            if args.compiled:
+                _say(f"{tag}: zeco under torch.compile(mode='reduce-overhead')", rank, True)
+                dist.barrier()
+                ms, equal = compiled_time(op, ins, do, group, args.inner, dev)
+                t = torch.tensor([ms, 0.0 if equal else 1.0], device=dev)
+                dist.all_reduce(t, op=dist.ReduceOp.MAX)
+                graphs.setdefault("zeco", {}).update(compiled_ms=t[0].item(), compiled_equal=t[1].item() == 0.0)
             peaks = {}
             for n in rows:
                 torch.cuda.synchronize()
@@ -149,6 +156,8 @@ def _measure(args, rows, dev):
                 peaks[n] = p.item()
             if args.profile:
                 _profile(fwd_bwd, f"{layer}_{T}", rank, args.out)
+            if args.host_profile:
+                _host_profile(fwd_bwd, f"{layer}_{T}", rank, args.out)
             for n in rows:
                 results.append(dict(layer=layer, T_local=T, row=n, ms=statistics.median(times[n]), ms_all=times[n],
                                     host_ms=statistics.median(hosts[n]), peak_mib=peaks[n], **graphs.get(n, {})))
@@ -213,6 +222,65 @@ def _profile(fwd_bwd, tag, rank, outdir, calls=3):
             f.write(prof.key_averages().table(sort_by="cuda_time_total", row_limit=40) + "\n")
 
 
+def compiled_time(op, ins, do, group, calls, dev):
+    """(ms per fwd+bwd, bitwise equal to eager) of ``op`` under torch.compile(fullgraph=True,
+    mode="reduce-overhead"): its custom ops inside inductor's CUDA-graph trees, after the calls that
+    warm up and record them; best of 3 runs of ``calls`` calls."""
+    import torch
+
+    def step(q, k, v, g, beta):
+        return op(q, k, v, g, beta, group)[0]
+
+    compiled = torch.compile(step, fullgraph=True, mode="reduce-overhead")
+
+    def fwd_bwd(fn):
+        o = fn(*ins)
+        return (o.detach().clone(),) + torch.autograd.grad(o, ins, do)
+
+    for _ in range(3):
+        got = fwd_bwd(compiled)
+    equal = all(torch.equal(a, b) for a, b in zip(got, fwd_bwd(step)))
+    times = []
+    for _ in range(3):
+        torch.cuda.synchronize(dev)
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        for _ in range(calls):
+            fwd_bwd(compiled)
+        e1.record()
+        torch.cuda.synchronize(dev)
+        times.append(e0.elapsed_time(e1) / calls)
+    return min(times), equal
+
+
+def _host_profile(fwd_bwd, tag, rank, outdir, calls=5):
+    """``--host-profile``: where the host's issue time goes (cProfile of eager fwd+bwd calls of ``ideal``
+    and ``zeco``, by own time and by cumulative time), per rank, into DIR/delta_host_<layer>_<T>_rank<r>.txt."""
+    import cProfile
+    import io
+    import pstats
+
+    import torch
+
+    os.makedirs(outdir, exist_ok=True)
+    with open(os.path.join(outdir, f"delta_host_{tag}_rank{rank}.txt"), "w") as f:
+        for name in ("ideal", "zeco"):
+            torch.cuda.synchronize()
+            prof = cProfile.Profile()
+            t0 = time.perf_counter()
+            prof.enable()
+            for _ in range(calls):
+                fwd_bwd(name)
+            prof.disable()
+            host = (time.perf_counter() - t0) / calls
+            torch.cuda.synchronize()
+            for order in ("tottime", "cumulative"):
+                text = io.StringIO()
+                pstats.Stats(prof, stream=text).sort_stats(order).print_stats(45)
+                f.write(f"== {name}: {calls} calls, host issue time {host * 1e3:.2f} ms per call (cProfile on), "
+                        f"by {order}\n{text.getvalue()}\n")
+
+
 def _version(pkg):
     try:
         from importlib.metadata import version
@@ -251,6 +319,14 @@ def report(out):
                 cell += f" {r['graph_ms']:5.2f} {r['graph_ms'] / ideal['graph_ms']:4.2f}x{'=' if r['graph_equal'] else '!'}"
             cells.append(f"{cell:>24s}")
         print(f"{layer:6s} {T:7d} " + " ".join(cells))
+    compiled = [r for r in out["results"] if "compiled_ms" in r]
+    if compiled:
+        print("zeco under torch.compile(fullgraph=True, mode='reduce-overhead'): ms (x = ratio to ideal captured "
+              "in a CUDA graph, = : bitwise equal to eager)")
+        for r in compiled:
+            ideal = by[(r["layer"], r["T_local"], "ideal")]
+            base = f" {r['compiled_ms'] / ideal['graph_ms']:4.2f}x" if "graph_ms" in ideal else ""
+            print(f"{r['layer']:6s} {r['T_local']:7d} {r['compiled_ms']:6.2f}{base}{'=' if r['compiled_equal'] else '!'}")
     ref = out.get("agreement_reference", "fla_cp")
     for key, err in sorted(out.get("agreement_rel_err", out.get("agreement_rel_err_vs_fla_cp", {})).items()):
         print(f"  agreement {key}: max relative error against {ref} {err:.2e}")
@@ -282,6 +358,10 @@ def main():
     ap.add_argument("--inner", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--profile", action="store_true", help="also write torch.profiler tables of ideal and zeco")
+    ap.add_argument("--compiled", action="store_true",
+                    help="also time zeco under torch.compile(fullgraph=True, mode='reduce-overhead')")
+    ap.add_argument("--host-profile", action="store_true",
+                    help="also write cProfile tables of the host's issue time of ideal and zeco")
     ap.add_argument("--graph", action="store_true", help="also time each row captured in a CUDA graph (not fla_cp)")
     ap.add_argument("--model", action="store_true", help="print the per-rank cost model and exit (no GPU)")
     add_fla_autotune_option(ap)

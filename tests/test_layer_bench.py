@@ -64,6 +64,7 @@ def test_delta_report_host_and_captured_columns(capsys):
                                      allgather=(6.1, 6.0, 2.7)).items():
         rows.append(dict(layer="gdn", T_local=8192, row=n, ms=ms, host_ms=host, peak_mib=100.0, graph_ms=graph,
                          graph_equal=n != "allgather"))
+    rows[1].update(compiled_ms=2.2, compiled_equal=True)  # zeco under torch.compile(mode="reduce-overhead")
     db.report(dict(bench="delta_bench", world=1, middle_rank_stand_in=True, H=16, K=128, V=128, dtype="bfloat16",
                    repeats=3, results=rows, agreement_rel_err={"gdn/8192/allgather": 1e-7},
                    agreement_reference="zeco"))
@@ -75,3 +76,4 @@ def test_delta_report_host_and_captured_columns(capsys):
     assert " 6.00 1.00x  2.60 1.30x=" in out  # zeco: host-bound, captured 1.3x the ideal captured
     assert " 2.70 1.35x!" in out  # a replay that differs from eager is marked
     assert "gdn/8192/allgather: max relative error against zeco 1.00e-07" in out
+    assert "gdn       8192   2.20 1.10x=" in out  # compiled: 1.1x the ideal captured, bitwise eager
