@@ -214,6 +214,10 @@ def _compiled_delta_invalid_arguments(rank, world):
         step(beta, torch.tensor([0, 30, 10, 24, 24 * world]) if rank == 1 else good)
     with pytest.raises(ValueError, match="beta must be" if rank == 1 else peer):
         step(beta[:, :23] if rank == 1 else beta, good)
+    # a wrong number of dimensions: the fake kernel must not fail this rank's trace alone
+    flat = torch.compile(lambda vv: zeco_gated_delta_rule(q, k, vv, g, beta)[0], fullgraph=True, backend="aot_eager")
+    with pytest.raises(ValueError, match="v must be a 4-D tensor" if rank == 1 else peer):
+        flat(v.flatten(2) if rank == 1 else v)
     assert step(beta, good).shape == v.shape  # and the group still works
     return True
 

@@ -379,6 +379,8 @@ def test_errors():
     gdn, kda = zeco_gated_delta_rule, zeco_kda
     with pytest.raises(ValueError, match="zeco_kda: method must be one of"):
         kda(q, q, v, g4, beta, method="ring")
+    with pytest.raises(ValueError, match=r"zeco_gated_delta_rule: q, k and v need at least one batch row \(B = 0\)"):
+        gdn(q[:0], q[:0], v[:0], g3[:0], beta[:0])
     with pytest.raises(NotImplementedError, match="fla_cp.*fla-core's GPU kernels"):
         gdn(q, q, v, g3, beta, method="fla_cp")
     with pytest.raises(ValueError, match=r"zeco_kda: g must be \[B, T_local, HV, K\]"):

@@ -19,7 +19,7 @@ folded in after the All-Scan (:func:`incoming_map` is ``Q' = Q~_c P_c``), withou
 local recurrence.
 
 :class:`TorchDelta` is the local backend in torch ops (:mod:`allscan.ops.delta.shard` drives it; its
-backward recomputes under autograd). Arithmetic in fp32 (fp64 for fp64 inputs); a T that is not
+backward recomputes under ``torch.func.vjp``, which also runs inside a custom op). Arithmetic in fp32 (fp64 for fp64 inputs); a T that is not
 a multiple of the chunk size is padded with tokens of k = v = q = 0, beta = 0, g = 0, which leave the
 outputs, the final state and the transition unchanged.
 """
@@ -78,7 +78,7 @@ def chunk_delta_rule(q, k, v, g, beta, scale: float, h0: Optional[torch.Tensor] 
     """The chunked delta rule of one sequence (per batch row), up to the states entering the chunks.
 
     q, k: ``[B, T, H, K]``; v: ``[B, T, H, V]``; g: log decays ``[B, T, H, 1]`` (one per head) or
-    ``[B, T, H, K]``; beta: ``[B, T, H]``; h0: ``[B, H, K, V]`` or None (zeros). Returns a namespace with
+    ``[B, T, H, K]``; beta: ``[B, T, H]``; h0: ``[B, H, K, V]`` or None (zeros). Returns a :class:`ChunkPass` with
     the chunk quantities (``o_intra``, ``q_eff`` = Q~), ``states`` (the state entering every chunk,
     ``[B, H, N, K, V]``), ``final`` (``[B, H, K, V]``) and, ``with_transition``, ``transition`` (M,
     ``[B, H, K, K]``) and ``prefix`` (P_c, ``[B, H, N, K, K]``; None without).

@@ -66,6 +66,10 @@ def zeco_delta_rule_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: tor
 @zeco_delta_rule_op.register_fake
 def _zeco_delta_rule_fake(q, k, v, g, beta, A_log, dt_bias, h0, cu_seqlens, group_name, per_key, scale, l2norm,
                           gate, beta_sigmoid, neg_eigval, safe_gate, lower_bound, method, want_final, needs_grad):
+    if q.dim() != 4 or v.dim() != 4 or (cu_seqlens is not None and cu_seqlens.dim() != 1):
+        # arguments the op will refuse when it runs, on every rank (its checks reach the peers): shapes
+        # of no consequence, so that this rank's trace does not fail alone and leave its peers waiting
+        return (v.new_empty(v.shape), *(q.new_empty(0, dtype=torch.float32) for _ in range(4)), [])
     B, T, H, K = q.shape
     HV, V = v.shape[2:]
     be = select_backend(q)

@@ -9,7 +9,8 @@ diag(exp(g_t))``), so a shard is summarised by its transition ``M_p = A_T ... A_
 and its final state from a zero incoming state ``h_p``; the state entering rank p is the matrix
 All-Scan ``y_{p+1} = M_p y_p + h_p`` (only the ``[K, V]`` state crosses a boundary)::
 
-    local:    the shard's outputs and final state without an incoming state, Q' and M_p    (forward on V + K columns)
+    local:    the shard's outputs and final state without an incoming state, Q' and M_p    (the first packed
+              segment's forward on V + K columns, the others' on V)
     All-Scan: S_in = allscan.scan(h_p, transition=M_p, init=initial_state)   (rank 0 reads init)
     fold in:  o += Q' S_in, final = h_p + M_p S_in
 
@@ -102,6 +103,8 @@ def _validate(op, q, k, v, g, beta, per_key, initial_state, output_final_state, 
         raise TypeError(f"{op}: q, k and v must have one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     if T == 0:
         raise ValueError(f"{op}: every rank needs at least one token (T_local = 0)")
+    if B == 0:
+        raise ValueError(f"{op}: q, k and v need at least one batch row (B = 0)")
     HV, V = v.shape[2], v.shape[3]
     if per_key:
         _check_tensor(op, "g", g, (B, T, HV, K), "[B, T_local, HV, K]")
