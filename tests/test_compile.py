@@ -182,7 +182,8 @@ def _opcheck_delta_rule(rank, world):
     _, _, _, gk, _ = (t.double().requires_grad_() for t in _inputs(rank, "kda"))
     A_log = torch.zeros(2, dtype=torch.float64, requires_grad=True)
     dt_bias = torch.full((2,), 0.1, dtype=torch.float64, requires_grad=True)
-    opts = (False, False, False, False, False, None)  # l2norm, gate, beta sigmoid, negative eigenvalues, safe gate, bound
+    # l2norm, gate, beta sigmoid, negative eigenvalues, safe gate, lower bound
+    opts = (False, False, False, False, False, None)
     cu = _packed(world)
     for args in ((q, k, v, g, beta, None, None, None, None, name, False, 0.35, *opts, "zeco", True, True),
                  (q, k, v, gk, beta, None, None, h0, cu, name, True, 0.35, *opts, "zeco", True, True),

@@ -204,6 +204,60 @@ def test_errors_cross_rank(what):
     run_distributed(_errors_cross_rank, 2, what, timeout=60)
 
 
+def _compiled(rank, world, Hq, Hkv, causal):
+    """UlyssesAttention under torch.compile(fullgraph=True): plain Ulysses through allscan's all-to-all
+    custom ops and SDPA (allscan.ops.ulysses_traced), forward and backward, against SDPA on the whole
+    sequence; with grouped-query attention (k/v heads replicated over ranks when there are fewer than
+    ranks); and opcheck of the scatter op."""
+    import torch.distributed as dist
+
+    torch._dynamo.reset()
+    B, Sl, D = 2, 3, 8
+    q, k, v, w = _inputs(B, Sl * world, Hq, Hkv, D, torch.float64)
+    ro, rq, rk, rv = reference(q, k, v, w, causal, 0.3)
+    sl = slice(rank * Sl, (rank + 1) * Sl)
+    layer = UlyssesAttention(num_chunks="auto")
+    step = torch.compile(lambda a, b, c: layer(a, b, c, causal=causal, scale=0.3), fullgraph=True, backend="aot_eager")
+    ql, kl, vl = (t[:, sl].clone().requires_grad_(True) for t in (q, k, v))
+    out = step(ql, kl, vl)
+    torch.testing.assert_close(out, ro[:, sl], rtol=1e-10, atol=1e-10)
+    (out * w[:, sl]).sum().backward()
+    for name, got, ref in (("dq", ql.grad, rq), ("dk", kl.grad, rk), ("dv", vl.grad, rv)):
+        torch.testing.assert_close(got, ref[:, sl], rtol=1e-10, atol=1e-10, msg=lambda m: f"{name}: {m}")
+    assert layer.last_info == {"num_chunks": 1, "auto": None}
+    import allscan.ops.ulysses_traced  # noqa: F401 - registers the ops
+
+    torch.library.opcheck(torch.ops.allscan.ulysses_scatter.default,
+                          (ql, kl, vl, dist.group.WORLD.group_name, causal, 0.3, 0, True))
+    return True
+
+
+@pytest.mark.parametrize("world,Hq,Hkv,causal", [(2, 4, 4, True), (3, 5, 5, False), (3, 6, 2, True), (4, 8, 2, False)])
+def test_torch_compile_fullgraph_equals_reference(world, Hq, Hkv, causal):
+    assert run_distributed(_compiled, world, Hq, Hkv, causal, timeout=300) == [True] * world
+
+
+def _compiled_errors(rank, world):
+    """Under torch.compile the call's checks run inside the op, when it runs: a rank whose causal flag
+    or k/v heads differ raises there and so do its peers (no hang)."""
+    torch._dynamo.reset()
+    layer = UlyssesAttention()
+    step = torch.compile(lambda a, b, c, causal: layer(a, b, c, causal=causal), fullgraph=True, backend="aot_eager")
+    x = torch.zeros(1, 2, 4, 8)
+    with pytest.raises(ValueError, match=r"ranks disagree on causal \(rank 0: 0, rank 1: 1\)"):
+        step(x, x, x, bool(rank))
+    kv = x if rank == 0 else torch.zeros(1, 2, 3, 8)
+    with pytest.raises(ValueError, match=r"rank\(s\) \[1\] rejected their own arguments" if rank == 0
+                       else "multiple of the k/v heads"):
+        step(x, kv, kv, False)
+    assert step(x, x, x, False).shape == x.shape  # and the group still works
+    return True
+
+
+def test_torch_compile_errors_reach_every_rank():
+    assert run_distributed(_compiled_errors, 2, timeout=300) == [True, True]
+
+
 # ------------------------------------------------------------------------------------------------
 # The two-stream schedule, checked on CPU with simulated streams (vector clocks)
 # ------------------------------------------------------------------------------------------------

@@ -594,8 +594,17 @@ def _check_inputs(q, k, v, world):
 def ulysses_attention(q, k, v, group=None, *, causal: bool = False, scale: Optional[float] = None,
                       num_chunks: Union[int, str] = "auto", chunk_weights: Optional[Sequence[float]] = None,
                       max_chunks: Optional[int] = None, return_info: bool = False):
-    """Functional form of :class:`UlyssesAttention` (see there)."""
+    """Functional form of :class:`UlyssesAttention` (see there). Traced by torch.compile it is plain
+    Ulysses with one head chunk (:mod:`allscan.ops.ulysses_traced`)."""
     group = normalize_group(group)
+    if torch.compiler.is_compiling():
+        from .ulysses_traced import traced_attention
+
+        chunks = 0 if num_chunks == "auto" else num_chunks
+        if not (chunks == 0 or (isinstance(chunks, int) and not isinstance(chunks, bool) and chunks >= 1)):
+            chunks = -1  # refused by the op, on every rank, when it runs
+        out = traced_attention(q, k, v, group, causal, scale, chunks)
+        return (out, {"num_chunks": 1, "auto": None}) if return_info else out
     world = dist.get_world_size(group)
     me = dist.get_rank(group)
     try:

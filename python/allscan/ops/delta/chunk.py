@@ -19,9 +19,9 @@ folded in after the All-Scan (:func:`incoming_map` is ``Q' = Q~_c P_c``), withou
 local recurrence.
 
 :class:`TorchDelta` is the local backend in torch ops (:mod:`allscan.ops.delta.shard` drives it; its
-backward recomputes under ``torch.func.vjp``, which also runs inside a custom op). Arithmetic in fp32 (fp64 for fp64 inputs); a T that is not
-a multiple of the chunk size is padded with tokens of k = v = q = 0, beta = 0, g = 0, which leave the
-outputs, the final state and the transition unchanged.
+backward recomputes under ``torch.func.vjp``, which also runs inside a custom op). Arithmetic in fp32
+(fp64 for fp64 inputs); a T that is not a multiple of the chunk size is padded with tokens of
+k = v = q = 0, beta = 0, g = 0, which leave the outputs, the final state and the transition unchanged.
 """
 from __future__ import annotations
 
@@ -135,8 +135,8 @@ def _unblocks(x: torch.Tensor, T: int) -> torch.Tensor:
 
 
 class TorchDelta:
-    """The local work of one shard in torch ops: what :mod:`allscan.ops.delta.shard` asks of a backend; :class:`allscan.ops.delta.fla.FlaDelta` does the
-    same with fla-core's kernels. q, k, g, beta raw (``opts``, a
+    """The local work of one shard in torch ops: what :mod:`allscan.ops.delta.shard` asks of a backend;
+    :class:`allscan.ops.delta.fla.FlaDelta` does the same with fla-core's kernels. q, k, g, beta raw (``opts``, a
     :class:`~allscan.ops.delta.gates.DeltaOptions`, says what fla would apply to them first)."""
 
     name = "torch"

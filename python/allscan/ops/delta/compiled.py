@@ -117,7 +117,8 @@ def zeco_delta_rule_backward_op(do: torch.Tensor, dfinal: Optional[torch.Tensor]
 
 @zeco_delta_rule_backward_op.register_fake
 def _zeco_delta_rule_backward_fake(do, dfinal, q, k, v, g, beta, A_log, dt_bias, h0, *_):
-    return tuple(_or_empty(None if x is None else x.new_empty(x.shape), q) for x in (q, k, v, g, beta, A_log, dt_bias, h0))
+    like = (q, k, v, g, beta, A_log, dt_bias, h0)
+    return tuple(_or_empty(None if x is None else x.new_empty(x.shape), q) for x in like)
 
 
 def _setup_context(ctx, inputs, output):

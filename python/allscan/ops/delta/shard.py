@@ -194,7 +194,8 @@ class ShardFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do, dfinal):
         q, k, v, g, beta, h0, q_eff, M, S_in, *saved = ctx.saved_tensors
-        with torch.autocast(device_type=ctx.device_type, enabled=False):  # the forward's arithmetic, whatever the caller's
+        # the forward's arithmetic, whatever the caller's autocast
+        with torch.autocast(device_type=ctx.device_type, enabled=False):
             dq, dk, dv, dg, dbeta, dA_log, ddt_bias, dh0 = shard_backward(ctx.run, q, k, v, g, beta, h0, q_eff, M,
                                                                           S_in, saved, do, dfinal)
         return dq, dk, dv, dg, dbeta, dA_log, ddt_bias, dh0, None
