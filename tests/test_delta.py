@@ -5,7 +5,7 @@ Checks the whole algorithm (local chunked delta rule from the local initial stat
 transition, the matrix All-Scan of the states crossing rank boundaries, the incoming state folded into
 the outputs and final states; the backward: the reverse scan, then the shard's backward from its whole
 incoming state) at
-P = 1..4 for both layers: outputs, every gradient (q, k, v, g, beta, initial_state, and A_log /
+P = 1..5 for both layers: outputs, every gradient (q, k, v, g, beta, initial_state, and A_log /
 dt_bias with the in-kernel gates), initial and final states, B > 1, T_local not a multiple of the
 chunk size, packed sequences cut inside ranks, exactly on rank boundaries and across several ranks,
 grouped value heads, fla's l2norm and gate options; methods zeco and allgather agree; ``group=None``
@@ -207,7 +207,7 @@ def _run_world(rank, world, cases):
         _check_mismatch(rank)
 
 
-@pytest.mark.parametrize("world", [1, 2, 3, 4])
+@pytest.mark.parametrize("world", [1, 2, 3, 4, 5])
 def test_zeco_delta_distributed(world):
     cases = [_prepare(world, c) for c in _cases(world)]
     if world == 1:
