@@ -90,17 +90,21 @@ def test_fullgraph_compile_equals_eager(op, world):
         assert diff <= 1e-5, diff
 
 
-def _module_compiled(rank, world):
-    """GatedDeltaNet (fla's parameters: projections, short convolutions with their halo exchange, the
-    delta rule with in-kernel gate, l2norm and beta sigmoid, gated RMSNorm) with packed sequences, forward
-    and backward under torch.compile(fullgraph=True): the output and every gradient equal eager; and
-    opcheck of the halo's custom op."""
-    from allscan.layers import GatedDeltaNet
+def _module_compiled(rank, world, kind):
+    """The layer modules with packed sequences, forward and backward under torch.compile(fullgraph=True):
+    the output and every gradient equal eager. GatedDeltaNet (fla's parameters: projections, short
+    convolutions with their halo exchange, the delta rule with in-kernel gate, l2norm and beta sigmoid,
+    gated RMSNorm), with opcheck of the halo's custom op; GatedLinearAttention (fla's parameters,
+    zeco_gla's ops)."""
+    from allscan.layers import GatedDeltaNet, GatedLinearAttention
 
     torch._dynamo.reset()
     torch.manual_seed(0)
-    m = GatedDeltaNet(hidden_size=16, head_dim=8, num_heads=2, num_v_heads=4, expand_v=2, conv_size=4,
-                      conv_bias=True)
+    if kind == "gdn":
+        m = GatedDeltaNet(hidden_size=16, head_dim=8, num_heads=2, num_v_heads=4, expand_v=2, conv_size=4,
+                          conv_bias=True)
+    else:
+        m = GatedLinearAttention(hidden_size=16, num_heads=2, expand_k=1.0, expand_v=1.0, gate_low_rank_dim=4)
     x = torch.randn(1, 24, 16, generator=torch.Generator().manual_seed(rank))
     cu = _packed(world)
     got = {}
@@ -110,7 +114,7 @@ def _module_compiled(rank, world):
         y = f(xs, cu_seqlens=cu)[0]
         y.square().sum().backward()
         got[name] = [y.detach(), xs.grad] + [p.grad.clone() for p in m.parameters()]
-    if world > 1:
+    if world > 1 and kind == "gdn":
         import torch.distributed as dist
 
         torch.library.opcheck(torch.ops.allscan.halo_shift.default,
@@ -119,8 +123,9 @@ def _module_compiled(rank, world):
 
 
 @pytest.mark.parametrize("world", [1, 3])
-def test_gated_deltanet_module_fullgraph_compile_equals_eager(world):
-    for diff in run_distributed(_module_compiled, world, timeout=300):
+@pytest.mark.parametrize("kind", ["gdn", "gla"])
+def test_layer_module_fullgraph_compile_equals_eager(kind, world):
+    for diff in run_distributed(_module_compiled, world, kind, timeout=300):
         assert diff <= 1e-5, diff
 
 
