@@ -247,7 +247,17 @@ def _errors_cross_rank(rank, world, what):
             a2a.scatter_heads_multi([x], [a2a.split_heads(0, 4, world)])
 
 
-@pytest.mark.parametrize("what", ["shape", "heads", "dtype", "one_rank_bad"])
+    elif what == "one_rank_bad_single":  # the same through scatter_heads and gather_heads
+        x = torch.zeros(1, 2, 4, 8) if rank == 0 else torch.zeros(2, 4, 8)
+        with pytest.raises(ValueError, match="rank\\(s\\) \\[1\\] rejected their own arguments" if rank == 0 else "4-D"):
+            a2a.scatter_heads(x)
+        y = torch.zeros(1, 4, 2, 8)
+        with pytest.raises(ValueError, match="rank\\(s\\) \\[1\\] rejected their own arguments" if rank == 0
+                           else "head_range must satisfy"):
+            a2a.gather_heads(y, num_heads=4, head_range=(0, 4) if rank == 0 else (0, 9))
+
+
+@pytest.mark.parametrize("what", ["shape", "heads", "dtype", "one_rank_bad", "one_rank_bad_single"])
 def test_errors_cross_rank(what):
     run_distributed(_errors_cross_rank, 2, what, timeout=60)
 

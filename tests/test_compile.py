@@ -145,6 +145,10 @@ def _compiled_invalid_arguments(rank, world):
         step(v, torch.tensor([0, 30, 10, 24 * world]) if rank == 1 else good)
     with pytest.raises(ValueError, match="v must be" if rank == 1 else peer):
         step(v[:, :23] if rank == 1 else v, good)
+    # a wrong number of dimensions: the fake kernel must not fail this rank's trace alone
+    flat = torch.compile(lambda qq: zeco_gla(qq, k, v, g)[0], fullgraph=True, backend="aot_eager")
+    with pytest.raises(ValueError, match="q must be a 4-D tensor" if rank == 1 else peer):
+        flat(q.flatten(2) if rank == 1 else q)
     assert step(v, good).shape == v.shape  # and the group still works
     return True
 

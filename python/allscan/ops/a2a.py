@@ -390,6 +390,18 @@ def _resolve_map(head_map, head_range, num_heads: int, world_size: int) -> HeadM
     return split_heads(h0, h1, world_size)
 
 
+def _told_peers(group, x, op: str, checked):
+    """``checked()``, the local checks of a call; a rank whose checks fail tells its peers, whose
+    exchange in the collective then fails too, and re-raises (not while torch.compile traces: the
+    trace runs no collective)."""
+    try:
+        return checked()
+    except (TypeError, ValueError) as e:
+        if not torch.compiler.is_compiling():
+            announce_invalid(group, x.device if isinstance(x, torch.Tensor) else torch.device("cpu"), op, str(e))
+        raise
+
+
 def scatter_heads(x: torch.Tensor, group=None, *, head_range: Optional[Range] = None,
                   head_map: Optional[Sequence[Range]] = None) -> torch.Tensor:
     """Sequence-sharded ``[B, S_local, H, D]`` -> whole sequence, this rank's heads ``[B, P*S_local, n, D]``.
@@ -398,10 +410,14 @@ def scatter_heads(x: torch.Tensor, group=None, *, head_range: Optional[Range] = 
     (:func:`split_heads`), or an explicit ``head_map`` (one ``(lo, hi)`` per rank). Differentiable
     (the backward is :func:`gather_heads`); a ``torch.library`` custom op.
     """
-    _check_tensor(x, "x")
     group = _comm.normalize_group(group)
     P = dist.get_world_size(group)
-    hm = _check_map(_resolve_map(head_map, head_range, x.shape[2], P), x.shape[2], P, "head_map")
+
+    def checked():
+        _check_tensor(x, "x")
+        return _check_map(_resolve_map(head_map, head_range, x.shape[2], P), x.shape[2], P, "head_map")
+
+    hm = _told_peers(group, x, "a2a.scatter_heads", checked)
     return _scatter_heads_op(x.contiguous(), _comm.group_name(group), [lo for lo, _ in hm], [hi for _, hi in hm])
 
 
@@ -414,13 +430,19 @@ def gather_heads(y: torch.Tensor, group=None, *, num_heads: Optional[int] = None
     output: required unless ``head_map`` is given (then it defaults to the largest ``hi``); with
     ``head_range`` the output keeps all ``num_heads`` heads and those outside the range are zero.
     """
-    _check_tensor(y, "y")
     group = _comm.normalize_group(group)
     P = dist.get_world_size(group)
-    if num_heads is None:
-        if head_map is None:
-            raise ValueError("allscan.a2a.gather_heads: num_heads (heads of the output) is required unless head_map is given")
-        num_heads = max(int(hi) for _, hi in head_map)
-    hm = _check_map(_resolve_map(head_map, head_range, num_heads, P), num_heads, P, "head_map")
+
+    def checked():
+        _check_tensor(y, "y")
+        H = num_heads
+        if H is None:
+            if head_map is None:
+                raise ValueError("allscan.a2a.gather_heads: num_heads (heads of the output) is required unless "
+                                 "head_map is given")
+            H = max(int(hi) for _, hi in head_map)
+        return H, _check_map(_resolve_map(head_map, head_range, H, P), H, P, "head_map")
+
+    num_heads, hm = _told_peers(group, y, "a2a.gather_heads", checked)
     return _gather_heads_op(y.contiguous(), _comm.group_name(group), int(num_heads), [lo for lo, _ in hm],
                             [hi for _, hi in hm])
