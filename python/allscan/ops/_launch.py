@@ -12,7 +12,7 @@ import torch
 from .. import _comm
 from .._contract import announce_invalid, settings
 
-__all__ = ["validated_group", "nccl_preflight", "announce_device", "stream_ptr", "plan_cache", "plan_is_current",
+__all__ = ["validated_group", "or_empty", "absent", "nccl_preflight", "announce_device", "stream_ptr", "plan_cache", "plan_is_current",
            "forget_plans", "PlanCache", "MAX_PLANS", "check_num_blocks", "MAX_NUM_BLOCKS"]
 
 
@@ -32,15 +32,27 @@ def check_num_blocks(what: str, num_blocks) -> None:
 
 def validated_group(group, tensor, op: str, validate):
     """The group (None: the default group) once ``validate()`` (the local argument checks) passed. A
-    rank whose checks fail tells its peers (so their signature exchange fails too) and re-raises."""
+    rank whose checks fail tells its peers (so their signature exchange fails too) and re-raises; not
+    while torch.compile traces (the trace runs no collective: the ops check again when they run)."""
     group = _comm.normalize_group(group)
     try:
         validate()
     except (TypeError, ValueError) as e:
-        if isinstance(tensor, torch.Tensor):
+        if isinstance(tensor, torch.Tensor) and not torch.compiler.is_compiling():
             announce_invalid(group, announce_device(group), op, str(e))
         raise
     return group
+
+
+def or_empty(t, like: torch.Tensor) -> torch.Tensor:
+    """A custom op's optional result: ``t`` contiguous, or for None a new empty fp32 tensor (one each:
+    an op's outputs may not alias; a schema has no optional outputs)."""
+    return like.new_empty(0, dtype=torch.float32) if t is None else t.contiguous()
+
+
+def absent(t):
+    """The inverse of :func:`or_empty`: None for an empty tensor."""
+    return None if t is None or t.numel() == 0 else t
 
 
 def announce_device(group) -> torch.device:

@@ -29,6 +29,7 @@ import torch.distributed as dist
 from .. import _C, _comm
 from .._contract import DTYPE_CODES, announce_invalid, check_across_ranks, dtype_code, settings, signature_hash
 from .._threads import one_thread
+from ._launch import validated_group
 from . import _a2a_dist
 from ._a2a_dist import GATHER, SCATTER, HeadMap, Range, overlaps
 
@@ -390,18 +391,6 @@ def _resolve_map(head_map, head_range, num_heads: int, world_size: int) -> HeadM
     return split_heads(h0, h1, world_size)
 
 
-def _told_peers(group, x, op: str, checked):
-    """``checked()``, the local checks of a call; a rank whose checks fail tells its peers, whose
-    exchange in the collective then fails too, and re-raises (not while torch.compile traces: the
-    trace runs no collective)."""
-    try:
-        return checked()
-    except (TypeError, ValueError) as e:
-        if not torch.compiler.is_compiling():
-            announce_invalid(group, x.device if isinstance(x, torch.Tensor) else torch.device("cpu"), op, str(e))
-        raise
-
-
 def scatter_heads(x: torch.Tensor, group=None, *, head_range: Optional[Range] = None,
                   head_map: Optional[Sequence[Range]] = None) -> torch.Tensor:
     """Sequence-sharded ``[B, S_local, H, D]`` -> whole sequence, this rank's heads ``[B, P*S_local, n, D]``.
@@ -412,12 +401,13 @@ def scatter_heads(x: torch.Tensor, group=None, *, head_range: Optional[Range] = 
     """
     group = _comm.normalize_group(group)
     P = dist.get_world_size(group)
+    hm = []
 
-    def checked():
+    def validate():
         _check_tensor(x, "x")
-        return _check_map(_resolve_map(head_map, head_range, x.shape[2], P), x.shape[2], P, "head_map")
+        hm.extend(_check_map(_resolve_map(head_map, head_range, x.shape[2], P), x.shape[2], P, "head_map"))
 
-    hm = _told_peers(group, x, "a2a.scatter_heads", checked)
+    validated_group(group, x, "a2a.scatter_heads", validate)
     return _scatter_heads_op(x.contiguous(), _comm.group_name(group), [lo for lo, _ in hm], [hi for _, hi in hm])
 
 
@@ -432,17 +422,18 @@ def gather_heads(y: torch.Tensor, group=None, *, num_heads: Optional[int] = None
     """
     group = _comm.normalize_group(group)
     P = dist.get_world_size(group)
+    hm = []
 
-    def checked():
+    def validate():
+        nonlocal num_heads
         _check_tensor(y, "y")
-        H = num_heads
-        if H is None:
+        if num_heads is None:
             if head_map is None:
                 raise ValueError("allscan.a2a.gather_heads: num_heads (heads of the output) is required unless "
                                  "head_map is given")
-            H = max(int(hi) for _, hi in head_map)
-        return H, _check_map(_resolve_map(head_map, head_range, H, P), H, P, "head_map")
+            num_heads = max(int(hi) for _, hi in head_map)
+        hm.extend(_check_map(_resolve_map(head_map, head_range, num_heads, P), num_heads, P, "head_map"))
 
-    num_heads, hm = _told_peers(group, y, "a2a.gather_heads", checked)
+    validated_group(group, y, "a2a.gather_heads", validate)
     return _gather_heads_op(y.contiguous(), _comm.group_name(group), int(num_heads), [lo for lo, _ in hm],
                             [hi for _, hi in hm])

@@ -591,6 +591,15 @@ def _check_inputs(q, k, v, world):
     return B, Sl, Hq, Hkv, D
 
 
+def signature(q, k, causal: bool, scale: Optional[float], num_chunks: int, needs_grad: bool):
+    """The fields every rank's call must agree on (``num_chunks`` 0: "auto"), for ``check_across_ranks``."""
+    B, Sl, Hq, D = q.shape
+    return [("batch B", B), ("local sequence length S_local", Sl), ("query heads", Hq), ("k/v heads", k.shape[2]),
+            ("head_dim D", D), ("dtype", DTYPE_CODES[q.dtype]), ("causal", int(bool(causal))),
+            ("scale (x1e9)", int(round((scale or 0.0) * 1e9))), ("num_chunks (0 auto)", int(num_chunks)),
+            ("needs grad", int(needs_grad))]
+
+
 def ulysses_attention(q, k, v, group=None, *, causal: bool = False, scale: Optional[float] = None,
                       num_chunks: Union[int, str] = "auto", chunk_weights: Optional[Sequence[float]] = None,
                       max_chunks: Optional[int] = None, return_info: bool = False):
@@ -622,12 +631,9 @@ def ulysses_attention(q, k, v, group=None, *, causal: bool = False, scale: Optio
         announce_invalid(group, q.device if isinstance(q, torch.Tensor) else torch.device("cpu"), _OP, str(e))
         raise
     # A mismatch raises on every rank instead of hanging in an all-to-all.
-    fields = [("batch B", B), ("local sequence length S_local", Sl), ("query heads", Hq), ("k/v heads", Hkv),
-              ("head_dim D", D), ("dtype", DTYPE_CODES[q.dtype]), ("causal", int(bool(causal))),
-              ("scale (x1e9)", int(round((scale or 0.0) * 1e9))),
-              ("num_chunks (0 auto)", 0 if num_chunks == "auto" else int(num_chunks)),
-              ("needs grad", int(torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))))]
-    check_across_ranks(group, q.device, _OP, fields)
+    check_across_ranks(group, q.device, _OP, signature(q, k, causal, scale, 0 if num_chunks == "auto" else num_chunks,
+                                                       torch.is_grad_enabled() and any(t.requires_grad
+                                                                                       for t in (q, k, v))))
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     info = None
     if num_chunks == "auto":

@@ -23,7 +23,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from .. import _comm
-from .._contract import DTYPE_CODES, announce_invalid, check_across_ranks
+from .._contract import announce_invalid, check_across_ranks
 from .a2a import GATHER, SCATTER, a2a_multi, kv_head_ranges, split_heads
 
 _OP = "UlyssesAttention"
@@ -38,20 +38,16 @@ def _maps(world: int, Hq, Hkv):
 
 def _checked(q, k, v, group, causal: bool, scale: Optional[float], num_chunks: int, needs_grad: bool):
     """eager's checks of one call, the ones across ranks included (``num_chunks`` 0 = "auto")."""
-    from .ulysses import _check_inputs
+    from .ulysses import _check_inputs, signature
 
     try:
-        B, Sl, Hq, Hkv, D = _check_inputs(q, k, v, dist.get_world_size(group))
+        _, _, Hq, Hkv, _ = _check_inputs(q, k, v, dist.get_world_size(group))
         if not 0 <= num_chunks <= Hq:
             raise ValueError(f"UlyssesAttention: num_chunks must be 'auto' or an int in [1, {Hq}] (query heads)")
     except (ValueError, TypeError) as e:
         announce_invalid(group, q.device, _OP, str(e))
         raise
-    check_across_ranks(group, q.device, _OP, [
-        ("batch B", B), ("local sequence length S_local", Sl), ("query heads", Hq), ("k/v heads", Hkv),
-        ("head_dim D", D), ("dtype", DTYPE_CODES[q.dtype]), ("causal", int(causal)),
-        ("scale (x1e9)", int(round((scale or 0.0) * 1e9))), ("num_chunks (0 auto)", num_chunks),
-        ("needs grad", int(needs_grad))])
+    check_across_ranks(group, q.device, _OP, signature(q, k, causal, scale, num_chunks, needs_grad))
     return Hq, Hkv
 
 

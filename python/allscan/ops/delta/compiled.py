@@ -15,6 +15,7 @@ import torch
 
 from allscan._comm import resolve_group
 
+from .._launch import absent, or_empty
 from .chunk import compute_dtype
 from .gates import DeltaOptions
 from .shard import shard_backward, shard_forward
@@ -25,15 +26,6 @@ _Tensors = Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.T
 
 def _op_name(per_key: bool) -> str:
     return "zeco_kda" if per_key else "zeco_gated_delta_rule"
-
-
-def _or_empty(t: Optional[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
-    """``t`` contiguous, or for None a new empty fp32 tensor (one each: an op's outputs may not alias)."""
-    return like.new_empty(0, dtype=torch.float32) if t is None else t.contiguous()
-
-
-def _absent(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-    return None if t is None or t.numel() == 0 else t
 
 
 def _options(per_key, A_log, dt_bias, l2norm, gate, beta_sigmoid, neg_eigval, safe_gate, lower_bound):
@@ -59,8 +51,8 @@ def zeco_delta_rule_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: tor
         padded = q_eff.new_zeros(*q.shape[:2], *q_eff.shape[2:])
         padded[:, :q_eff.shape[1]] = q_eff
         q_eff = padded
-    return (o.contiguous(), _or_empty(final, q), _or_empty(q_eff, q), _or_empty(M, q), _or_empty(S_in, q),
-            [_or_empty(t, q) for t in saved])
+    return (o.contiguous(), or_empty(final, q), or_empty(q_eff, q), or_empty(M, q), or_empty(S_in, q),
+            [or_empty(t, q) for t in saved])
 
 
 @zeco_delta_rule_op.register_fake
@@ -83,8 +75,8 @@ def _zeco_delta_rule_fake(q, k, v, g, beta, A_log, dt_bias, h0, cu_seqlens, grou
     M = v.new_empty(B, HV, K, K, dtype=dt) if sp else None
     S_in = v.new_empty(B, HV, K, V, dtype=dt) if sp else None
     opts = _options(per_key, A_log, dt_bias, l2norm, gate, beta_sigmoid, neg_eigval, safe_gate, lower_bound)
-    return (v.new_empty(B, T, HV, V), _or_empty(final, q), _or_empty(q_eff, q), _or_empty(M, q), _or_empty(S_in, q),
-            [_or_empty(t, q) for t in be.saved_like(q, k, v, g, beta, opts)])
+    return (v.new_empty(B, T, HV, V), or_empty(final, q), or_empty(q_eff, q), or_empty(M, q), or_empty(S_in, q),
+            [or_empty(t, q) for t in be.saved_like(q, k, v, g, beta, opts)])
 
 
 _Grads = Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
@@ -109,16 +101,16 @@ def zeco_delta_rule_backward_op(do: torch.Tensor, dfinal: Optional[torch.Tensor]
     if q_eff is not None:
         q_eff = q_eff[:, :run.bounds[1]]  # the padding's zero rows dropped
     with torch.autocast(device_type=do.device.type, enabled=False):
-        grads = shard_backward(run, q, k, v, g, beta, h0, q_eff, M, S_in, [_absent(t) for t in saved], do, dfinal)
+        grads = shard_backward(run, q, k, v, g, beta, h0, q_eff, M, S_in, [absent(t) for t in saved], do, dfinal)
     dq, dk, dv, dg, dbeta, dA_log, ddt_bias, dh0 = grads
     like = (q, k, v, g, beta, A_log, dt_bias, h0)
-    return tuple(_or_empty(None if d is None else d.to(x.dtype), q) for d, x in zip(grads, like))
+    return tuple(or_empty(None if d is None else d.to(x.dtype), q) for d, x in zip(grads, like))
 
 
 @zeco_delta_rule_backward_op.register_fake
 def _zeco_delta_rule_backward_fake(do, dfinal, q, k, v, g, beta, A_log, dt_bias, h0, *_):
     like = (q, k, v, g, beta, A_log, dt_bias, h0)
-    return tuple(_or_empty(None if x is None else x.new_empty(x.shape), q) for x in like)
+    return tuple(or_empty(None if x is None else x.new_empty(x.shape), q) for x in like)
 
 
 def _setup_context(ctx, inputs, output):
@@ -132,8 +124,8 @@ def _backward(ctx, do, dfinal, *_):
     q, k, v, g, beta, A_log, dt_bias, h0, cu_seqlens, q_eff, M, S_in, *saved = ctx.saved_tensors
     if do is None:
         do = torch.zeros_like(v)
-    grads = zeco_delta_rule_backward_op(do, _absent(dfinal), q, k, v, g, beta, A_log, dt_bias, h0, cu_seqlens,
-                                        _absent(q_eff), _absent(M), _absent(S_in), saved, *ctx.options)
+    grads = zeco_delta_rule_backward_op(do, absent(dfinal), q, k, v, g, beta, A_log, dt_bias, h0, cu_seqlens,
+                                        absent(q_eff), absent(M), absent(S_in), saved, *ctx.options)
     grads = [None if x is None else d for d, x in zip(grads, (q, k, v, g, beta, A_log, dt_bias, h0))]
     return (*grads, *([None] * 13))
 

@@ -61,7 +61,7 @@ from allscan._contract import settings
 
 from allscan._comm import resolve_group
 
-from .._launch import validated_group
+from .._launch import absent, or_empty, validated_group
 from .._shards import LOCAL, ShardSegments, sequence_parallel_group, world_and_rank
 from .chunk import TorchGLA
 from .fla import FlaGLA, fla_available
@@ -328,15 +328,6 @@ def _op_world(group_name: str) -> int:
     return world_and_rank(resolve_group(group_name))[0] if group_name else 1
 
 
-def _or_empty(t: Optional[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
-    """``t``, or for None a new empty fp32 tensor (one each: an op's outputs may not alias)."""
-    return like.new_empty(0, dtype=torch.float32) if t is None else t
-
-
-def _absent(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-    return None if t is None or t.numel() == 0 else t
-
-
 @torch.library.custom_op("allscan::zeco_gla", mutates_args=())
 def zeco_gla_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: Optional[torch.Tensor],
                 h0: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor], group_name: str, scale: float,
@@ -348,7 +339,7 @@ def zeco_gla_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: Optional[t
     with torch.autocast(device_type=q.device.type, enabled=False):
         o, final, S_in, gamma, saved = _forward(select_backend(q), q, k, v, g, h0, scale, segs, method, want_final,
                                                 keep_offsets=False)
-    return (o.contiguous(), _or_empty(final, q).contiguous(), _or_empty(S_in, q), _or_empty(gamma, q).contiguous(),
+    return (o.contiguous(), or_empty(final, q).contiguous(), or_empty(S_in, q), or_empty(gamma, q).contiguous(),
             [t.contiguous() for t in saved])  # contiguous whatever the inputs' strides, as the fake says
 
 
@@ -367,7 +358,7 @@ def _zeco_gla_fake(q, k, v, g, h0, cu_seqlens, group_name, scale, method, want_f
     gamma = None
     if sp and (g is not None or cu_seqlens is not None):  # _gamma_fixed / the backend's shard_gamma
         gamma = q.new_empty(((B,) if g is None else tuple(g.shape[:1]) + tuple(g.shape[2:])), dtype=torch.float32)
-    return (v.new_empty(B, T, H, V), _or_empty(final, q), _or_empty(S_in, q), _or_empty(gamma, q),
+    return (v.new_empty(B, T, H, V), or_empty(final, q), or_empty(S_in, q), or_empty(gamma, q),
             select_backend(q).saved_like(q, v))
 
 
@@ -382,16 +373,16 @@ def zeco_gla_backward_op(do: torch.Tensor, dfinal: Optional[torch.Tensor], q: to
     with torch.autocast(device_type=do.device.type, enabled=False):
         dq, dk, dv, dg, dh0 = _backward(select_backend(q), do, dfinal, q, k, v, g, h0, S_in, gamma, saved, scale,
                                         segs, method)
-    return (dq.contiguous(), dk.contiguous(), dv.contiguous(), _or_empty(dg, q).contiguous(),
-            _or_empty(dh0, q).contiguous())
+    return (dq.contiguous(), dk.contiguous(), dv.contiguous(), or_empty(dg, q).contiguous(),
+            or_empty(dh0, q).contiguous())
 
 
 @zeco_gla_backward_op.register_fake
 def _zeco_gla_backward_fake(do, dfinal, q, k, v, g, h0, cu_seqlens, S_in, gamma, saved, group_name, scale, method):
     # the real op's gradients are contiguous whatever the inputs' strides
     return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape),
-            _or_empty(None if g is None else g.new_empty(g.shape), q),
-            _or_empty(None if h0 is None else h0.new_empty(h0.shape), q))
+            or_empty(None if g is None else g.new_empty(g.shape), q),
+            or_empty(None if h0 is None else h0.new_empty(h0.shape), q))
 
 
 def _op_setup_context(ctx, inputs, output):
@@ -404,8 +395,8 @@ def _op_setup_context(ctx, inputs, output):
 def _op_backward(ctx, do, dfinal, _dS_in, _dgamma, _dsaved):
     q, k, v, g, h0, cu_seqlens, S_in, gamma, *saved = ctx.saved_tensors
     group_name, scale, method = ctx.options
-    dq, dk, dv, dg, dh0 = zeco_gla_backward_op(do, _absent(dfinal), q, k, v, g, h0, cu_seqlens, _absent(S_in),
-                                               _absent(gamma), saved, group_name, scale, method)
+    dq, dk, dv, dg, dh0 = zeco_gla_backward_op(do, absent(dfinal), q, k, v, g, h0, cu_seqlens, absent(S_in),
+                                               absent(gamma), saved, group_name, scale, method)
     return (dq, dk, dv, None if g is None else dg, None if h0 is None else dh0, None, None, None, None, None)
 
 
