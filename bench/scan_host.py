@@ -6,14 +6,17 @@ The time the calling thread spends issuing one scan of a [1, 16, 128, 128] fp32 
 with a [1, 16, 128] decay, median over 200 calls, at four depths of the API, through the hooks
 documented in ``allscan.ops.scan``: the C++ core alone (``launch`` through the cached plan from
 ``plan_for``), ``run`` (plan lookup + core), ``scan()`` and
-``scan(async_op=True)`` with ``wait()``; each with the GPU idle and with the GPU busy (a long matmul
-queued first, so the host runs ahead of the device, as inside a model). Baselines: ``torch.empty_like``
+``scan(async_op=True)`` with ``wait()``; the same for a [1, 16, 128, 128] fp32 transition (the delta
+layers' matrix scan), and the full path of each (``_scan``: every check and lookup, what a call
+costs when the eager fast path cannot serve it); each with the GPU idle and with the GPU busy (a long
+matmul queued first, so the host runs ahead of the device, as inside a model). Baselines: ``torch.empty_like``
 and an elementwise op on this host. Then cProfile of 100 async calls. Prints a table; JSON to --out.
 """
 from __future__ import annotations
 
 import argparse
 import cProfile
+import importlib
 import io
 import json
 import os
@@ -27,8 +30,6 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 def scan_module():
     """allscan.ops.scan, the module (``from allscan.ops import scan`` is the function of that name)."""
-    import importlib
-
     return importlib.import_module("allscan.ops.scan")
 
 
@@ -55,6 +56,11 @@ def main():
     allscan.scan(x, g, group)  # prepares the plan, checks the signature
     allscan.scan(x, g, group, async_op=True).wait()
     plan = S.plan_for(x, g, None, group, False, False, 0, "pipelined")
+    MS = importlib.import_module("allscan.ops.matrix_scan")
+    m = torch.randn(1, 16, 128, 128, device=dev) / 16
+    allscan.scan(x, group=group, transition=m)
+    allscan.scan(x, group=group, transition=m, async_op=True).wait()
+    mplan = MS._plan_for(x, m, None, group, False, False, False, 0, "pipelined")
     big = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
 
     pieces = {
@@ -64,6 +70,15 @@ def main():
         "run (plan lookup + core)": lambda: S.run(x, g, None, name, False, False, 0, "pipelined", group),
         "scan()": lambda: allscan.scan(x, g, group),
         "scan(async_op=True).wait()": lambda: allscan.scan(x, g, group, async_op=True).wait(),
+        "full path: _scan()": lambda: S._scan(x, g, group, None, False, False, None, None, "pipelined", False),
+        "matrix core (launch via the plan)": lambda: MS.launch(mplan, x, m, None, False, False, False, 0),
+        "scan(transition=)": lambda: allscan.scan(x, group=group, transition=m),
+        "scan(transition=, async_op=True).wait()": lambda: allscan.scan(x, group=group, transition=m,
+                                                                         async_op=True).wait(),
+        "full path: _scan(transition=)": lambda: S._scan(x, None, group, m, False, False, None, None, "pipelined",
+                                                         False),
+        "full path: _scan(transition=, async_op=True).wait()":
+            lambda: S._scan(x, None, group, m, False, False, None, None, "pipelined", True).wait(),
     }
     res = {}
     for busy in (False, True):

@@ -117,14 +117,33 @@ def _prepare(x, m, init, group, reverse, inclusive, transpose, num_blocks, metho
     return ScanLaunchPlan(group, comm, dt, mdt, midx, ws, signature_hash(_OP, fields))
 
 
+def plan_key(x, m, init, group, reverse, inclusive, transpose, num_blocks, method) -> tuple:
+    return (group.group_name, id(group), x.device, x.shape, x.dtype, m.dtype, init is None, reverse, inclusive,
+            transpose, num_blocks, method)
+
+
 def _plan_for(x, m, init, group, reverse, inclusive, transpose, num_blocks, method) -> ScanLaunchPlan:
-    key = (group.group_name, id(group), x.device, x.shape, x.dtype, m.dtype, init is None, reverse, inclusive,
-           transpose, num_blocks, method)
+    key = plan_key(x, m, init, group, reverse, inclusive, transpose, num_blocks, method)
     plan = _plans.get(key)
     if not plan_is_current(plan, group):
         plan = _prepare(x, m, init, group, reverse, inclusive, transpose, num_blocks, method)
         _plans[key] = plan
     return plan
+
+
+def launch(plan: ScanLaunchPlan, x, m, init, reverse, inclusive, transpose, num_blocks, stream=None) -> torch.Tensor:
+    """The core's matrix scan through an NCCL plan (no check, no lookup), on the current device:
+    the output and workspace allocated here, the kernels enqueued on the current stream or ``stream``."""
+    batch, K, V = _dims(x)
+    y = torch.empty_like(x)
+    ws = torch.empty(plan.ws_bytes, dtype=torch.uint8, device=x.device) if plan.ws_bytes else None
+    _C.matrix_scan(plan.comm.handle, x.data_ptr(), y.data_ptr(), batch, K, V, plan.dt, m.data_ptr(), plan.gdt,
+                   transpose, 0 if init is None else init.data_ptr(), reverse, inclusive, num_blocks, plan.midx,
+                   0 if ws is None else ws.data_ptr(), plan.ws_bytes,
+                   stream_ptr(x.device) if stream is None else stream.cuda_stream, plan.signature)
+    if ws is not None and stream is not None:
+        ws.record_stream(stream)  # allocated on the current stream, used on `stream`
+    return y
 
 
 def _run(x, m, init, group_name, reverse, inclusive, transpose, num_blocks, method, group=None, stream=None):
@@ -133,22 +152,14 @@ def _run(x, m, init, group_name, reverse, inclusive, transpose, num_blocks, meth
     plan = _plan_for(x, m, init, group, reverse, inclusive, transpose, num_blocks, method)
     if x.numel() == 0:
         return torch.empty_like(x)
-    batch, K, V = _dims(x)
     if plan.comm is None:
+        batch, K, V = _dims(x)
         y = _matrix_dist.scan(x.reshape(batch, K, V), m.reshape(batch, K, K),
                               None if init is None else init.reshape(batch, K, V), group, reverse, inclusive,
                               transpose, num_blocks, method)
         return y.reshape(x.shape)
     with torch.cuda.device(x.device):  # the core launches on the current device
-        y = torch.empty_like(x)
-        ws = torch.empty(plan.ws_bytes, dtype=torch.uint8, device=x.device) if plan.ws_bytes else None
-        _C.matrix_scan(plan.comm.handle, x.data_ptr(), y.data_ptr(), batch, K, V, plan.dt, m.data_ptr(), plan.gdt,
-                       transpose, 0 if init is None else init.data_ptr(), reverse, inclusive, num_blocks, plan.midx,
-                       0 if ws is None else ws.data_ptr(), plan.ws_bytes,
-                       stream_ptr(x.device) if stream is None else stream.cuda_stream, plan.signature)
-        if ws is not None and stream is not None:
-            ws.record_stream(stream)  # allocated on the current stream, used on `stream`
-    return y
+        return launch(plan, x, m, init, reverse, inclusive, transpose, num_blocks, stream)
 
 
 # ------------------------------------------------------------------------------------------------

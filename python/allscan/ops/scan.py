@@ -485,68 +485,113 @@ def scan(
     if torch.compiler.is_compiling():  # traced into a graph: no host-thread bookkeeping there
         return _scan(tensor, gamma, group, transition, reverse, inclusive, init, num_blocks, method, async_op)
     with one_thread(group, _OP) as busy:
-        simple = (transition is None and not async_op and _plain_args(tensor, gamma, init, reverse, inclusive,
-                                                                        num_blocks, method))
-        if simple:
-            key = _eager_key(tensor, gamma, busy.group, reverse, inclusive, init, num_blocks, method)
+        other = gamma if transition is None else transition
+        key = _fast_key(tensor, gamma, transition, busy.group, reverse, inclusive, init, num_blocks, method,
+                        async_op)
+        if key is not None:
             hit = _eager.get(key)
-            if hit is not None and _eager_ready(hit[0], busy.group, tensor, gamma, init) and _touch(hit[1]):
-                return launch(hit[0], tensor, gamma, init, reverse, inclusive, 0 if num_blocks is None else num_blocks)
+            if hit is not None and _eager_ready(hit.plan, busy.group, tensor, other, init, async_op) and hit.touch():
+                return hit(tensor, other, init)
         y = _scan(tensor, gamma, busy.group, transition, reverse, inclusive, init, num_blocks, method, async_op)
-        if simple and _eager_ready(None, busy.group, tensor, gamma, init):
-            pkey = _plan_key(tensor, gamma, init, busy.group, reverse, inclusive,
-                             0 if num_blocks is None else num_blocks, method)
-            plan = _plans.get(pkey)
-            if plan is not None and plan_is_current(plan, busy.group):
-                _eager[key] = (plan, pkey)
+        if key is not None and _eager_ready(None, busy.group, tensor, other, init, async_op):
+            call = _fast_call(tensor, other, transition is not None, init, busy.group, reverse, inclusive,
+                              0 if num_blocks is None else num_blocks, method, async_op)
+            if call is not None:
+                _eager[key] = call
         return y
 
 
 # ------------------------------------------------------------------------------------------------
 # The eager fast path: a call whose arguments (shapes, dtypes, devices, options) have an NCCL plan
 # passed every check of the first call made with them, so it goes straight to the core (issue 14:
-# the host's time per call). Everything else takes the full path, which fills this cache.
+# the host's time per call), synchronous or async, diagonal or matrix. Everything else takes the
+# full path, which fills this cache.
 # ------------------------------------------------------------------------------------------------
-_eager: Dict[tuple, tuple] = plan_cache()  # key -> (plan, its key in _plans)
+class _FastCall:
+    """A signature the full path checked and planned: its plan, where the plan is cached (so a hit
+    keeps it recent there, as the full path would) and the core's launch with the call's options."""
+
+    __slots__ = ("plan", "plans", "pkey", "launch", "async_op")
+
+    def __init__(self, plan, plans, pkey, launch, async_op):
+        self.plan, self.plans, self.pkey, self.launch, self.async_op = plan, plans, pkey, launch, async_op
+
+    def touch(self) -> bool:
+        """Keep the plan recent in its cache, so every rank evicts the same signatures (an eviction
+        means a new, collective, check); False when it was evicted (then the full path prepares it
+        again, as on every rank)."""
+        try:
+            self.plans.move_to_end(self.pkey)
+        except KeyError:
+            return False
+        return True
+
+    def __call__(self, x, other, init):
+        if self.async_op:
+            return side_stream_handle(x, (x, other, init), lambda side: self.launch(x, other, init, side))
+        return self.launch(x, other, init, None)
 
 
-def _touch(pkey) -> bool:
-    """A fast-path hit uses its plan as the full path would: it stays recent in ``_plans``, so every
-    rank evicts the same signatures (an eviction means a new, collective, check); False when the
-    plan was evicted (then the full path prepares it again, as on every rank)."""
-    try:
-        _plans.move_to_end(pkey)
-    except KeyError:
-        return False
-    return True
+_eager: Dict[tuple, _FastCall] = plan_cache()
 
 
-def _plain_args(tensor, gamma, init, reverse, inclusive, num_blocks, method) -> bool:
-    """Arguments of the types the fast path keys on (anything else takes the full path, whose checks
-    name what is wrong)."""
-    return (isinstance(tensor, torch.Tensor) and (gamma is None or isinstance(gamma, torch.Tensor))
-            and (init is None or isinstance(init, torch.Tensor)) and type(reverse) is bool
-            and type(inclusive) is bool and (num_blocks is None or type(num_blocks) is int) and type(method) is str)
+def _fast_key(tensor, gamma, transition, group, reverse, inclusive, init, num_blocks, method, async_op):
+    """The fast path's key of a call, or None for arguments of types it does not key on (the full
+    path's checks name what is wrong with them)."""
+    if not (isinstance(tensor, torch.Tensor) and (init is None or isinstance(init, torch.Tensor))
+            and type(reverse) is bool and type(inclusive) is bool and type(async_op) is bool
+            and (num_blocks is None or type(num_blocks) is int) and type(method) is str):
+        return None
+    if transition is None:
+        if gamma is not None and not isinstance(gamma, torch.Tensor):
+            return None
+        other = gamma
+    elif gamma is None and isinstance(transition, torch.Tensor):
+        other = transition
+    else:
+        return None
+    return (id(group), tensor.shape, tensor.dtype, tensor.device, transition is not None,
+            None if other is None else (other.shape, other.dtype, other.device),
+            None if init is None else (init.shape, init.dtype, init.device), reverse, inclusive, num_blocks, method,
+            async_op)
 
 
-def _eager_key(tensor, gamma, group, reverse, inclusive, init, num_blocks, method) -> tuple:
-    return (id(group), tensor.shape, tensor.dtype, tensor.device,
-            None if gamma is None else (gamma.shape, gamma.dtype, gamma.device),
-            None if init is None else (init.shape, init.dtype, init.device), reverse, inclusive, num_blocks, method)
+def _fast_call(x, other, matrix, init, group, reverse, inclusive, k, method, async_op) -> Optional[_FastCall]:
+    """The fast path's entry for a call the full path just ran (None: its plan is not a current NCCL
+    plan, so the next call takes the full path again)."""
+    if matrix:
+        from . import matrix_scan as M
+
+        pkey = M.plan_key(x, other, init, group, reverse, inclusive, False, k, method)
+        plans = M._plans
+
+        def go(x, m, i0, stream):
+            return M.launch(plan, x, m, i0, reverse, inclusive, False, k, stream)
+    else:
+        pkey = _plan_key(x, other, init, group, reverse, inclusive, k, method)
+        plans = _plans
+
+        def go(x, g, i0, stream):
+            return launch(plan, x, g, i0, reverse, inclusive, k, stream)
+    plan = plans.get(pkey)
+    if plan is None or not plan_is_current(plan, group):
+        return None
+    return _FastCall(plan, plans, pkey, go, async_op)
 
 
-def _eager_ready(plan, group, tensor, gamma, init) -> bool:
+def _eager_ready(plan, group, tensor, other, init, async_op) -> bool:
     """Whether this call may take the fast path with ``plan`` (None: whether it could with any):
     eager, nothing to differentiate, contiguous tensors on the current device, an NCCL plan still
-    current for this group (checks run every call with ``ALLSCAN_CHECK=always``: never ready)."""
+    current for this group (checks run every call with ``ALLSCAN_CHECK=always``: never ready), and
+    for an async call the side stream by handle (:func:`by_handle_ok`)."""
     if plan is not None and not plan_is_current(plan, group):
         return False
-    if not tensor.is_cuda or tensor.numel() == 0:
+    if not tensor.is_cuda or tensor.numel() == 0 or (async_op and _raw_stream is None):
         return False
-    if torch.is_grad_enabled() and (tensor.requires_grad or (gamma is not None and gamma.requires_grad)
+    if torch.is_grad_enabled() and (tensor.requires_grad or (other is not None and other.requires_grad)
                                     or (init is not None and init.requires_grad)):
         return False
-    if not (tensor.is_contiguous() and (gamma is None or gamma.is_contiguous())
+    if not (tensor.is_contiguous() and (other is None or other.is_contiguous())
             and (init is None or init.is_contiguous())):
         return False
     return tensor.device.index == torch.cuda.current_device()
