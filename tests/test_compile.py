@@ -118,7 +118,8 @@ def _module_compiled(rank, world, kind):
         import torch.distributed as dist
 
         torch.library.opcheck(torch.ops.allscan.halo_shift.default,
-                              (x[:, -3:].clone().requires_grad_(True), dist.group.WORLD.group_name, True))
+                              (x[:, -3:].clone().requires_grad_(True), dist.group.WORLD.group_name, True,
+                               x.shape[1]))
     return max((a - b).abs().max().item() for a, b in zip(got["eager"], got["compiled"]))
 
 
@@ -149,6 +150,9 @@ def _compiled_invalid_arguments(rank, world):
     flat = torch.compile(lambda qq: zeco_gla(qq, k, v, g)[0], fullgraph=True, backend="aot_eager")
     with pytest.raises(ValueError, match="q must be a 4-D tensor" if rank == 1 else peer):
         flat(q.flatten(2) if rank == 1 else q)
+    # a rank that traced without autograd would run no backward: the op's cross-rank check says so
+    with pytest.raises(ValueError, match=r"inputs need gradients \(rank 0: 1, rank 1: 0\)"):
+        step(v.clone().requires_grad_(rank == 0), good)
     assert step(v, good).shape == v.shape  # and the group still works
     return True
 
@@ -165,13 +169,13 @@ def _opcheck_zeco_gla(rank, world):
     name = dist.group.WORLD.group_name
     q, k, v, g = (t.double().requires_grad_() for t in _inputs(rank, "gla"))
     h0 = torch.randn(1, 2, 8, 8, dtype=torch.float32, generator=torch.Generator().manual_seed(7))
-    for args in ((q, k, v, g, None, None, name, 0.35, "zeco", True),
-                 (q, k, v, g[..., 0].detach().clone().requires_grad_(), None, None, name, 0.35, "lasp2", False),
-                 (q.float(), k.float(), v.float(), None, h0.requires_grad_(), None, name, 0.35, "zeco", True),
-                 (q, k, v, g, None, torch.tensor([0, 10, 30, 24 * world]), name, 0.35, "zeco", True),
+    for args in ((q, k, v, g, None, None, name, 0.35, "zeco", True, True),
+                 (q, k, v, g[..., 0].detach().clone().requires_grad_(), None, None, name, 0.35, "lasp2", False, True),
+                 (q.float(), k.float(), v.float(), None, h0.requires_grad_(), None, name, 0.35, "zeco", True, True),
+                 (q, k, v, g, None, torch.tensor([0, 10, 30, 24 * world]), name, 0.35, "zeco", True, True),
                  # strided inputs: the ops' results are contiguous, as their fake kernels say
                  (q.transpose(1, 2).contiguous().transpose(1, 2), k, v, g.transpose(1, 2).contiguous().transpose(1, 2),
-                  None, None, name, 0.35, "zeco", True)):
+                  None, None, name, 0.35, "zeco", True, True)):
         torch.library.opcheck(torch.ops.allscan.zeco_gla.default, args)
     return True
 

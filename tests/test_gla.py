@@ -282,11 +282,18 @@ def test_errors():
 
 
 def _run_mismatch(rank, world):
-    # ranks disagreeing on the state shape must raise (in the All-Scan's cross-rank check), not hang
+    # ranks disagreeing on the state shape must raise (in the layer's cross-rank check), not hang
     q = torch.randn(1, 8, H, K + rank)
     v = torch.randn(1, 8, H, V)
-    with pytest.raises(ValueError, match=r"ranks passed different arguments.*tensor shape\[2\] \(rank 0: 8, rank 1: 9\)"):
+    with pytest.raises(ValueError, match=r"ranks passed different arguments.*K \(rank 0: 8, rank 1: 9\)"):
         zeco_gla(q, q, v, None, dist.group.WORLD)
+    # a rank whose inputs need no gradient would run no backward (its peer would wait in the reverse scan)
+    q = torch.randn(1, 8, H, K, requires_grad=rank == 0)
+    with pytest.raises(ValueError, match=r"inputs need gradients \(rank 0: 1, rank 1: 0\)"):
+        zeco_gla(q, q, v, None)
+    with torch.no_grad():  # the same inputs without autograd: no backward anywhere, no mismatch
+        o, _ = zeco_gla(q, q, v, None)
+    assert o.shape == v.shape
 
 
 def test_mismatched_shapes_across_ranks_raise():

@@ -57,7 +57,7 @@ from typing import List, Optional, Tuple
 
 import torch
 
-from allscan._contract import settings
+from allscan._contract import DTYPE_CODES, check_across_ranks, settings
 
 from allscan._comm import resolve_group
 
@@ -304,24 +304,15 @@ class ZecoGLAFunction(torch.autograd.Function):
 # shapes and the group only, so the fake kernels know.
 # ------------------------------------------------------------------------------------------------
 def _op_segments(group_name: str, q, cu_seqlens, check_args=None) -> ShardSegments:
-    """The shard cut, after the forward op's arguments ``check_args`` (k, v, g, h0, method) are checked
-    (what the eager layer does before its Function): a rank whose own arguments fail reaches its
-    peers' first exchange, as in eager. The backward op passes none: the forward checked them."""
+    """The shard cut, after the forward op's arguments ``check_args`` (k, v, g, h0, method, needs_grad)
+    are checked (what the eager layer does before its Function): a rank whose own arguments fail
+    reaches its peers' first exchange, as in eager. The backward op passes none: the forward checked
+    them."""
     group = resolve_group(group_name) if group_name else None
     if check_args is None:
         return ShardSegments(group, q.shape[1], q.shape[0], cu_seqlens, "zeco_gla")
-    k, v, g, h0, method = check_args
-    segs = []
-
-    def validate():
-        _check_arguments(q, k, v, g, h0, cu_seqlens, method)
-        segs.append(ShardSegments(group, q.shape[1], q.shape[0], cu_seqlens, "zeco_gla"))
-
-    if group is None:
-        validate()
-    else:
-        validated_group(group, q, "zeco_gla", validate)
-    return segs[0]
+    k, v, g, h0, method, needs_grad = check_args
+    return checked_segments(group, q, k, v, g, h0, cu_seqlens, method, needs_grad)
 
 
 def _op_world(group_name: str) -> int:
@@ -331,11 +322,12 @@ def _op_world(group_name: str) -> int:
 @torch.library.custom_op("allscan::zeco_gla", mutates_args=())
 def zeco_gla_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: Optional[torch.Tensor],
                 h0: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor], group_name: str, scale: float,
-                method: str, want_final: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-                                                        List[torch.Tensor]]:
-    """:func:`zeco_gla`'s forward under torch.compile (``group_name`` "" = one process): ``(o, final,
-    S_in, gamma, saved)``, each absent one an empty tensor."""
-    segs = _op_segments(group_name, q, cu_seqlens, (k, v, g, h0, method))
+                method: str, want_final: bool, needs_grad: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                                                          torch.Tensor, List[torch.Tensor]]:
+    """:func:`zeco_gla`'s forward under torch.compile (``group_name`` "" = one process; ``needs_grad``:
+    whether the traced call differentiates, compared across ranks): ``(o, final, S_in, gamma,
+    saved)``, each absent one an empty tensor."""
+    segs = _op_segments(group_name, q, cu_seqlens, (k, v, g, h0, method, needs_grad))
     with torch.autocast(device_type=q.device.type, enabled=False):
         o, final, S_in, gamma, saved = _forward(select_backend(q), q, k, v, g, h0, scale, segs, method, want_final,
                                                 keep_offsets=False)
@@ -344,7 +336,7 @@ def zeco_gla_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: Optional[t
 
 
 @zeco_gla_op.register_fake
-def _zeco_gla_fake(q, k, v, g, h0, cu_seqlens, group_name, scale, method, want_final):
+def _zeco_gla_fake(q, k, v, g, h0, cu_seqlens, group_name, scale, method, want_final, needs_grad):
     if q.dim() != 4 or v.dim() != 4 or (cu_seqlens is not None and cu_seqlens.dim() != 1):
         # arguments the op refuses when it runs, on every rank: shapes of no consequence, so that this
         # rank's trace does not fail alone and leave its peers waiting
@@ -386,7 +378,7 @@ def _zeco_gla_backward_fake(do, dfinal, q, k, v, g, h0, cu_seqlens, S_in, gamma,
 
 
 def _op_setup_context(ctx, inputs, output):
-    q, k, v, g, h0, cu_seqlens, group_name, scale, method, _ = inputs
+    q, k, v, g, h0, cu_seqlens, group_name, scale, method, _, _ = inputs
     _, _, S_in, gamma, saved = output
     ctx.save_for_backward(q, k, v, g, h0, cu_seqlens, S_in, gamma, *saved)
     ctx.options = (group_name, scale, method)
@@ -397,10 +389,45 @@ def _op_backward(ctx, do, dfinal, _dS_in, _dgamma, _dsaved):
     group_name, scale, method = ctx.options
     dq, dk, dv, dg, dh0 = zeco_gla_backward_op(do, absent(dfinal), q, k, v, g, h0, cu_seqlens, absent(S_in),
                                                absent(gamma), saved, group_name, scale, method)
-    return (dq, dk, dv, None if g is None else dg, None if h0 is None else dh0, None, None, None, None, None)
+    return (dq, dk, dv, None if g is None else dg, None if h0 is None else dh0, None, None, None, None, None, None)
 
 
 zeco_gla_op.register_autograd(_op_backward, setup_context=_op_setup_context)
+
+
+def _signature(q, v, g, h0, segs: ShardSegments, method, needs_grad):
+    B, T, H, K = q.shape
+    return [
+        ("dtype", DTYPE_CODES.get(q.dtype, -1)),
+        ("B", B),
+        ("H", H),
+        ("K", K),
+        ("V", v.shape[3]),
+        ("g (0 none, 1 [B, T, H], 2 [B, T, H, K])", 0 if g is None else g.dim() - 2),
+        ("number of packed sequences", segs.num_seqs if segs.varlen else 0),
+        ("method", METHODS.index(method)),
+        ("initial_state given", int(h0 is not None)),
+        # a rank whose inputs need no gradient runs no backward: its peers would wait in the reverse scan
+        ("inputs need gradients", int(needs_grad)),
+    ]
+
+
+def checked_segments(group, q, k, v, g, h0, cu_seqlens, method, needs_grad) -> ShardSegments:
+    """Every check of a call: the local ones (a rank whose arguments fail tells its peers, whose
+    exchange then fails too), then the call's signature across ranks; the shard's cut."""
+    segs = []
+
+    def validate():
+        _check_arguments(q, k, v, g, h0, cu_seqlens, method)
+        segs.append(ShardSegments(group, q.shape[1], q.shape[0], cu_seqlens, "zeco_gla"))
+
+    if group is None:
+        validate()
+        return segs[0]
+    validated_group(group, q, "zeco_gla", validate)
+    if segs[0].world > 1:
+        check_across_ranks(group, q.device, "zeco_gla", _signature(q, v, g, h0, segs[0], method, needs_grad))
+    return segs[0]
 
 
 def _check_arguments(q, k, v, g, initial_state, cu_seqlens, method):
@@ -468,24 +495,16 @@ def zeco_gla(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: Optional[torc
         ``(o [B, T_local, H, V] in v's dtype, final_state or None)``.
     """
     spg = sequence_parallel_group(group, "zeco_gla")
+    needs_grad = torch.is_grad_enabled() and any(
+        isinstance(t, torch.Tensor) and t.requires_grad for t in (q, k, v, g, initial_state))
     if torch.compiler.is_compiling():
         scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
         # the arguments are checked and the shard cut inside the op, when it runs (a failed check
         # traced here could not tell the peers: the trace runs no collective)
         o, final = zeco_gla_op(q, k, v, g, initial_state, cu_seqlens, "" if spg is None else spg.group_name, scale,
-                               method, bool(output_final_state))[:2]
+                               method, bool(output_final_state), needs_grad)[:2]
         return o, (final if output_final_state else None)
-    segs = None
-
-    def validate():
-        nonlocal segs
-        _check_arguments(q, k, v, g, initial_state, cu_seqlens, method)
-        segs = ShardSegments(spg, q.shape[1], q.shape[0], cu_seqlens, "zeco_gla")
-
-    if spg is None:
-        validate()
-    else:  # a rank whose arguments fail tells its peers, whose first exchange then fails too
-        validated_group(spg, q, "zeco_gla", validate)
+    segs = checked_segments(spg, q, k, v, g, initial_state, cu_seqlens, method, needs_grad)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     o, final = ZecoGLAFunction.apply(q, k, v, g, initial_state, scale, segs, method, bool(output_final_state))
     return o, (final if output_final_state else None)
