@@ -116,6 +116,32 @@ def test_sharded_equals_one_process_on_two_gpus():
     assert run_distributed(_check_ranks, 2, "cuda", timeout=300, backend="nccl") == [True, True]
 
 
+def _halo_misuse(rank, world):
+    """One rank's shard shorter than the halo, or a halo of another shape, raises on every rank (the
+    halo's cross-rank check, inside its op: eager and under torch.compile), never a hang; then the
+    group still works."""
+    from allscan.ops.halo import halo_exchange
+
+    torch._dynamo.reset()
+    peer = r"rank\(s\) \[1\] rejected their own arguments"
+    for name, fn in (("eager", halo_exchange),
+                     ("compiled", torch.compile(halo_exchange, fullgraph=True, backend="aot_eager", dynamic=False))):
+        x = torch.randn(2, 2 if rank == 1 else 6, 5)
+        with pytest.raises(ValueError, match="T_local=2 is shorter than the halo w=3" if rank == 1 else peer):
+            fn(x, 3)
+        x = torch.randn(2, 6, 5 + rank)
+        with pytest.raises(ValueError, match=r"values per token \(x.shape\[2:\]\) \(rank 0: 5, rank 1: 6\)"):
+            fn(x, 3)
+        x = torch.arange(12.0).reshape(1, 6, 2) + 100 * rank
+        h = fn(x, 3)
+        assert torch.equal(h, x[:, 3:] - 100 if rank else torch.zeros(1, 3, 2)), name
+    return True
+
+
+def test_halo_misuse_raises_on_every_rank():
+    assert run_distributed(_halo_misuse, 2, timeout=120) == [True, True]
+
+
 def test_halo_one_process_is_zeros():
     from allscan.ops.halo import halo_exchange
     x = torch.randn(2, 5, 3, requires_grad=True)

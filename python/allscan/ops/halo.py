@@ -5,6 +5,9 @@
 Rank 0 (and a single process) receives zeros. Autograd: the gradient of the received halo goes back to
 its sender and is added to the gradient of its last ``w`` tokens. Point-to-point (isend/irecv), so it runs
 on gloo and NCCL alike; a custom op (:func:`halo_shift`), so torch.compile traces it without a graph break.
+Before anything is sent, every rank's ``T_local >= w`` and the halo's shape are checked across the group
+(inside the op, so under torch.compile too): a rank whose shard is too short, or whose halo differs,
+raises on every rank instead of leaving its peers in the exchange.
 """
 from __future__ import annotations
 
@@ -12,7 +15,9 @@ import torch
 import torch.distributed as dist
 
 from allscan._comm import resolve_group
+from allscan._contract import check_across_ranks
 
+from ._launch import validated_group
 from ._shards import sequence_parallel_group
 
 __all__ = ["halo_exchange"]
@@ -34,18 +39,43 @@ def _shift(send: torch.Tensor, pg, to_next: bool) -> torch.Tensor:
     return recv
 
 
+def _check(send: torch.Tensor, pg, local_len: int) -> None:
+    """This rank's ``T_local >= w`` (a failure told to the peers), then the halo's shape across the group:
+    the exchange would hang or misread bytes otherwise."""
+    w = send.shape[1]
+
+    def validate():
+        if local_len < w:
+            raise ValueError(f"halo_exchange: x's local length T_local={local_len} is shorter than the halo w={w} "
+                             f"(with several ranks every shard needs at least w tokens)")
+
+    validated_group(pg, send, "halo_exchange", validate)
+    check_across_ranks(pg, send.device, "halo_exchange", [
+        ("w (halo tokens)", w),
+        ("B (x.shape[0])", send.shape[0]),
+        ("x's dims", send.dim()),
+        ("values per token (x.shape[2:])", send[0, 0].numel() if send.shape[0] and w else -1),
+        ("bytes per value (x's dtype)", send.element_size()),
+    ])
+
+
 @torch.library.custom_op("allscan::halo_shift", mutates_args=())
-def halo_shift(send: torch.Tensor, group_name: str, to_next: bool) -> torch.Tensor:
+def halo_shift(send: torch.Tensor, group_name: str, to_next: bool, local_len: int) -> torch.Tensor:
     """``send`` one rank along ``group_name``'s chain (to the next rank if ``to_next``), what arrives from
-    the other side returned (zeros at the chain's end; ``""``: one process, zeros). A custom op:
-    torch.compile traces it without a graph break, and its gradient is the shift the other way."""
+    the other side returned (zeros at the chain's end; ``""``: one process, zeros). ``local_len``: the
+    sender's T_local, checked against ``w = send.shape[1]`` (and the halo's shape across the group)
+    before anything is sent; -1: no check (the backward's shift, of a forward that passed it). A custom
+    op: torch.compile traces it without a graph break, and its gradient is the shift the other way."""
     if not group_name:
         return torch.zeros_like(send, memory_format=torch.contiguous_format)
-    return _shift(send, resolve_group(group_name), to_next)
+    pg = resolve_group(group_name)
+    if local_len >= 0:
+        _check(send, pg, local_len)
+    return _shift(send, pg, to_next)
 
 
 @halo_shift.register_fake
-def _halo_shift_fake(send, group_name, to_next):
+def _halo_shift_fake(send, group_name, to_next, local_len):
     return torch.empty_like(send, memory_format=torch.contiguous_format)
 
 
@@ -54,7 +84,7 @@ def _halo_shift_setup(ctx, inputs, output):
 
 
 def _halo_shift_backward(ctx, grad):
-    return halo_shift(grad.contiguous(), ctx.group_name, not ctx.to_next), None, None
+    return halo_shift(grad.contiguous(), ctx.group_name, not ctx.to_next, -1), None, None, None
 
 
 halo_shift.register_autograd(_halo_shift_backward, setup_context=_halo_shift_setup)
@@ -70,12 +100,10 @@ def halo_exchange(x: torch.Tensor, w: int, group=None) -> torch.Tensor:
     if not isinstance(w, int) or w < 0:
         raise ValueError(f"halo_exchange: w must be a non-negative int, got {w!r}")
     pg = sequence_parallel_group(group, "halo_exchange")
-    if pg is not None and dist.get_world_size(pg) > 1 and x.shape[1] < w:
-        raise ValueError(f"halo_exchange: x's local length T_local={x.shape[1]} is shorter than the halo w={w}")
     T = x.shape[1]
     # one process: zeros, through the op all the same (so the halo is part of x's autograd graph, as
     # with several ranks); it may hold fewer than w tokens
     send = x[:, T - w:] if T >= w else torch.cat([x.new_zeros((x.shape[0], w - T) + tuple(x.shape[2:])), x], 1)
     name = pg.group_name if pg is not None and dist.get_world_size(pg) > 1 else ""
     # the gradient of the received halo goes back to the sender's last w tokens (autograd of the slice)
-    return halo_shift(send.contiguous(), name, True)
+    return halo_shift(send.contiguous(), name, True, T)
