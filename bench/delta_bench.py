@@ -158,6 +158,7 @@ def _measure(args, rows, dev):
                 _profile(fwd_bwd, f"{layer}_{T}", rank, args.out)
             if args.host_profile:
                 _host_profile(fwd_bwd, f"{layer}_{T}", rank, args.out)
+                _host_split(fwd_bwd, f"{layer}_{T}", rank, args.out)
             for n in rows:
                 results.append(dict(layer=layer, T_local=T, row=n, ms=statistics.median(times[n]), ms_all=times[n],
                                     host_ms=statistics.median(hosts[n]), peak_mib=peaks[n], **graphs.get(n, {})))
@@ -281,6 +282,72 @@ def _host_profile(fwd_bwd, tag, rank, outdir, calls=5):
                         f"by {order}\n{text.getvalue()}\n")
 
 
+class _StageClock:
+    """Host time spent in named functions (perf_counter around each call, no profiler): wraps the
+    delta backend's steps, ``allscan.scan`` and the scan handle's ``wait`` while active."""
+
+    def __init__(self):
+        self.ms = {}
+        self._undo = []
+
+    def wrap(self, owner, attr, label, static=False):
+        real = getattr(owner, attr)
+
+        def timed(*a, **kw):
+            t0 = time.perf_counter()
+            try:
+                return real(*a, **kw)
+            finally:
+                self.ms[label] = self.ms.get(label, 0.0) + (time.perf_counter() - t0) * 1e3
+
+        setattr(owner, attr, staticmethod(timed) if static else timed)
+        self._undo.append((owner, attr, owner.__dict__.get(attr) if static else real))
+
+    def restore(self):
+        for owner, attr, real in reversed(self._undo):
+            setattr(owner, attr, real)
+        self._undo.clear()
+
+
+def _host_split(fwd_bwd, tag, rank, outdir, calls=10):
+    """``--host-profile``, second part: the host's issue time of ``ideal`` (forward, backward) and of
+    ``zeco`` split by stage (fla's steps, the scans' issue and wait, the fold-in kernels, the rest),
+    without a profiler: ms per fwd+bwd, the mean of ``calls``, into DIR/delta_host_split_*.json."""
+    import torch
+
+    import allscan
+    from allscan.ops.delta.fla import FlaDelta
+    from allscan.ops.scan import ScanHandle
+
+    clock = _StageClock()
+    out = {}
+    for name in ("ideal", "zeco"):
+        clock.ms = {}
+        if name == "zeco":
+            for attr in ("states", "outputs", "fold", "fold_state_grad", "backward"):
+                clock.wrap(FlaDelta, attr, f"fla/allscan step: {attr}", static=True)
+            clock.wrap(allscan, "scan", "allscan.scan (issue, forward and reverse)")
+            clock.wrap(ScanHandle, "wait", "scan handle wait")
+        clock.wrap(torch.autograd, "grad", "backward (autograd.grad)")
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fwd_bwd(name)
+        total = (time.perf_counter() - t0) * 1e3 / calls
+        torch.cuda.synchronize()
+        clock.restore()
+        stages = {k: v / calls for k, v in sorted(clock.ms.items())}
+        stages["forward (all but backward)"] = total - stages["backward (autograd.grad)"]
+        out[name] = dict(total_ms=total, stages_ms=stages)
+    os.makedirs(outdir, exist_ok=True)
+    with open(os.path.join(outdir, f"delta_host_split_{tag}_rank{rank}.json"), "w") as f:
+        json.dump(out, f, indent=1)
+    if rank == 0:
+        for name, r in out.items():
+            print(f"host split {tag} {name}: {r['total_ms']:.3f} ms per fwd+bwd; "
+                  + ", ".join(f"{k} {v:.3f}" for k, v in r["stages_ms"].items()), flush=True)
+
+
 def _version(pkg):
     try:
         from importlib.metadata import version
@@ -361,7 +428,8 @@ def main():
     ap.add_argument("--compiled", action="store_true",
                     help="also time zeco under torch.compile(fullgraph=True, mode='reduce-overhead')")
     ap.add_argument("--host-profile", action="store_true",
-                    help="also write cProfile tables of the host's issue time of ideal and zeco")
+                    help="also write cProfile tables of the host's issue time of ideal and zeco, and its "
+                         "split by stage without a profiler")
     ap.add_argument("--graph", action="store_true", help="also time each row captured in a CUDA graph (not fla_cp)")
     ap.add_argument("--model", action="store_true", help="print the per-rank cost model and exit (no GPU)")
     add_fla_autotune_option(ap)
