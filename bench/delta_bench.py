@@ -204,7 +204,8 @@ def run(args):
 
 
 def _profile(fwd_bwd, tag, rank, outdir, calls=3):
-    """``--profile``: torch.profiler tables (GPU kernels by total time, and host time per call) of
+    """``--profile``: torch.profiler tables (GPU kernels by total time, host ops by their own CPU time,
+    and host time per call) of
     ``ideal`` and ``zeco``, per rank, into DIR/delta_profile_<layer>_<T>_rank<r>.txt."""
     import torch
     from torch.profiler import ProfilerActivity, profile
@@ -221,6 +222,8 @@ def _profile(fwd_bwd, tag, rank, outdir, calls=3):
                 torch.cuda.synchronize()
             f.write(f"== {name}: {calls} calls, host issue time {host * 1e3:.2f} ms per call (profiler on)\n")
             f.write(prof.key_averages().table(sort_by="cuda_time_total", row_limit=40) + "\n")
+            f.write(f"== {name}: the host's side, by CPU time of the op itself\n")
+            f.write(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=45) + "\n")
 
 
 def compiled_time(op, ins, do, group, calls, dev):
@@ -292,6 +295,7 @@ class _StageClock:
 
     def wrap(self, owner, attr, label, static=False):
         real = getattr(owner, attr)
+        original = owner.__dict__[attr] if static else real  # the staticmethod object itself
 
         def timed(*a, **kw):
             t0 = time.perf_counter()
@@ -301,7 +305,7 @@ class _StageClock:
                 self.ms[label] = self.ms.get(label, 0.0) + (time.perf_counter() - t0) * 1e3
 
         setattr(owner, attr, staticmethod(timed) if static else timed)
-        self._undo.append((owner, attr, owner.__dict__.get(attr) if static else real))
+        self._undo.append((owner, attr, original))
 
     def restore(self):
         for owner, attr, real in reversed(self._undo):
@@ -309,10 +313,12 @@ class _StageClock:
         self._undo.clear()
 
 
-def _host_split(fwd_bwd, tag, rank, outdir, calls=10):
+def _host_split(fwd_bwd, tag, rank, outdir, calls=10, rounds=5):
     """``--host-profile``, second part: the host's issue time of ``ideal`` (forward, backward) and of
     ``zeco`` split by stage (fla's steps, the scans' issue and wait, the fold-in kernels, the rest),
-    without a profiler: ms per fwd+bwd, the mean of ``calls``, into DIR/delta_host_split_*.json."""
+    without a profiler: ms per fwd+bwd, the mean of ``calls`` per round, the median of ``rounds``
+    rounds that alternate the two rows (this host's issue time drifts), into
+    DIR/delta_host_split_*.json."""
     import torch
 
     import allscan
@@ -320,32 +326,35 @@ def _host_split(fwd_bwd, tag, rank, outdir, calls=10):
     from allscan.ops.scan import ScanHandle
 
     clock = _StageClock()
-    out = {}
-    for name in ("ideal", "zeco"):
-        clock.ms = {}
-        if name == "zeco":
-            for attr in ("states", "outputs", "fold", "fold_state_grad", "backward"):
-                clock.wrap(FlaDelta, attr, f"fla/allscan step: {attr}", static=True)
-            clock.wrap(allscan, "scan", "allscan.scan (issue, forward and reverse)")
-            clock.wrap(ScanHandle, "wait", "scan handle wait")
-        clock.wrap(torch.autograd, "grad", "backward (autograd.grad)")
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fwd_bwd(name)
-        total = (time.perf_counter() - t0) * 1e3 / calls
-        torch.cuda.synchronize()
-        clock.restore()
-        stages = {k: v / calls for k, v in sorted(clock.ms.items())}
-        stages["forward (all but backward)"] = total - stages["backward (autograd.grad)"]
-        out[name] = dict(total_ms=total, stages_ms=stages)
+    per_round = {"ideal": [], "zeco": []}
+    for r in range(rounds):
+        for name in ("ideal", "zeco") if r % 2 == 0 else ("zeco", "ideal"):
+            clock.ms = {}
+            if name == "zeco":
+                for attr in ("states", "outputs", "fold", "fold_state_grad", "backward"):
+                    clock.wrap(FlaDelta, attr, f"step {attr}", static=True)
+                clock.wrap(allscan, "scan", "allscan.scan (issue, forward and reverse)")
+                clock.wrap(ScanHandle, "wait", "scan handle wait")
+            clock.wrap(torch.autograd, "grad", "backward (autograd.grad)")
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                fwd_bwd(name)
+            total = (time.perf_counter() - t0) * 1e3 / calls
+            torch.cuda.synchronize()
+            clock.restore()
+            stages = {k: v / calls for k, v in sorted(clock.ms.items())}
+            stages["forward (all but backward)"] = total - stages["backward (autograd.grad)"]
+            stages["total"] = total
+            per_round[name].append(stages)
+    out = {name: {k: statistics.median(st[k] for st in rs) for k in rs[0]} for name, rs in per_round.items()}
     os.makedirs(outdir, exist_ok=True)
     with open(os.path.join(outdir, f"delta_host_split_{tag}_rank{rank}.json"), "w") as f:
-        json.dump(out, f, indent=1)
+        json.dump(dict(median_ms=out, rounds=per_round, calls_per_round=calls), f, indent=1)
     if rank == 0:
-        for name, r in out.items():
-            print(f"host split {tag} {name}: {r['total_ms']:.3f} ms per fwd+bwd; "
-                  + ", ".join(f"{k} {v:.3f}" for k, v in r["stages_ms"].items()), flush=True)
+        for name, st in out.items():
+            print(f"host split {tag} {name} (ms per fwd+bwd, median of {rounds} rounds): "
+                  + ", ".join(f"{k} {v:.3f}" for k, v in st.items()), flush=True)
 
 
 def _version(pkg):

@@ -77,3 +77,29 @@ def test_delta_report_host_and_captured_columns(capsys):
     assert " 2.70 1.35x!" in out  # a replay that differs from eager is marked
     assert "gdn/8192/allgather: max relative error against zeco 1.00e-07" in out
     assert "gdn       8192   2.20 1.10x=" in out  # compiled: 1.1x the ideal captured, bitwise eager
+
+
+def test_stage_clock_times_wrapped_calls_and_restores_them():
+    """delta_bench's host split wraps the backend's static steps, allscan.scan and the handle's wait:
+    each call is timed under its label, and restore() puts every original back (a leaked wrapper
+    would time, or break, the rows after it)."""
+    import allscan
+    from allscan.ops.delta.fla import FlaDelta
+    from allscan.ops.scan import ScanHandle
+
+    originals = (FlaDelta.__dict__["fold"], allscan.scan, ScanHandle.wait)
+    clock = db._StageClock()
+    clock.wrap(FlaDelta, "fold", "step fold", static=True)
+    clock.wrap(allscan, "scan", "scan")
+    clock.wrap(ScanHandle, "wait", "wait")
+    import torch
+
+    x = torch.ones(2, 3)
+    assert ScanHandle(x).wait() is x  # a complete handle gives its result
+    with pytest.raises(RuntimeError, match="not initialised"):
+        allscan.scan(x)  # the wrapper passes a call's failure through, timed
+    with pytest.raises(Exception):
+        FlaDelta.fold(None, None, None)
+    assert set(clock.ms) == {"step fold", "scan", "wait"} and all(v >= 0 for v in clock.ms.values())
+    clock.restore()
+    assert (FlaDelta.__dict__["fold"], allscan.scan, ScanHandle.wait) == originals
