@@ -157,6 +157,43 @@ def _compiled_invalid_arguments(rank, world):
     return True
 
 
+def _compiled_collectives_invalid_arguments(rank, world):
+    """Under torch.compile a call of allscan.scan (diagonal and matrix, sync and async) or of the
+    public all-to-alls whose local checks fail on one rank is traced as a refusal: when the graph
+    runs it tells the peers, whose own graphs raise in the op's signature exchange (no hang, no
+    trace failing on one rank alone); then the group still works."""
+    import allscan
+    from allscan import a2a
+
+    torch._dynamo.reset()
+    peer = r"rank\(s\) \[1\] rejected their own arguments"
+    x, g = torch.randn(2, 4, 3), torch.rand(2, 4)
+    m = torch.randn(2, 4, 4) / 4
+    bad = rank == 1
+    cases = [
+        ("gamma's shape", lambda x, g: allscan.scan(x, g[:, :3] if bad else g),
+         r"gamma's shape \[2, 3\] must be a prefix"),
+        ("async", lambda x, g: allscan.scan(x, g, method="ring" if bad else "pipelined", async_op=True).wait(),
+         "method must be one of"),
+        ("transition", lambda x, g: allscan.scan(x, transition=m[..., :3] if bad else m), "K mismatch"),
+        ("scatter_heads", lambda x, g: a2a.scatter_heads(x.reshape(1, 2, 4, 3)[:, :, :3] if bad else
+                                                          x.reshape(1, 2, 4, 3), head_map=[(0, 2), (2, 4)]),
+         "head_map"),
+    ]
+    for what, fn, mine in cases:
+        step = torch.compile(fn, fullgraph=True, backend="aot_eager")
+        with pytest.raises((ValueError, TypeError), match=mine if bad else peer):
+            step(x, g)
+        torch._dynamo.reset()
+    ok = torch.compile(lambda x, g: allscan.scan(x, g), fullgraph=True, backend="aot_eager")
+    assert ok(x, g).shape == x.shape  # and the group still works
+    return True
+
+
+def test_compiled_collectives_invalid_arguments_reach_every_rank():
+    assert run_distributed(_compiled_collectives_invalid_arguments, 2, timeout=300) == [True, True]
+
+
 def test_compiled_zeco_gla_invalid_arguments_reach_every_rank():
     assert run_distributed(_compiled_invalid_arguments, 2, timeout=300) == [True, True]
 

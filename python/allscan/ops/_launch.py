@@ -12,7 +12,7 @@ import torch
 from .. import _comm
 from .._contract import announce_invalid, settings
 
-__all__ = ["validated_group", "or_empty", "absent", "nccl_preflight", "announce_device", "stream_ptr", "plan_cache", "plan_is_current",
+__all__ = ["validated_group", "traced_refusal", "or_empty", "absent", "nccl_preflight", "announce_device", "stream_ptr", "plan_cache", "plan_is_current",
            "forget_plans", "PlanCache", "MAX_PLANS", "check_num_blocks", "MAX_NUM_BLOCKS"]
 
 
@@ -42,6 +42,31 @@ def validated_group(group, tensor, op: str, validate):
             announce_invalid(group, announce_device(group), op, str(e))
         raise
     return group
+
+
+@torch.library.custom_op("allscan::refused", mutates_args=())
+def refused_op(like: torch.Tensor, group_name: str, op: str, error_type: str, message: str) -> torch.Tensor:
+    """A call refused by its local checks while torch.compile traced it (:func:`traced_refusal`): when
+    it runs, it tells the peers as the eager call would, then raises ``error_type(message)``."""
+    group = _comm.normalize_group(group_name or None)
+    announce_invalid(group, announce_device(group), op, message)
+    raise (TypeError if error_type == "TypeError" else ValueError)(message)
+
+
+@refused_op.register_fake
+def _refused_fake(like, group_name, op, error_type, message):
+    return like.new_empty(like.shape)
+
+
+def traced_refusal(group, tensor, op: str, error: Exception) -> torch.Tensor:
+    """Under torch.compile, a call whose local checks failed while tracing (``error``) becomes
+    ``allscan::refused`` in the graph, which tells the peers and raises when the graph runs (as the
+    eager call does at once); the trace goes on with a placeholder of ``tensor``'s shape, so this
+    rank's trace does not fail alone while its peers' graphs wait in the collective. Raises ``error``
+    outside a trace, or with no tensor to stand in for."""
+    if not (torch.compiler.is_compiling() and isinstance(tensor, torch.Tensor)):
+        raise error
+    return refused_op(tensor.detach(), _comm.group_name(group), op, type(error).__name__, str(error))
 
 
 def or_empty(t, like: torch.Tensor) -> torch.Tensor:

@@ -29,7 +29,7 @@ import torch.distributed as dist
 from .. import _C, _comm
 from .._contract import DTYPE_CODES, announce_invalid, check_across_ranks, dtype_code, settings, signature_hash
 from .._threads import one_thread
-from ._launch import validated_group
+from ._launch import traced_refusal, validated_group
 from . import _a2a_dist
 from ._a2a_dist import GATHER, SCATTER, HeadMap, Range, overlaps
 
@@ -407,7 +407,10 @@ def scatter_heads(x: torch.Tensor, group=None, *, head_range: Optional[Range] = 
         _check_tensor(x, "x")
         hm.extend(_check_map(_resolve_map(head_map, head_range, x.shape[2], P), x.shape[2], P, "head_map"))
 
-    validated_group(group, x, "a2a.scatter_heads", validate)
+    try:
+        validated_group(group, x, "a2a.scatter_heads", validate)
+    except (TypeError, ValueError) as e:  # under torch.compile: refused when the graph runs, on every rank
+        return traced_refusal(group, x, "a2a.scatter_heads", e)
     return _scatter_heads_op(x.contiguous(), _comm.group_name(group), [lo for lo, _ in hm], [hi for _, hi in hm])
 
 
@@ -434,6 +437,9 @@ def gather_heads(y: torch.Tensor, group=None, *, num_heads: Optional[int] = None
             num_heads = max(int(hi) for _, hi in head_map)
         hm.extend(_check_map(_resolve_map(head_map, head_range, num_heads, P), num_heads, P, "head_map"))
 
-    validated_group(group, y, "a2a.gather_heads", validate)
+    try:
+        validated_group(group, y, "a2a.gather_heads", validate)
+    except (TypeError, ValueError) as e:  # under torch.compile: refused when the graph runs, on every rank
+        return traced_refusal(group, y, "a2a.gather_heads", e)
     return _gather_heads_op(y.contiguous(), _comm.group_name(group), int(num_heads), [lo for lo, _ in hm],
                             [hi for _, hi in hm])

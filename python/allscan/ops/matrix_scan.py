@@ -25,10 +25,11 @@ from .. import _C, _comm
 from .._contract import DTYPE_CODES, check_across_ranks, dtype_code, signature_hash
 from ..reference import acc_dtype
 from . import _matrix_dist
-from ._launch import check_num_blocks, nccl_preflight, plan_cache, plan_is_current, stream_ptr, validated_group
+from ._launch import (check_num_blocks, nccl_preflight, plan_cache, plan_is_current, stream_ptr, traced_refusal,
+                      validated_group)
 from ._matrix_math import combine
-from .scan import (ScanLaunchPlan, _needs_grad, async_handle, by_handle_ok, is_chain_head, save_call_options,
-                   side_stream_handle)
+from .scan import (ScanHandle, ScanLaunchPlan, _needs_grad, async_handle, by_handle_ok, is_chain_head,
+                   save_call_options, side_stream_handle)
 
 __all__ = ["matrix_scan", "METHODS"]
 
@@ -282,7 +283,11 @@ def matrix_scan(tensor: torch.Tensor, transition: torch.Tensor, group, *, revers
     leading-dim entries, V columns split only when more blocks than entries are asked), "serial" or
     "allgather" (fla's context-parallel pattern). Differentiable in all three tensors. With
     ``async_op=True`` returns an :class:`allscan.ScanHandle`."""
-    group = validated_group(group, tensor, _OP, lambda: _validate(tensor, transition, init, method, num_blocks))
+    try:
+        group = validated_group(group, tensor, _OP, lambda: _validate(tensor, transition, init, method, num_blocks))
+    except (TypeError, ValueError) as e:  # under torch.compile: refused when the graph runs, on every rank
+        out = traced_refusal(group, tensor, _OP, e)
+        return ScanHandle(out) if async_op else out
     name = group.group_name
     x = tensor.contiguous()
     m = transition.contiguous()

@@ -21,7 +21,7 @@ from .._contract import (DTYPE_CODES, check_across_ranks, clear_checked_signatur
 from ..reference import acc_dtype, expand_decay
 from . import _scan_dist
 from ._launch import (_raw_stream, check_num_blocks, forget_plans, nccl_preflight, plan_cache, plan_is_current,
-                      stream_ptr, validated_group)
+                      stream_ptr, traced_refusal, validated_group)
 
 __all__ = ["scan", "ScanHandle", "set_check_every_call", "destroy_communicators", "ScanLaunchPlan", "plan_for",
            "launch", "run", "METHODS", "device_path"]
@@ -621,7 +621,11 @@ def _scan(tensor, gamma, group, transition, reverse, inclusive, init, num_blocks
         from .matrix_scan import matrix_scan
         return matrix_scan(tensor, transition, group, reverse=reverse, inclusive=inclusive, init=init,
                            num_blocks=num_blocks, method=method, async_op=async_op)
-    group = validated_group(group, tensor, _OP, lambda: _validate(tensor, gamma, init, method, num_blocks))
+    try:
+        group = validated_group(group, tensor, _OP, lambda: _validate(tensor, gamma, init, method, num_blocks))
+    except (TypeError, ValueError) as e:  # under torch.compile: refused when the graph runs, on every rank
+        out = traced_refusal(group, tensor, _OP, e)
+        return ScanHandle(out) if async_op else out
     name = group.group_name
     x = tensor.contiguous()
     g = None if gamma is None else gamma.contiguous()
