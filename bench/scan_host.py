@@ -1,6 +1,6 @@
 """Host (CPU) time of one allscan.scan call, piece by piece, on the NCCL path.
 
-    torchrun --nproc-per-node 2 bench/scan_host.py [--out DIR]
+    torchrun --nproc-per-node 2 bench/scan_host.py [--out DIR]   (1 process: an NCCL group of one)
 
 The time the calling thread spends issuing one scan of a [1, 16, 128, 128] fp32 state (a GLA state)
 with a [1, 16, 128] decay, median over 200 calls, at four depths of the API, through the hooks
@@ -113,7 +113,9 @@ def main():
             os.makedirs(args.out, exist_ok=True)
             with open(os.path.join(args.out, "scan_host.json"), "w") as f:
                 json.dump(dict(bench="scan_host", device=torch.cuda.get_device_name(dev), calls=args.calls,
-                               host_us=res, allscan_timeout=str(allscan.settings.timeout), command="torchrun --nproc-per-node 2 bench/scan_host.py"), f, indent=1)
+                               host_us=res, allscan_timeout=str(allscan.settings.timeout),
+                               command="torchrun --nproc-per-node %d bench/scan_host.py" % dist.get_world_size()),
+                          f, indent=1)
     dist.barrier()
     dist.destroy_process_group()
 
