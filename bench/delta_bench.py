@@ -314,11 +314,12 @@ class _StageClock:
 
 
 def _host_split(fwd_bwd, tag, rank, outdir, calls=10, rounds=5):
-    """``--host-profile``, second part: the host's issue time of ``ideal`` (forward, backward) and of
-    ``zeco`` split by stage (fla's steps, the scans' issue and wait, the fold-in kernels, the rest),
-    without a profiler: ms per fwd+bwd, the mean of ``calls`` per round, the median of ``rounds``
-    rounds that alternate the two rows (this host's issue time drifts), into
-    DIR/delta_host_split_*.json."""
+    """``--host-profile``, second part: the host's issue time of ``ideal`` and ``zeco`` without a
+    profiler: ``total``, ``backward (autograd.grad)`` and ``forward (all but backward)``, and for zeco
+    the stages inside them (nested: fla's steps as allscan calls them, the fold-in kernels, the
+    scans' issue forward and reverse together, the handle's wait). ms per fwd+bwd, the mean of
+    ``calls`` per round, the median of ``rounds`` rounds that alternate the two rows (this host's
+    issue time drifts), into DIR/delta_host_split_*.json."""
     import torch
 
     import allscan
@@ -336,13 +337,15 @@ def _host_split(fwd_bwd, tag, rank, outdir, calls=10, rounds=5):
                 clock.wrap(allscan, "scan", "allscan.scan (issue, forward and reverse)")
                 clock.wrap(ScanHandle, "wait", "scan handle wait")
             clock.wrap(torch.autograd, "grad", "backward (autograd.grad)")
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            for _ in range(calls):
-                fwd_bwd(name)
-            total = (time.perf_counter() - t0) * 1e3 / calls
-            torch.cuda.synchronize()
-            clock.restore()
+            try:
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                for _ in range(calls):
+                    fwd_bwd(name)
+                total = (time.perf_counter() - t0) * 1e3 / calls
+                torch.cuda.synchronize()
+            finally:
+                clock.restore()
             stages = {k: v / calls for k, v in sorted(clock.ms.items())}
             stages["forward (all but backward)"] = total - stages["backward (autograd.grad)"]
             stages["total"] = total

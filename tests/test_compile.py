@@ -176,6 +176,7 @@ def _compiled_collectives_invalid_arguments(rank, world):
         ("async", lambda x, g: allscan.scan(x, g, method="ring" if bad else "pipelined", async_op=True).wait(),
          "method must be one of"),
         ("transition", lambda x, g: allscan.scan(x, transition=m[..., :3] if bad else m), "K mismatch"),
+        ("both", lambda x, g: allscan.scan(x, g if bad else None, transition=m), "mutually exclusive"),
         ("scatter_heads", lambda x, g: a2a.scatter_heads(x.reshape(1, 2, 4, 3)[:, :, :3] if bad else
                                                           x.reshape(1, 2, 4, 3), head_map=[(0, 2), (2, 4)]),
          "head_map"),

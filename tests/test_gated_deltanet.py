@@ -117,9 +117,9 @@ def test_sharded_equals_one_process_on_two_gpus():
 
 
 def _halo_misuse(rank, world):
-    """One rank's shard shorter than the halo, or a halo of another shape, raises on every rank (the
-    halo's cross-rank check, inside its op: eager and under torch.compile), never a hang; then the
-    group still works."""
+    """One rank's shard shorter than the halo, or a halo of another shape or dtype, raises on every
+    rank (the halo's cross-rank check, inside its op: eager and under torch.compile; gloo, where the
+    peers exchange on every call), never a hang; then the group still works."""
     from allscan.ops.halo import halo_exchange
 
     torch._dynamo.reset()
@@ -131,6 +131,9 @@ def _halo_misuse(rank, world):
             fn(x, 3)
         x = torch.randn(2, 6, 5 + rank)
         with pytest.raises(ValueError, match=r"values per token \(x.shape\[2:\]\) \(rank 0: 5, rank 1: 6\)"):
+            fn(x, 3)
+        x = torch.randn(2, 6, 5, dtype=torch.float16 if rank else torch.bfloat16)  # same bytes, other values
+        with pytest.raises(ValueError, match=r"x's dtype \(code\)"):
             fn(x, 3)
         x = torch.arange(12.0).reshape(1, 6, 2) + 100 * rank
         h = fn(x, 3)

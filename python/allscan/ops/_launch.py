@@ -61,9 +61,10 @@ def _refused_fake(like, group_name, op, error_type, message):
 def traced_refusal(group, tensor, op: str, error: Exception) -> torch.Tensor:
     """Under torch.compile, a call whose local checks failed while tracing (``error``) becomes
     ``allscan::refused`` in the graph, which tells the peers and raises when the graph runs (as the
-    eager call does at once); the trace goes on with a placeholder of ``tensor``'s shape, so this
-    rank's trace does not fail alone while its peers' graphs wait in the collective. Raises ``error``
-    outside a trace, or with no tensor to stand in for."""
+    eager call does at once); the trace goes on with a placeholder of ``tensor``'s shape (the scan's
+    output shape; for the all-to-alls, whose output shape differs, code after the call that needs it
+    can still fail this rank's trace alone). Raises ``error`` outside a trace, or with no tensor to
+    stand in for."""
     if not (torch.compiler.is_compiling() and isinstance(tensor, torch.Tensor)):
         raise error
     return refused_op(tensor.detach(), _comm.group_name(group), op, type(error).__name__, str(error))

@@ -5,17 +5,22 @@
 Rank 0 (and a single process) receives zeros. Autograd: the gradient of the received halo goes back to
 its sender and is added to the gradient of its last ``w`` tokens. Point-to-point (isend/irecv), so it runs
 on gloo and NCCL alike; a custom op (:func:`halo_shift`), so torch.compile traces it without a graph break.
-Before anything is sent, every rank's ``T_local >= w`` and the halo's shape are checked across the group
-(inside the op, so under torch.compile too): a rank whose shard is too short, or whose halo differs,
-raises on every rank instead of leaving its peers in the exchange.
+Before anything is sent, every rank's ``T_local >= w`` and the halo's shape and dtype are checked
+across the group (inside the op, so under torch.compile too): a halo that differs between ranks raises
+on every rank; a shard too short raises on its rank, and on every rank wherever the peers exchange on
+every call (gloo, ``ALLSCAN_CHECK=always``). On NCCL with the default ``first`` the peers of a short
+shard wait in the exchange until the timeout (the cached-signature limit of every allscan op, with no
+communicator of allscan's here for the fault board to abort).
 """
 from __future__ import annotations
+
+import zlib
 
 import torch
 import torch.distributed as dist
 
 from allscan._comm import resolve_group
-from allscan._contract import check_across_ranks
+from allscan._contract import DTYPE_CODES, check_across_ranks
 
 from ._launch import validated_group
 from ._shards import sequence_parallel_group
@@ -55,7 +60,7 @@ def _check(send: torch.Tensor, pg, local_len: int) -> None:
         ("B (x.shape[0])", send.shape[0]),
         ("x's dims", send.dim()),
         ("values per token (x.shape[2:])", send[0, 0].numel() if send.shape[0] and w else -1),
-        ("bytes per value (x's dtype)", send.element_size()),
+        ("x's dtype (code)", DTYPE_CODES.get(send.dtype, zlib.crc32(str(send.dtype).encode()))),
     ])
 
 

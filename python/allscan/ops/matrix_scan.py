@@ -41,7 +41,9 @@ _WHAT = "allscan.scan"
 # ------------------------------------------------------------------------------------------------
 # Validate
 # ------------------------------------------------------------------------------------------------
-def _validate(tensor, transition, init, method, num_blocks) -> None:
+def _validate(tensor, transition, init, method, num_blocks, gamma=None) -> None:
+    if gamma is not None:
+        raise ValueError(f"{_WHAT}: gamma and transition are mutually exclusive (pass one of them)")
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"{_WHAT}: tensor must be a torch.Tensor, got {type(tensor).__name__}")
     dtype_code(tensor.dtype, f"{_WHAT}: tensor")
@@ -272,10 +274,11 @@ def _scan_impl(x, m, init, name, reverse, inclusive, num_blocks, method, group=N
 
 
 def matrix_scan(tensor: torch.Tensor, transition: torch.Tensor, group, *, reverse: bool, inclusive: bool,
-                init: Optional[torch.Tensor], num_blocks: Optional[int], method: str, async_op: bool):
+                init: Optional[torch.Tensor], num_blocks: Optional[int], method: str, async_op: bool, gamma=None):
     """The matrix All-Scan over the ranks of ``group`` (None: the default group); what
     ``allscan.scan(tensor, transition=M, ...)`` runs, with every option as ``allscan.scan`` passes it
-    (the defaults are ``allscan.scan``'s). See the module docstring for the contract.
+    (the defaults are ``allscan.scan``'s; a ``gamma`` beside the transition is refused). See the module
+    docstring for the contract.
 
     ``tensor`` ``[..., K, V]`` (float32, bfloat16, float16, float64), ``transition`` ``[..., K, K]``
     (float32 or the tensor's dtype) with the same leading dims. Arithmetic fp32 (fp64 for fp64),
@@ -284,7 +287,8 @@ def matrix_scan(tensor: torch.Tensor, transition: torch.Tensor, group, *, revers
     "allgather" (fla's context-parallel pattern). Differentiable in all three tensors. With
     ``async_op=True`` returns an :class:`allscan.ScanHandle`."""
     try:
-        group = validated_group(group, tensor, _OP, lambda: _validate(tensor, transition, init, method, num_blocks))
+        group = validated_group(group, tensor, _OP,
+                                lambda: _validate(tensor, transition, init, method, num_blocks, gamma))
     except (TypeError, ValueError) as e:  # under torch.compile: refused when the graph runs, on every rank
         out = traced_refusal(group, tensor, _OP, e)
         return ScanHandle(out) if async_op else out

@@ -616,11 +616,9 @@ def device_path(group=None, device=None) -> str:
 
 def _scan(tensor, gamma, group, transition, reverse, inclusive, init, num_blocks, method, async_op):
     if transition is not None:
-        if gamma is not None:
-            raise ValueError("allscan.scan: gamma and transition are mutually exclusive (pass one of them)")
         from .matrix_scan import matrix_scan
         return matrix_scan(tensor, transition, group, reverse=reverse, inclusive=inclusive, init=init,
-                           num_blocks=num_blocks, method=method, async_op=async_op)
+                           num_blocks=num_blocks, method=method, async_op=async_op, gamma=gamma)
     try:
         group = validated_group(group, tensor, _OP, lambda: _validate(tensor, gamma, init, method, num_blocks))
     except (TypeError, ValueError) as e:  # under torch.compile: refused when the graph runs, on every rank
