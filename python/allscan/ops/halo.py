@@ -45,8 +45,8 @@ def _shift(send: torch.Tensor, pg, to_next: bool) -> torch.Tensor:
 
 
 def _check(send: torch.Tensor, pg, local_len: int) -> None:
-    """This rank's ``T_local >= w`` (a failure told to the peers), then the halo's shape across the group:
-    the exchange would hang or misread bytes otherwise."""
+    """This rank's ``T_local >= w`` (a failure told to the peers where they exchange, module docstring),
+    then the halo's shape and dtype across the group: the exchange would hang or misread bytes otherwise."""
     w = send.shape[1]
 
     def validate():
