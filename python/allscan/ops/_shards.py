@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from allscan._comm import normalize_group
 
-__all__ = ["LOCAL", "sequence_parallel_group", "ShardSegments", "world_and_rank"]
+__all__ = ["LOCAL", "sequence_parallel_group", "ShardSegments", "world_and_rank", "inputs_need_grad"]
 
 
 class _Local:
@@ -38,6 +38,12 @@ def sequence_parallel_group(group, op: str):
     if not initialised:
         raise RuntimeError(f"{op}: group given but torch.distributed is not initialised")
     return normalize_group(group)
+
+
+def inputs_need_grad(*inputs) -> bool:
+    """Whether a layer call differentiates (grad mode on, some tensor input requires grad): compared
+    across ranks, since a rank that runs no backward would leave its peers in the reverse scan."""
+    return torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in inputs)
 
 
 _PLACES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()

@@ -60,7 +60,8 @@ def _check(send: torch.Tensor, pg, local_len: int) -> None:
         ("B (x.shape[0])", send.shape[0]),
         ("x's dims", send.dim()),
         ("values per token (x.shape[2:])", send[0, 0].numel() if send.shape[0] and w else -1),
-        ("x's dtype (code)", DTYPE_CODES.get(send.dtype, zlib.crc32(str(send.dtype).encode()))),
+        ("x's dtype (code)", DTYPE_CODES[send.dtype] if send.dtype in DTYPE_CODES
+         else zlib.crc32(str(send.dtype).encode())),
     ])
 
 

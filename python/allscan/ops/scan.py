@@ -562,20 +562,18 @@ def _fast_call(x, other, matrix, init, group, reverse, inclusive, k, method, asy
     if matrix:
         from . import matrix_scan as M
 
-        pkey = M.plan_key(x, other, init, group, reverse, inclusive, False, k, method)
-        plans = M._plans
-
-        def go(x, m, i0, stream):
-            return M.launch(plan, x, m, i0, reverse, inclusive, False, k, stream)
+        pkey, plans = M.plan_key(x, other, init, group, reverse, inclusive, False, k, method), M._plans
     else:
-        pkey = _plan_key(x, other, init, group, reverse, inclusive, k, method)
-        plans = _plans
-
-        def go(x, g, i0, stream):
-            return launch(plan, x, g, i0, reverse, inclusive, k, stream)
+        pkey, plans = _plan_key(x, other, init, group, reverse, inclusive, k, method), _plans
     plan = plans.get(pkey)
     if plan is None or not plan_is_current(plan, group):
         return None
+    if matrix:
+        def go(x, m, i0, stream):
+            return M.launch(plan, x, m, i0, reverse, inclusive, False, k, stream)
+    else:
+        def go(x, g, i0, stream):
+            return launch(plan, x, g, i0, reverse, inclusive, k, stream)
     return _FastCall(plan, plans, pkey, go, async_op)
 
 

@@ -42,7 +42,7 @@ import torch
 from allscan._contract import DTYPE_CODES, check_across_ranks, dtype_code
 
 from .._launch import validated_group
-from .._shards import ShardSegments, sequence_parallel_group
+from .._shards import ShardSegments, inputs_need_grad, sequence_parallel_group
 from .chunk import TorchDelta, compute_dtype
 from .fla import FlaDelta, fla_context_parallel, fla_delta_available, fla_kernel
 from .gates import DeltaOptions
@@ -226,8 +226,7 @@ def _delta_rule(op, per_key, q, k, v, g, beta, group, scale, initial_state, outp
                 allow_neg_eigval, safe_gate=False, lower_bound=None):
     group = sequence_parallel_group(group, op)
     # a rank whose inputs need no gradient runs no backward: its peers would wait in the reverse scan
-    needs_grad = torch.is_grad_enabled() and any(
-        isinstance(t, torch.Tensor) and t.requires_grad for t in (q, k, v, g, beta, initial_state, A_log, dt_bias))
+    needs_grad = inputs_need_grad(q, k, v, g, beta, initial_state, A_log, dt_bias)
     args = (q, k, v, g, beta, group, scale, initial_state, output_final_state, cu_seqlens, use_qk_l2norm_in_kernel,
             method, use_gate_in_kernel, A_log, dt_bias, use_beta_sigmoid_in_kernel, allow_neg_eigval, safe_gate,
             lower_bound)

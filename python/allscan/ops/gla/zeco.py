@@ -62,7 +62,7 @@ from allscan._contract import DTYPE_CODES, check_across_ranks, settings
 from allscan._comm import resolve_group
 
 from .._launch import absent, or_empty, validated_group
-from .._shards import LOCAL, ShardSegments, sequence_parallel_group, world_and_rank
+from .._shards import LOCAL, ShardSegments, inputs_need_grad, sequence_parallel_group, world_and_rank
 from .chunk import TorchGLA
 from .fla import FlaGLA, fla_available
 from .stage_times import timed_body, timed_scan
@@ -495,8 +495,7 @@ def zeco_gla(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: Optional[torc
         ``(o [B, T_local, H, V] in v's dtype, final_state or None)``.
     """
     spg = sequence_parallel_group(group, "zeco_gla")
-    needs_grad = torch.is_grad_enabled() and any(
-        isinstance(t, torch.Tensor) and t.requires_grad for t in (q, k, v, g, initial_state))
+    needs_grad = inputs_need_grad(q, k, v, g, initial_state)
     if torch.compiler.is_compiling():
         scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
         # the arguments are checked and the shard cut inside the op, when it runs (a failed check
