@@ -1,7 +1,7 @@
 """torch.compile traces allscan without a graph break (CPU, gloo; ``fullgraph=True`` makes any graph
 break an error), and the compiled call equals eager. ``zeco_gla`` and the delta-rule layers are traced
-as two custom ops each (forward, backward), so the compiled layer runs what the eager one runs on every
-rank; the GPU paths (fla's kernels, allscan's Triton kernels, NCCL) run the same ops
+as custom ops (forward, backward; the delta rule's backward in two), so the compiled layer runs what
+the eager one runs on every rank; the GPU paths (fla's kernels, allscan's Triton kernels, NCCL) run the same ops
 (tests/test_gla_gpu.py, tests/test_delta_gpu.py).
 """
 import os
@@ -243,6 +243,11 @@ def _opcheck_delta_rule(rank, world):
                  (q.transpose(1, 2).contiguous().transpose(1, 2), k, v, g, beta, None, None, None, None, name, False,
                   0.35, *opts, "zeco", False, True)):
         torch.library.opcheck(torch.ops.allscan.zeco_delta_rule.default, args)
+    # the backward's first op (Q'^T do), whole shard and packed (the first segment's rows)
+    q_eff, do = torch.randn_like(q), torch.randn_like(v)  # no gradient: it runs inside the backward
+    for cut in (None, cu):
+        torch.library.opcheck(torch.ops.allscan.zeco_delta_rule_state_grad.default,
+                              (q_eff, do, q.detach(), cut, name, False))
     return True
 
 
@@ -276,6 +281,45 @@ def _compiled_delta_invalid_arguments(rank, world):
 
 def test_compiled_delta_rule_invalid_arguments_reach_every_rank():
     assert run_distributed(_compiled_delta_invalid_arguments, 2, timeout=300) == [True, True]
+
+
+def _compiled_q_eff_release(rank, world):
+    """Under inductor the delta rule's backward reads Q' in its first op, and Q' is gone (freed by
+    the compiled backward) before the second op's local backward runs: the memory the eager backward
+    saves by freeing it (tests/test_delta.py), under torch.compile."""
+    import weakref
+
+    from allscan.layers import zeco_gated_delta_rule
+    from allscan.ops.delta.chunk import TorchDelta
+
+    import torch._inductor.config as inductor_config
+
+    torch._dynamo.reset()
+    inductor_config.force_disable_caches = True  # a cached graph would not run this code's ops
+    seen = {}
+    fold_state_grad, backward = TorchDelta.fold_state_grad, TorchDelta.backward
+
+    def watched_fold(q_eff, do):
+        seen["q_eff"] = weakref.ref(q_eff if q_eff._base is None else q_eff._base)
+        return fold_state_grad(q_eff, do)
+
+    def watched_backward(*args):
+        seen["alive at backward"] = seen["q_eff"]() is not None
+        return backward(*args)
+
+    q, k, v, g, beta = (t.clone().requires_grad_() for t in _inputs(rank, "gdn"))
+    step = torch.compile(lambda *xs: zeco_gated_delta_rule(*xs)[0], fullgraph=True)
+    TorchDelta.fold_state_grad, TorchDelta.backward = staticmethod(watched_fold), staticmethod(watched_backward)
+    try:
+        step(q, k, v, g, beta).square().sum().backward()
+    finally:
+        TorchDelta.fold_state_grad, TorchDelta.backward = staticmethod(fold_state_grad), staticmethod(backward)
+    assert "q_eff" in seen and not seen["alive at backward"], seen
+    return True
+
+
+def test_compiled_backward_frees_q_eff():
+    assert run_distributed(_compiled_q_eff_release, 2, timeout=300) == [True, True]
 
 
 def _inductor_strided(rank, world):

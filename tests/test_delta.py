@@ -282,6 +282,50 @@ def test_partial_losses_and_gradients_three_ranks():
     run_distributed(_partial_losses, 3, timeout=600)
 
 
+def _q_eff_release(rank, world):
+    """Watches Q' through the backend: read once by the backward's first step, then freed before the
+    local backward runs, and kept when the caller retains the graph for a second backward."""
+    from allscan.ops.delta.chunk import TorchDelta
+
+    seen = {}
+    fold_state_grad, backward = TorchDelta.fold_state_grad, TorchDelta.backward
+
+    def watched_fold(q_eff, do):
+        seen["q_eff"] = q_eff
+        return fold_state_grad(q_eff, do)
+
+    def watched_backward(*args):
+        seen["bytes at backward"] = seen["q_eff"].untyped_storage().nbytes()
+        return backward(*args)
+
+    T_local = 64  # Q' owns its storage (the torch backend's Q' is a slice when T_local is not a multiple of 64)
+    d, do = _data(11, "gdn", 1, T_local * world, H, 1, gated=False)
+    sl = slice(rank * T_local, (rank + 1) * T_local)
+    TorchDelta.fold_state_grad, TorchDelta.backward = staticmethod(watched_fold), staticmethod(watched_backward)
+    try:
+        grads = []
+        for retain in (True, True, False):  # the graph kept twice, then the last backward frees
+            if not grads or not retain:
+                mine = [d[n][:, sl].clone().requires_grad_(True) for n in ("q", "k", "v", "g", "beta")]
+                o, _ = zeco_gated_delta_rule(*mine, dist.group.WORLD)
+            o.backward(do[:, sl], retain_graph=retain)
+            full = seen["q_eff"].numel() * seen["q_eff"].element_size()
+            assert full > 0 and seen["bytes at backward"] == (full if retain else 0), (retain, seen)
+            grads.append([t.grad.clone() for t in mine])
+            for t in mine:
+                t.grad = None
+        assert all(torch.equal(a, b) for a, b in zip(grads[0], grads[1])), "second backward of a kept graph"
+        assert all(torch.equal(a, b) for a, b in zip(grads[0], grads[2])), "backward that freed Q'"
+    finally:
+        TorchDelta.fold_state_grad, TorchDelta.backward = staticmethod(fold_state_grad), staticmethod(backward)
+
+
+def test_backward_frees_q_eff_unless_the_graph_is_kept():
+    """The backward's memory: Q' (a tensor of q's size) is gone before the shard's local backward
+    allocates; a graph kept with ``retain_graph=True`` keeps it, and every backward gives one answer."""
+    run_distributed(_q_eff_release, 2)
+
+
 def test_chunked_matches_recurrent_single_process():
     """The local chunk kernels (stage by stage) against the token loop: outputs and final states from an
     initial state, the same through the incoming-state fold-in, and the transition against the product

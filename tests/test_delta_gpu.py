@@ -35,6 +35,7 @@ pytestmark = pytest.mark.gpu
 
 TOL = {"bfloat16": 3e-3, "float32": 1e-5}
 RATIO = 1.1  # times fla's own error on the same slice
+PEAK_RATIO = 1.05  # peak memory of a fwd+bwd, times fla's on the same shard
 RUN_TIMEOUT = 420
 H, K, V, T_LOCAL = 4, 128, 128, 1024
 
@@ -245,6 +246,14 @@ def _layer_op(layer):
     return zeco_kda if layer == "kda" else zeco_gated_delta_rule
 
 
+def _fla_fn(layer):
+    """fla's own chunk function of the layer (the whole sequence, or the ideal on a shard)."""
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+    from fla.ops.kda import chunk_kda
+
+    return chunk_kda if layer == "kda" else chunk_gated_delta_rule
+
+
 class _StandInGroup:
     """What the shard's cut reads as the group of the one-GPU stand-in: rank 1 of 3 ranks."""
 
@@ -285,10 +294,7 @@ def _middle_rank(rank, world, layer):
 
     _as_middle_rank(world)
     op = _layer_op(layer)
-    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
-    from fla.ops.kda import chunk_kda
-
-    fla_fn = chunk_kda if layer == "kda" else chunk_gated_delta_rule
+    fla_fn = _fla_fn(layer)
     dev = torch.device("cuda", torch.cuda.current_device())
     T = 1000  # not a multiple of the 64-token chunk
     names = ("o", "final", "dq", "dk", "dv", "dg", "dbeta", "dh0")
@@ -422,6 +428,56 @@ def _compiled(rank, world, layer):
             assert torch.equal(a, b), f"rank {rank}: {name}'s {what} differs from eager"
     dist.barrier()
     return True
+
+
+def _peak_memory(rank, world, layer):
+    """Peak memory of one fwd+bwd above its inputs, one GPU as a middle rank (the widened forward, the
+    fold-in and the scans run), eager and under torch.compile (inductor): at most ``PEAK_RATIO`` times
+    fla's chunk function's on the same shard. The backward reads Q' (a tensor of q's size) first and
+    frees it before fla's backward allocates."""
+    import torch.distributed as dist
+
+    _as_middle_rank(world)
+    op = _layer_op(layer)
+    fla_fn = _fla_fn(layer)
+    dev = torch.device("cuda", torch.cuda.current_device())
+    heads = 16  # the benchmark's shape, so that the fixed costs do not hide the per-token tensors
+    gen = torch.Generator(device=dev).manual_seed(4)
+    B, T = 1, 4096
+    gshape = (B, T, heads, K) if layer == "kda" else (B, T, heads)
+    q, k, v, do = (torch.randn(B, T, heads, K, device=dev, generator=gen).to(torch.bfloat16) for _ in range(4))
+    k = torch.nn.functional.normalize(k.float(), dim=-1).to(torch.bfloat16)
+    g = torch.nn.functional.logsigmoid(torch.randn(*gshape, device=dev, generator=gen) + 3.0) / 4
+    beta = torch.rand(B, T, heads, device=dev, generator=gen).to(torch.bfloat16)
+    ins = [t.requires_grad_(True) for t in (q, k, v, g, beta)]
+
+    def peak(fn):
+        for _ in range(2):  # the second call's peak: kernels compiled, the caching allocator warm
+            torch.cuda.synchronize(dev)
+            torch.cuda.reset_peak_memory_stats(dev)
+            base = torch.cuda.memory_allocated(dev)
+            o = fn(*ins)[0]
+            grads = torch.autograd.grad(o, ins, do)
+            torch.cuda.synchronize(dev)
+            del o, grads
+        return torch.cuda.max_memory_allocated(dev) - base
+
+    ideal = peak(lambda *xs: fla_fn(*xs))
+    torch._dynamo.reset()
+    for name, fn in (("eager", lambda *xs: op(*xs, dist.group.WORLD)),
+                     ("inductor", torch.compile(lambda *xs: op(*xs, dist.group.WORLD), fullgraph=True))):
+        zeco = peak(fn)
+        assert zeco <= PEAK_RATIO * ideal, (f"{layer} ({name}): peak {zeco / 2 ** 20:.0f} MiB above the inputs "
+                                            f"against fla's {ideal / 2 ** 20:.0f} MiB ({zeco / ideal:.3f}x, bound "
+                                            f"{PEAK_RATIO}x)")
+    dist.barrier()
+    return True
+
+
+@pytest.mark.timeout(RUN_TIMEOUT + 90)
+@pytest.mark.parametrize("layer", ["gdn", "kda"])
+def test_peak_memory_near_fla(layer):
+    _run_on_gpus(_peak_memory, 1, layer)
 
 
 def _run_on_gpus(fn, world, layer):

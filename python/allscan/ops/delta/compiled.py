@@ -1,6 +1,8 @@
 """The delta-rule layers under torch.compile: the shard's forward and backward
-(:mod:`allscan.ops.delta.shard`) as two custom ops, opaque to the tracer (no graph break, no collective
-while tracing; every rank runs them as the eager layer does, the checks and the shard's cut included).
+(:mod:`allscan.ops.delta.shard`) as custom ops, opaque to the tracer (no graph break, no collective
+while tracing; every rank runs them as the eager layer does, the checks and the shard's cut included):
+the forward, the backward's first step ``Q'^T do`` (its own op, so that the compiled backward frees Q'
+before the rest allocates), and the rest of the backward.
 
 Absent results travel as empty tensors (a schema has no optional outputs). Which ones are absent, and
 every shape, depends on shapes, options and the group only, so the fake kernels know them; Q' covers
@@ -18,7 +20,7 @@ from allscan._comm import resolve_group
 from .._launch import absent, or_empty
 from .chunk import compute_dtype
 from .gates import DeltaOptions
-from .shard import shard_backward, shard_forward
+from .shard import outputs_state_grad, shard_backward, shard_forward, zero_if_absent
 from .zeco import prepared, select_backend, shard_cut, shard_plan
 
 _Tensors = Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, List[torch.Tensor]]
@@ -79,6 +81,29 @@ def _zeco_delta_rule_fake(q, k, v, g, beta, A_log, dt_bias, h0, cu_seqlens, grou
             [or_empty(t, q) for t in be.saved_like(q, k, v, g, beta, opts)])
 
 
+@torch.library.custom_op("allscan::zeco_delta_rule_state_grad", mutates_args=())
+def zeco_delta_rule_state_grad_op(q_eff: torch.Tensor, do: torch.Tensor, q: torch.Tensor,
+                                  cu_seqlens: Optional[torch.Tensor], group_name: str, per_key: bool) -> torch.Tensor:
+    """The backward's first step, ``Q'^T do`` (:func:`~allscan.ops.delta.shard.outputs_state_grad`;
+    empty with one rank): an op of its own, so that the compiled backward can free Q' before the
+    backward op allocates."""
+    group = resolve_group(group_name) if group_name else None
+    segs = shard_cut(group, q, cu_seqlens, _op_name(per_key))
+    if segs.world == 1:
+        return or_empty(None, q)
+    with torch.autocast(device_type=do.device.type, enabled=False):  # the padding's zero rows dropped
+        return outputs_state_grad(select_backend(q), segs.world, q_eff[:, :segs.bounds[1]], do)
+
+
+@zeco_delta_rule_state_grad_op.register_fake
+def _zeco_delta_rule_state_grad_fake(q_eff, do, q, cu_seqlens, group_name, per_key):
+    group = resolve_group(group_name) if group_name else None
+    if shard_cut(group, q, None, _op_name(per_key)).world == 1:
+        return or_empty(None, q)
+    B, _, HV, V = do.shape
+    return do.new_empty(B, HV, q.shape[-1], V, dtype=compute_dtype(do))
+
+
 _Grads = Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                torch.Tensor]
 
@@ -87,21 +112,19 @@ _Grads = Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Ten
 def zeco_delta_rule_backward_op(do: torch.Tensor, dfinal: Optional[torch.Tensor], q: torch.Tensor, k: torch.Tensor,
                                 v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, A_log: Optional[torch.Tensor],
                                 dt_bias: Optional[torch.Tensor], h0: Optional[torch.Tensor],
-                                cu_seqlens: Optional[torch.Tensor], q_eff: Optional[torch.Tensor],
+                                cu_seqlens: Optional[torch.Tensor], dy_out: Optional[torch.Tensor],
                                 M: Optional[torch.Tensor], S_in: Optional[torch.Tensor], saved: List[torch.Tensor],
                                 group_name: str, per_key: bool, scale: float, l2norm: bool, gate: bool,
                                 beta_sigmoid: bool, neg_eigval: bool, safe_gate: bool, lower_bound: Optional[float],
                                 method: str, want_final: bool) -> _Grads:
-    """The backward op: ``(dq, dk, dv, dg, dbeta, dA_log, ddt_bias, dh0)``, an absent one empty (the
-    forward op checked the arguments)."""
+    """The backward op after :func:`zeco_delta_rule_state_grad_op` (``dy_out``): ``(dq, dk, dv, dg,
+    dbeta, dA_log, ddt_bias, dh0)``, an absent one empty (the forward op checked the arguments)."""
     group = resolve_group(group_name) if group_name else None
     segs = shard_cut(group, q, cu_seqlens, _op_name(per_key))
     opts = _options(per_key, A_log, dt_bias, l2norm, gate, beta_sigmoid, neg_eigval, safe_gate, lower_bound)
     run = shard_plan(segs, q, opts, scale, group, method, want_final)
-    if q_eff is not None:
-        q_eff = q_eff[:, :run.bounds[1]]  # the padding's zero rows dropped
     with torch.autocast(device_type=do.device.type, enabled=False):
-        grads = shard_backward(run, q, k, v, g, beta, h0, q_eff, M, S_in, [absent(t) for t in saved], do, dfinal)
+        grads = shard_backward(run, q, k, v, g, beta, h0, dy_out, M, S_in, [absent(t) for t in saved], do, dfinal)
     dq, dk, dv, dg, dbeta, dA_log, ddt_bias, dh0 = grads
     like = (q, k, v, g, beta, A_log, dt_bias, h0)
     return tuple(or_empty(None if d is None else d.to(x.dtype), q) for d, x in zip(grads, like))
@@ -122,10 +145,12 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, do, dfinal, *_):
     q, k, v, g, beta, A_log, dt_bias, h0, cu_seqlens, q_eff, M, S_in, *saved = ctx.saved_tensors
-    if do is None:
-        do = torch.zeros_like(v)
+    do = zero_if_absent(do, v)
+    group_name, per_key = ctx.options[:2]
+    # Q' is read here for the last time: a compiled backward frees it before the backward op runs
+    dy_out = zeco_delta_rule_state_grad_op(q_eff, do, q, cu_seqlens, group_name, per_key)
     grads = zeco_delta_rule_backward_op(do, absent(dfinal), q, k, v, g, beta, A_log, dt_bias, h0, cu_seqlens,
-                                        absent(q_eff), absent(M), absent(S_in), saved, *ctx.options)
+                                        absent(dy_out), absent(M), absent(S_in), saved, *ctx.options)
     grads = [None if x is None else d for d, x in zip(grads, (q, k, v, g, beta, A_log, dt_bias, h0))]
     return (*grads, *([None] * 13))
 

@@ -21,7 +21,8 @@ first), given ``do`` and the gradients of their final states; the one crossing t
 gets ``r``, the gradient arriving from later ranks: the reverse scan with the transposed transitions
 of each rank's direct gradient of its incoming state, ``dy = Q'^T do + M^T dfinal_0``::
 
-    dy = Q'^T do + M^T dfinal_0                      be.fold_state_grad
+    dy = Q'^T do + M^T dfinal_0                      be.fold_state_grad (outputs_state_grad), first:
+                                                     Q' is read once, and freed before the rest runs
     r = scan(dy, transition=M_scan^T, reverse=True)  (exclusive: r_p = dy_{p+1} + M_{p+1}^T r_{p+1})
     grads = be.backward(...)                         one backward over the shard, V columns only
 
@@ -138,15 +139,28 @@ def _final_rows(run: ShardRun, finals):
     return rows
 
 
-def shard_backward(run: ShardRun, q, k, v, g, beta, h0, q_eff, M, S_in, saved, do, dfinal):
+def outputs_state_grad(backend, world: int, q_eff, do):
+    """``Q'^T do``: the gradient the state entering the shard gets through its outputs (None with one
+    rank). The backward's first step, so that Q' (a tensor of q's size) can be freed before the local
+    backward allocates."""
+    if world == 1:
+        return None
+    return backend.fold_state_grad(q_eff, do[:, :q_eff.shape[1]])
+
+
+def zero_if_absent(do, v):
+    """The outputs' gradient, zeros when autograd gave none (the loss reads only the final state)."""
+    return torch.zeros(*v.shape, dtype=v.dtype, device=v.device) if do is None else do
+
+
+def shard_backward(run: ShardRun, q, k, v, g, beta, h0, dy_out, M, S_in, saved, do, dfinal):
     """The gradients ``(dq, dk, dv, dg, dbeta, dA_log, dt_bias, dh0)`` (None where not an input) from
-    ``do`` and ``dfinal`` (None: zeros), given :func:`shard_forward`'s ``Q', M, S_in, saved``."""
+    ``do`` (not None: :func:`zero_if_absent`) and ``dfinal`` (None: zeros), given :func:`shard_forward`'s
+    ``M, S_in, saved`` and ``dy_out`` (:func:`outputs_state_grad`)."""
     from allscan import scan
 
     be = run.backend
     n = len(run.own)
-    if do is None:
-        do = torch.zeros(*v.shape, dtype=v.dtype, device=v.device)
     dt = compute_dtype(v)
     dhts = [None] * n
     if dfinal is not None:
@@ -155,9 +169,7 @@ def shard_backward(run: ShardRun, q, k, v, g, beta, h0, q_eff, M, S_in, saved, d
                 dhts[j] = _rows(dfinal, run.rows[j]).to(dt)
     h0s = _initial_states(run, h0)
     if run.world > 1:
-        dy = be.fold_state_grad(q_eff, do[:, :q_eff.shape[1]])
-        if dhts[0] is not None:
-            dy = dy + M.transpose(-1, -2) @ dhts[0]
+        dy = dy_out if dhts[0] is None else dy_out + M.transpose(-1, -2) @ dhts[0]
         M_scan = M if run.cross == "own" else torch.zeros_like(M)
         # every rank issues the reverse scan, whatever it does with r
         r = scan(dy.contiguous(), group=run.group, transition=M_scan.transpose(-1, -2).contiguous(), reverse=True,
@@ -179,6 +191,18 @@ def shard_backward(run: ShardRun, q, k, v, g, beta, h0, q_eff, M, S_in, saved, d
     return dq, dk, dv, dg, dbeta, dA_log, ddt_bias, dh0
 
 
+def _release(t: Optional[torch.Tensor]):
+    """Free a saved tensor read for the last time, unless the caller keeps the graph for another
+    backward: its storage shrinks in place (autograd's saved copy shares it). Only a tensor that is
+    its whole storage (no view into a buffer something else may use)."""
+    keeps_graph = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
+    if t is None or keeps_graph is None or keeps_graph():
+        return
+    storage = t.untyped_storage()
+    if t.storage_offset() == 0 and storage.nbytes() == t.numel() * t.element_size():
+        storage.resize_(0)
+
+
 class ShardFunction(torch.autograd.Function):
     """:func:`shard_forward` and :func:`shard_backward` for eager calls."""
 
@@ -194,8 +218,12 @@ class ShardFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do, dfinal):
         q, k, v, g, beta, h0, q_eff, M, S_in, *saved = ctx.saved_tensors
+        do = zero_if_absent(do, v)
         # the forward's arithmetic, whatever the caller's autocast
         with torch.autocast(device_type=ctx.device_type, enabled=False):
-            dq, dk, dv, dg, dbeta, dA_log, ddt_bias, dh0 = shard_backward(ctx.run, q, k, v, g, beta, h0, q_eff, M,
+            dy_out = outputs_state_grad(ctx.run.backend, ctx.run.world, q_eff, do)
+            _release(q_eff)
+            del q_eff
+            dq, dk, dv, dg, dbeta, dA_log, ddt_bias, dh0 = shard_backward(ctx.run, q, k, v, g, beta, h0, dy_out, M,
                                                                           S_in, saved, do, dfinal)
         return dq, dk, dv, dg, dbeta, dA_log, ddt_bias, dh0, None
