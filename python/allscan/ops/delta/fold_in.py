@@ -21,6 +21,7 @@ there every dot takes the IEEE fp32 form.
 """
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -98,6 +99,12 @@ def _fold_grad_state(qe, do, part, T, H, T_SPLIT,
     tl.store(dst, acc, mask=mask)
 
 
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    """The GPU's SM count (asked once per device: the backward reads it every call)."""
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
 def _pow2(n: int) -> int:
     return max(16, triton.next_power_of_2(n))
 
@@ -141,7 +148,7 @@ def fold_state_grad(q_eff: torch.Tensor, dout: torch.Tensor) -> torch.Tensor:
     nv = triton.cdiv(V, BV)
     # enough CTAs to fill the GPU: split the tokens when heads x column blocks are few (on the CPU
     # interpreter a nominal 8 "SMs", so the splits are exercised there too)
-    sms = torch.cuda.get_device_properties(q_eff.device).multi_processor_count if q_eff.is_cuda else 8
+    sms = _sm_count(q_eff.device.index) if q_eff.is_cuda else 8
     blocks = triton.cdiv(T, _BLOCK_T)
     splits = max(1, min(blocks, triton.cdiv(2 * sms, B * H * nv)))
     t_split = triton.cdiv(blocks, splits) * _BLOCK_T
