@@ -292,15 +292,13 @@ def _compiled_q_eff_release(rank, world):
     from allscan.layers import zeco_gated_delta_rule
     from allscan.ops.delta.chunk import TorchDelta
 
-    import torch._inductor.config as inductor_config
-
     torch._dynamo.reset()
-    inductor_config.force_disable_caches = True  # a cached graph would not run this code's ops
     seen = {}
     fold_state_grad, backward = TorchDelta.fold_state_grad, TorchDelta.backward
 
     def watched_fold(q_eff, do):
-        seen["q_eff"] = weakref.ref(q_eff if q_eff._base is None else q_eff._base)
+        assert q_eff._base is not None, "the op reads Q' through a slice of its input"
+        seen["q_eff"] = weakref.ref(q_eff._base)  # the op's input: what the compiled backward holds
         return fold_state_grad(q_eff, do)
 
     def watched_backward(*args):

@@ -284,45 +284,76 @@ def test_partial_losses_and_gradients_three_ranks():
 
 def _q_eff_release(rank, world):
     """Watches Q' through the backend: read once by the backward's first step, then freed before the
-    local backward runs, and kept when the caller retains the graph for a second backward."""
+    local backward runs; kept when the caller retains the graph for a second backward, and never
+    freed under what still holds it (a backward that builds a graph for a second-order gradient, a
+    saved-tensor hook's buffer)."""
+    import weakref
+
     from allscan.ops.delta.chunk import TorchDelta
 
     seen = {}
     fold_state_grad, backward = TorchDelta.fold_state_grad, TorchDelta.backward
 
     def watched_fold(q_eff, do):
-        seen["q_eff"] = q_eff
+        seen["q_eff"] = weakref.ref(q_eff if q_eff._base is None else q_eff._base)
         return fold_state_grad(q_eff, do)
 
     def watched_backward(*args):
-        seen["bytes at backward"] = seen["q_eff"].untyped_storage().nbytes()
+        seen["alive at backward"] = seen["q_eff"]() is not None
         return backward(*args)
 
-    T_local = 64  # Q' owns its storage (the torch backend's Q' is a slice when T_local is not a multiple of 64)
-    d, do = _data(11, "gdn", 1, T_local * world, H, 1, gated=False)
-    sl = slice(rank * T_local, (rank + 1) * T_local)
+    d, do = _data(11, "gdn", 1, 50 * world, H, 1, gated=False)  # 50: not a multiple of the chunk
+    sl = slice(rank * 50, (rank + 1) * 50)
+
+    def layer():
+        mine = [d[n][:, sl].clone().requires_grad_(True) for n in ("q", "k", "v", "g", "beta")]
+        return mine, zeco_gated_delta_rule(*mine, dist.group.WORLD)[0]
+
     TorchDelta.fold_state_grad, TorchDelta.backward = staticmethod(watched_fold), staticmethod(watched_backward)
     try:
-        grads = []
-        for retain in (True, True, False):  # the graph kept twice, then the last backward frees
-            if not grads or not retain:
-                mine = [d[n][:, sl].clone().requires_grad_(True) for n in ("q", "k", "v", "g", "beta")]
-                o, _ = zeco_gated_delta_rule(*mine, dist.group.WORLD)
-            o.backward(do[:, sl], retain_graph=retain)
-            full = seen["q_eff"].numel() * seen["q_eff"].element_size()
-            assert full > 0 and seen["bytes at backward"] == (full if retain else 0), (retain, seen)
-            grads.append([t.grad.clone() for t in mine])
-            for t in mine:
-                t.grad = None
-        assert all(torch.equal(a, b) for a, b in zip(grads[0], grads[1])), "second backward of a kept graph"
-        assert all(torch.equal(a, b) for a, b in zip(grads[0], grads[2])), "backward that freed Q'"
+        mine, o = layer()
+        kept = [torch.autograd.grad(o, mine, do[:, sl], retain_graph=True) for _ in range(2)]
+        assert seen["alive at backward"], "freed although the graph is kept"
+        last = torch.autograd.grad(o, mine, do[:, sl])
+        assert not seen["alive at backward"], "Q' still alive when the local backward ran"
+        for grads in (kept[1], last):
+            assert all(torch.equal(a, b) for a, b in zip(kept[0], grads)), "one backward, one answer"
+
+        # a backward that builds a graph (second-order gradients) keeps what that graph saved: the
+        # same answer whether the first graph is kept or not
+        seconds = []
+        for retain in (True, False):
+            mine, o = layer()
+            d_o = do[:, sl].clone().requires_grad_(True)
+            first = torch.autograd.grad(o, mine, d_o, create_graph=True, retain_graph=retain)
+            seconds.append(torch.autograd.grad(sum(x.square().sum() for x in first), d_o)[0])
+        assert seconds[0].abs().sum() > 0 and torch.equal(*seconds), "second-order gradient"
+
+        # a saved-tensor hook that unpacks into buffers it keeps and reuses (as offloading does)
+        buffers, count = {}, [0]
+
+        def pack(t):
+            count[0] += 1
+            return count[0], t
+
+        def unpack(packed):
+            i, t = packed
+            return buffers.setdefault(i, torch.empty_like(t)).copy_(t)
+
+        for _ in range(2):
+            count[0] = 0
+            with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+                mine, o = layer()
+            grads = torch.autograd.grad(o, mine, do[:, sl])
+            assert all(torch.equal(a, b) for a, b in zip(kept[0], grads)), "through a saved-tensor hook"
     finally:
         TorchDelta.fold_state_grad, TorchDelta.backward = staticmethod(fold_state_grad), staticmethod(backward)
 
 
-def test_backward_frees_q_eff_unless_the_graph_is_kept():
+def test_backward_frees_q_eff_when_nothing_else_holds_it():
     """The backward's memory: Q' (a tensor of q's size) is gone before the shard's local backward
-    allocates; a graph kept with ``retain_graph=True`` keeps it, and every backward gives one answer."""
+    allocates; a graph kept with ``retain_graph=True``, a backward building a graph of its own and a
+    saved-tensor hook's buffers keep what they hold, and every backward gives one answer."""
     run_distributed(_q_eff_release, 2)
 
 

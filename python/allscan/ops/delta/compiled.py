@@ -91,8 +91,9 @@ def zeco_delta_rule_state_grad_op(q_eff: torch.Tensor, do: torch.Tensor, q: torc
     segs = shard_cut(group, q, cu_seqlens, _op_name(per_key))
     if segs.world == 1:
         return or_empty(None, q)
-    with torch.autocast(device_type=do.device.type, enabled=False):  # the padding's zero rows dropped
-        return outputs_state_grad(select_backend(q), segs.world, q_eff[:, :segs.bounds[1]], do)
+    q_eff = q_eff[:, :segs.bounds[1]]  # the padding's zero rows dropped
+    with torch.autocast(device_type=do.device.type, enabled=False):
+        return or_empty(outputs_state_grad(select_backend(q), segs.world, q_eff, do), q)
 
 
 @zeco_delta_rule_state_grad_op.register_fake

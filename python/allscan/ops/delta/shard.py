@@ -191,16 +191,14 @@ def shard_backward(run: ShardRun, q, k, v, g, beta, h0, dy_out, M, S_in, saved, 
     return dq, dk, dv, dg, dbeta, dA_log, ddt_bias, dh0
 
 
-def _release(t: Optional[torch.Tensor]):
-    """Free a saved tensor read for the last time, unless the caller keeps the graph for another
-    backward: its storage shrinks in place (autograd's saved copy shares it). Only a tensor that is
-    its whole storage (no view into a buffer something else may use)."""
-    keeps_graph = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
-    if t is None or keeps_graph is None or keeps_graph():
-        return
-    storage = t.untyped_storage()
-    if t.storage_offset() == 0 and storage.nbytes() == t.numel() * t.element_size():
-        storage.resize_(0)
+def _drop_saved(ctx):
+    """Drop autograd's references to the saved tensors (unless the graph is kept for another
+    backward), so that each is freed once the backward drops its own: Q' right after its one read.
+    Nothing is freed that anything else still holds (a gradient graph of the backward, a hook's
+    buffer)."""
+    clear = getattr(ctx, "maybe_clear_saved_tensors", None)  # torch's own compiled backward does the same
+    if clear is not None:
+        clear()
 
 
 class ShardFunction(torch.autograd.Function):
@@ -218,12 +216,12 @@ class ShardFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do, dfinal):
         q, k, v, g, beta, h0, q_eff, M, S_in, *saved = ctx.saved_tensors
+        _drop_saved(ctx)
         do = zero_if_absent(do, v)
         # the forward's arithmetic, whatever the caller's autocast
         with torch.autocast(device_type=ctx.device_type, enabled=False):
             dy_out = outputs_state_grad(ctx.run.backend, ctx.run.world, q_eff, do)
-            _release(q_eff)
-            del q_eff
+            del q_eff  # the backward's own reference: Q' is freed here unless something else holds it
             dq, dk, dv, dg, dbeta, dA_log, ddt_bias, dh0 = shard_backward(ctx.run, q, k, v, g, beta, h0, dy_out, M,
                                                                           S_in, saved, do, dfinal)
         return dq, dk, dv, dg, dbeta, dA_log, ddt_bias, dh0, None
