@@ -11,7 +11,8 @@
 # Limits: TIMEOUT_<stage> or STAGE_TIMEOUT seconds per stage; KSWEEP=0 skips the K sweep of perf.
 # Logs and JSON go to $OUT (default ./gpu_out); a short table is printed last.
 # Needs: python3 with torch (CUDA), nvcc, cmake, ninja, pybind11, scikit-build-core; fla-core and
-# yunchang wheels in .whl/ for the GLA and Ulysses comparisons (../shared/tools/device_wheels.sh).
+# yunchang wheels in .whl/ for the GLA and Ulysses comparisons (../shared/tools/device_wheels.sh);
+# tilelang's wheels in .tl1/ and .tl2/ for the delta-rule stages (../shared/tools/device_tilelang.sh).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu_out}
@@ -26,9 +27,19 @@ SUMMARY="$OUT/summary.txt"
 note() { echo "$*" | tee -a "$SUMMARY"; }
 
 if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 fi
+# tilelang (fla's delta-rule backward on Hopper with Triton 3.6) comes in two carries, .tl1 and .tl2
+# (../shared/tools/device_tilelang.sh): each call installs what it carries into /tmp/tl, which stays
+# on the machine while it is warm, so the call after the one carrying .tl1 has both.
+for d in .tl1 .tl2; do
+  if ls "$d"/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/tl "$d"/*.whl
+  fi
+done
+for d in /tmp/site /tmp/tl; do
+  [ -d "$d" ] && export PYTHONPATH=$d${PYTHONPATH:+:$PYTHONPATH}
+done
 
 run_stage() {  # name, command...
   local name=$1; shift
