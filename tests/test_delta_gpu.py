@@ -225,17 +225,17 @@ def test_delta_rule_matches_fla_whole_sequence(layer, dtype_name):
     assert not bad, f"errors above {RATIO}x fla's own error (or {tol:g}): {bad}"
 
 
-def _bf16_inputs(layer, B, T, gen, dev):
+def _bf16_inputs(layer, B, T, gen, dev, heads=H):
     """q, k, v, g, beta of one layer's call in bf16 (g fp32, as fla takes it), and an output gradient."""
     import torch.nn.functional as F
 
-    gshape = (B, T, H, K) if layer == "kda" else (B, T, H)
-    return [torch.randn(B, T, H, K, device=dev, generator=gen).to(torch.bfloat16),
-            F.normalize(torch.randn(B, T, H, K, device=dev, generator=gen), dim=-1).to(torch.bfloat16),
-            torch.randn(B, T, H, V, device=dev, generator=gen).to(torch.bfloat16),
+    gshape = (B, T, heads, K) if layer == "kda" else (B, T, heads)
+    return [torch.randn(B, T, heads, K, device=dev, generator=gen).to(torch.bfloat16),
+            F.normalize(torch.randn(B, T, heads, K, device=dev, generator=gen), dim=-1).to(torch.bfloat16),
+            torch.randn(B, T, heads, V, device=dev, generator=gen).to(torch.bfloat16),
             F.logsigmoid(torch.randn(*gshape, device=dev, generator=gen) + 3.0) / 4,
-            torch.rand(B, T, H, device=dev, generator=gen).to(torch.bfloat16),
-            torch.randn(B, T, H, V, device=dev, generator=gen).to(torch.bfloat16)]
+            torch.rand(B, T, heads, device=dev, generator=gen).to(torch.bfloat16),
+            torch.randn(B, T, heads, V, device=dev, generator=gen).to(torch.bfloat16)]
 
 
 def _layer_op(layer):
@@ -441,15 +441,9 @@ def _peak_memory(rank, world, layer):
     op = _layer_op(layer)
     fla_fn = _fla_fn(layer)
     dev = torch.device("cuda", torch.cuda.current_device())
-    heads = 16  # the benchmark's shape, so that the fixed costs do not hide the per-token tensors
-    gen = torch.Generator(device=dev).manual_seed(4)
-    B, T = 1, 4096
-    gshape = (B, T, heads, K) if layer == "kda" else (B, T, heads)
-    q, k, v, do = (torch.randn(B, T, heads, K, device=dev, generator=gen).to(torch.bfloat16) for _ in range(4))
-    k = torch.nn.functional.normalize(k.float(), dim=-1).to(torch.bfloat16)
-    g = torch.nn.functional.logsigmoid(torch.randn(*gshape, device=dev, generator=gen) + 3.0) / 4
-    beta = torch.rand(B, T, heads, device=dev, generator=gen).to(torch.bfloat16)
-    ins = [t.requires_grad_(True) for t in (q, k, v, g, beta)]
+    # the benchmark's 16 heads, so that the fixed costs do not hide the per-token tensors
+    *ins, do = _bf16_inputs(layer, 1, 4096, torch.Generator(device=dev).manual_seed(4), dev, heads=16)
+    ins = [t.requires_grad_(True) for t in ins]
 
     def peak(fn):
         for _ in range(2):  # the second call's peak: kernels compiled, the caching allocator warm
@@ -462,7 +456,7 @@ def _peak_memory(rank, world, layer):
             del o, grads
         return torch.cuda.max_memory_allocated(dev) - base
 
-    ideal = peak(lambda *xs: fla_fn(*xs))
+    ideal = peak(fla_fn)
     torch._dynamo.reset()
     for name, fn in (("eager", lambda *xs: op(*xs, dist.group.WORLD)),
                      ("inductor", torch.compile(lambda *xs: op(*xs, dist.group.WORLD), fullgraph=True))):
