@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+from types import SimpleNamespace
 from typing import List, Optional, Sequence
 
 import torch
@@ -69,6 +70,42 @@ def fla_kernel(opts):
     return chunk_gated_delta_rule, kw
 
 
+@functools.lru_cache(maxsize=None)
+def _fns() -> SimpleNamespace:
+    """fla-core's functions the steps below call, and allscan's kernels around them, imported once per
+    process (import statements on every call are host time on the critical path, issue 14)."""
+    from fla.modules.norm.l2norm import l2norm_bwd, l2norm_fwd
+    from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_h
+    from fla.ops.common.chunk_o import chunk_fwd_o
+    from fla.ops.common.gate import fused_beta_sigmoid_bwd, fused_beta_sigmoid_fwd
+    from fla.ops.gated_delta_rule.chunk import chunk_gated_delta_rule_bwd
+    from fla.ops.gated_delta_rule.chunk_fwd import chunk_gated_delta_rule_fwd_intra
+    from fla.ops.gated_delta_rule.gate import gdn_gate_chunk_cumsum
+    from fla.ops.gla.chunk import chunk_gla_fwd_o_gk
+    from fla.ops.kda.chunk_bwd import chunk_kda_bwd
+    from fla.ops.kda.chunk_intra import chunk_kda_fwd_intra
+    from fla.ops.kda.gate import kda_gate_chunk_cumsum
+    from fla.ops.utils import chunk_local_cumsum
+    from fla.ops.utils.constant import RCP_LN2
+    from fla.ops.utils.index import prepare_chunk_indices
+
+    from allscan.ops.gla.fla import apply_autotune_setting
+
+    from .fold_in import fold_forward, fold_state_grad
+    from .widen import widened
+
+    apply_autotune_setting()
+    return SimpleNamespace(
+        l2norm_fwd=l2norm_fwd, l2norm_bwd=l2norm_bwd, fused_beta_sigmoid_fwd=fused_beta_sigmoid_fwd,
+        fused_beta_sigmoid_bwd=fused_beta_sigmoid_bwd, chunk_local_cumsum=chunk_local_cumsum, RCP_LN2=RCP_LN2,
+        prepare_chunk_indices=prepare_chunk_indices, gdn_gate_chunk_cumsum=gdn_gate_chunk_cumsum,
+        chunk_gated_delta_rule_fwd_intra=chunk_gated_delta_rule_fwd_intra, kda_gate_chunk_cumsum=kda_gate_chunk_cumsum,
+        chunk_kda_fwd_intra=chunk_kda_fwd_intra, chunk_gated_delta_rule_fwd_h=chunk_gated_delta_rule_fwd_h,
+        chunk_fwd_o=chunk_fwd_o, chunk_gla_fwd_o_gk=chunk_gla_fwd_o_gk,
+        chunk_gated_delta_rule_bwd=chunk_gated_delta_rule_bwd, chunk_kda_bwd=chunk_kda_bwd,
+        widened=widened, fold_forward=fold_forward, fold_state_grad=fold_state_grad)
+
+
 def _on_device(t: torch.Tensor):
     """fla's kernels launch on the current CUDA device (its autograd functions make it the inputs')."""
     return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
@@ -77,25 +114,13 @@ def _on_device(t: torch.Tensor):
 def _activate(q, k, beta, opts):
     """What fla's autograd functions apply before their forward steps: ``(q, k, beta, q_rstd, k_rstd)``."""
     q_rstd = k_rstd = None
+    fla = _fns()
     if opts.use_qk_l2norm_in_kernel:
-        from fla.modules.norm.l2norm import l2norm_fwd
-
-        q, q_rstd = l2norm_fwd(q)
-        k, k_rstd = l2norm_fwd(k)
+        q, q_rstd = fla.l2norm_fwd(q)
+        k, k_rstd = fla.l2norm_fwd(k)
     if opts.use_beta_sigmoid_in_kernel:
-        from fla.ops.common.gate import fused_beta_sigmoid_fwd
-
-        beta = fused_beta_sigmoid_fwd(beta, 2.0 if opts.allow_neg_eigval else 1.0)
+        beta = fla.fused_beta_sigmoid_fwd(beta, 2.0 if opts.allow_neg_eigval else 1.0)
     return q, k, beta, q_rstd, k_rstd
-
-
-def _widened(u: torch.Tensor, width: int) -> torch.Tensor:
-    """``[u | 0]`` with ``width`` columns: the WY values of ``[v | 0]`` (u is linear in v, so its zero
-    columns need no kernel)."""
-    out = u.new_empty(*u.shape[:-1], width)
-    out[..., :u.shape[-1]].copy_(u)
-    out[..., u.shape[-1]:].zero_()
-    return out
 
 
 def _beside_identity(h0: Optional[torch.Tensor], B: int, HV: int, K: int, V: int, dt, device) -> torch.Tensor:
@@ -112,11 +137,9 @@ def local_varlen(bounds: Sequence[int], device):
     """fla's ``(cu_seqlens, chunk_indices)`` for local segment ``bounds``, ``(None, None)`` for one."""
     if len(bounds) == 2:
         return None, None
-    from fla.ops.utils.index import prepare_chunk_indices
-
     cu_cpu = torch.tensor(list(bounds), dtype=torch.long)
     cu = cu_cpu.to(device, non_blocking=True)
-    return cu, prepare_chunk_indices(cu, CHUNK, cu_seqlens_cpu=cu_cpu)
+    return cu, _fns().prepare_chunk_indices(cu, CHUNK, cu_seqlens_cpu=cu_cpu)
 
 
 def _state_steps(q, k, v, g, beta, opts, scale, h0, width, cu=None, ci=None):
@@ -125,53 +148,42 @@ def _state_steps(q, k, v, g, beta, opts, scale, h0, width, cu=None, ci=None):
     wide): ``(final, staged)``; :func:`_output_step` finishes from ``staged`` (the split lets the
     All-Scan run beside the output kernel). The calls and their order are those of fla's
     ``chunk_gated_delta_rule_fwd`` / ``chunk_kda_fwd`` (chunk 64)."""
-    from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_h
-    from fla.ops.utils import chunk_local_cumsum
-    from fla.ops.utils.constant import RCP_LN2
-
+    fla = _fns()
     vl = dict(cu_seqlens=cu, chunk_indices=ci)
     if opts.per_key:
-        from fla.ops.kda.chunk_intra import chunk_kda_fwd_intra
-        from fla.ops.kda.gate import kda_gate_chunk_cumsum
-
         if opts.use_gate_in_kernel:
-            g_cum = kda_gate_chunk_cumsum(g=g, A_log=opts.A_log, dt_bias=opts.dt_bias, scale=RCP_LN2, chunk_size=CHUNK,
-                                          lower_bound=opts.lower_bound, **vl)
+            g_cum = fla.kda_gate_chunk_cumsum(g=g, A_log=opts.A_log, dt_bias=opts.dt_bias, scale=fla.RCP_LN2,
+                                              chunk_size=CHUNK, lower_bound=opts.lower_bound, **vl)
         else:
-            g_cum = chunk_local_cumsum(g=g, scale=RCP_LN2, chunk_size=CHUNK, **vl)
-        w, u, _, kg, Aqk, Akk = chunk_kda_fwd_intra(q=q, k=k, v=v, gk=g_cum, beta=beta, scale=scale,
-                                                    chunk_size=CHUNK, safe_gate=opts.safe_gate, **vl)
-        h, v_new, final = chunk_gated_delta_rule_fwd_h(k=kg, w=w, u=_widened(u, width), gk=g_cum, initial_state=h0,
-                                                       output_final_state=True, chunk_size=CHUNK, **vl)
+            g_cum = fla.chunk_local_cumsum(g=g, scale=fla.RCP_LN2, chunk_size=CHUNK, **vl)
+        w, u, _, kg, Aqk, Akk = fla.chunk_kda_fwd_intra(q=q, k=k, v=v, gk=g_cum, beta=beta, scale=scale,
+                                                        chunk_size=CHUNK, safe_gate=opts.safe_gate, **vl)
+        h, v_new, final = fla.chunk_gated_delta_rule_fwd_h(k=kg, w=w, u=fla.widened(u, width), gk=g_cum,
+                                                           initial_state=h0, output_final_state=True,
+                                                           chunk_size=CHUNK, **vl)
         # fla recomputes the cumulative gate in the backward when it applies the gate itself
         factors = (None if opts.use_gate_in_kernel else g_cum, Aqk, Akk)
         return final, ("kda", q, v_new, g_cum, Aqk, h, scale, vl, factors)
-    from fla.ops.gated_delta_rule.chunk_fwd import chunk_gated_delta_rule_fwd_intra
-    from fla.ops.gated_delta_rule.gate import gdn_gate_chunk_cumsum
-
     if opts.use_gate_in_kernel:
-        g_cum = gdn_gate_chunk_cumsum(g=g, A_log=opts.A_log, chunk_size=CHUNK, scale=RCP_LN2, dt_bias=opts.dt_bias,
-                                      **vl)
+        g_cum = fla.gdn_gate_chunk_cumsum(g=g, A_log=opts.A_log, chunk_size=CHUNK, scale=fla.RCP_LN2,
+                                          dt_bias=opts.dt_bias, **vl)
     else:
-        g_cum = chunk_local_cumsum(g, chunk_size=CHUNK, scale=RCP_LN2, **vl)
-    w, u, A = chunk_gated_delta_rule_fwd_intra(k=k, v=v, g=g_cum, beta=beta, chunk_size=CHUNK, **vl)
-    h, v_new, final = chunk_gated_delta_rule_fwd_h(k=k, w=w, u=_widened(u, width), g=g_cum, initial_state=h0,
-                                                   output_final_state=True, chunk_size=CHUNK, **vl)
+        g_cum = fla.chunk_local_cumsum(g, chunk_size=CHUNK, scale=fla.RCP_LN2, **vl)
+    w, u, A = fla.chunk_gated_delta_rule_fwd_intra(k=k, v=v, g=g_cum, beta=beta, chunk_size=CHUNK, **vl)
+    h, v_new, final = fla.chunk_gated_delta_rule_fwd_h(k=k, w=w, u=fla.widened(u, width), g=g_cum, initial_state=h0,
+                                                       output_final_state=True, chunk_size=CHUNK, **vl)
     return final, ("gdn", q, k, v_new, h, g_cum, scale, vl, (g_cum, A))
 
 
 def _output_step(staged):
     """fla's output kernel from what :func:`_state_steps` staged: ``(o, factors)``, ``factors`` what
     :func:`_backward_steps` needs besides the inputs (per-token tensors, or None)."""
+    fla = _fns()
     if staged[0] == "kda":
-        from fla.ops.gla.chunk import chunk_gla_fwd_o_gk
-
         _, q, v_new, g_cum, Aqk, h, scale, vl, factors = staged
-        return chunk_gla_fwd_o_gk(q=q, v=v_new, g=g_cum, A=Aqk, h=h, scale=scale, chunk_size=CHUNK, **vl), factors
-    from fla.ops.common.chunk_o import chunk_fwd_o
-
+        return fla.chunk_gla_fwd_o_gk(q=q, v=v_new, g=g_cum, A=Aqk, h=h, scale=scale, chunk_size=CHUNK, **vl), factors
     _, q, k, v_new, h, g_cum, scale, vl, factors = staged
-    return chunk_fwd_o(q=q, k=k, v=v_new, h=h, g=g_cum, scale=scale, chunk_size=CHUNK, **vl), factors
+    return fla.chunk_fwd_o(q=q, k=k, v=v_new, h=h, g=g_cum, scale=scale, chunk_size=CHUNK, **vl), factors
 
 
 def _backward_steps(q, k, v, g, beta, factors, opts, scale, h0, do, dht, cu=None, ci=None):
@@ -180,26 +192,24 @@ def _backward_steps(q, k, v, g, beta, factors, opts, scale, h0, do, dht, cu=None
     gate = dict(use_gate_in_kernel=opts.use_gate_in_kernel, A_log=opts.A_log, dt_bias=opts.dt_bias,
                 cu_seqlens=cu, chunk_indices=ci)
     if opts.per_key:
-        from fla.ops.kda.chunk_bwd import chunk_kda_bwd
-
         g_cum, Aqk, Akk = factors
-        return chunk_kda_bwd(q=q, k=k, v=v, beta=beta, Aqk=Aqk, Akk=Akk, scale=scale, initial_state=h0, do=do,
+        return _fns().chunk_kda_bwd(q=q, k=k, v=v, beta=beta, Aqk=Aqk, Akk=Akk, scale=scale, initial_state=h0, do=do,
                              dht=dht, g=g_cum, g_org=g if opts.use_gate_in_kernel else None,
                              safe_gate=opts.safe_gate, lower_bound=opts.lower_bound, **gate)
-    from fla.ops.gated_delta_rule.chunk import chunk_gated_delta_rule_bwd
-
     g_cum, A = factors
-    return chunk_gated_delta_rule_bwd(q=q, k=k, v=v, g=g_cum, beta=beta, A=A, scale=scale, initial_state=h0, do=do,
-                                      dht=dht, g_input=g if opts.use_gate_in_kernel else None, **gate)
+    return _fns().chunk_gated_delta_rule_bwd(q=q, k=k, v=v, g=g_cum, beta=beta, A=A, scale=scale, initial_state=h0,
+                                             do=do, dht=dht, g_input=g if opts.use_gate_in_kernel else None, **gate)
 
 
-def _stacked(states: Sequence[Optional[torch.Tensor]], like: torch.Tensor) -> Optional[torch.Tensor]:
-    """One state per segment (None = zeros) as fla's ``[N, ...]`` tensor; None when all are None."""
-    if all(s is None for s in states):
+def _stacked(states: Sequence[Optional[torch.Tensor]], dtype: torch.dtype) -> Optional[torch.Tensor]:
+    """One state per segment (``[1, ...]``, None = zeros) as fla's ``[N, ...]`` tensor in ``dtype``; None
+    when all are None."""
+    given = [s for s in states if s is not None]
+    if not given:
         return None
     if len(states) == 1:
-        return states[0].to(like.dtype).contiguous()
-    return torch.cat([like.new_zeros(1, *like.shape[1:]) if s is None else s.to(like.dtype) for s in states])
+        return given[0].to(dtype).contiguous()
+    return torch.cat([torch.zeros_like(given[0], dtype=dtype) if s is None else s.to(dtype) for s in states])
 
 
 class FlaDelta:
@@ -213,9 +223,6 @@ class FlaDelta:
     @staticmethod
     def states(q, k, v, g, beta, opts, scale: float, bounds: Sequence[int], h0s: List[Optional[torch.Tensor]],
                wide: bool):
-        from allscan.ops.gla.fla import apply_autotune_setting
-
-        apply_autotune_setting()
         B, T, HV, V = v.shape
         K = q.shape[-1]
         q, k, v, g, beta = (t.contiguous() for t in (q, k, v, g, beta))
@@ -233,7 +240,7 @@ class FlaDelta:
             if T0 < T:  # the other segments in one (varlen) call, on the V columns
                 rest = [b - T0 for b in bounds if b >= T0]
                 cu, ci = local_varlen(rest, q.device)
-                inits = _stacked(h0s[len(bounds) - len(rest):], v.new_empty(1, HV, K, V, dtype=dt))
+                inits = _stacked(h0s[len(bounds) - len(rest):], dt)
                 part = (lambda t: t[:, T0:]) if T0 else (lambda t: t)  # noqa: E731
                 final, st = _state_steps(part(qa), part(ka), part(v), part(g), part(ba), opts, scale, inits, V, cu, ci)
                 finals.extend(final.split(1) if cu is not None else [final])
@@ -280,15 +287,11 @@ class FlaDelta:
     def fold(o_loc: torch.Tensor, q_eff: torch.Tensor, S_in: torch.Tensor):
         """``(o_loc + Q' S_in, Q' contiguous)``: the copy of Q' (a slice of fla's widened output) is
         what the backward keeps, so the widened output is freed after the fold."""
-        from .fold_in import fold_forward
-
-        return fold_forward(o_loc, q_eff, S_in, copy_q=True)
+        return _fns().fold_forward(o_loc, q_eff, S_in, copy_q=True)
 
     @staticmethod
     def fold_state_grad(q_eff: torch.Tensor, do: torch.Tensor) -> torch.Tensor:
-        from .fold_in import fold_state_grad
-
-        return fold_state_grad(q_eff, do)
+        return _fns().fold_state_grad(q_eff, do)
 
     @staticmethod
     def backward(saved, q, k, v, g, beta, opts, scale: float, bounds: Sequence[int],
@@ -297,21 +300,17 @@ class FlaDelta:
         qa = q.contiguous() if qa is None else qa
         ka = k.contiguous() if ka is None else ka
         ba = beta.contiguous() if ba is None else ba
-        B, T, HV, V = v.shape
-        like = v.new_empty(1, HV, q.shape[-1], V, dtype=compute_dtype(v))
+        dt = compute_dtype(v)
         with _on_device(q):
             cu, ci = local_varlen(bounds, q.device)
             dq, dk, dv, dbeta, dg, dh0, dA_log, ddt_bias = _backward_steps(
-                qa, ka, v.contiguous(), g.contiguous(), ba, factors, opts, scale, _stacked(h0s, like), do.contiguous(),
-                _stacked(dhts, like), cu, ci)
+                qa, ka, v.contiguous(), g.contiguous(), ba, factors, opts, scale, _stacked(h0s, dt), do.contiguous(),
+                _stacked(dhts, dt), cu, ci)
+            fla = _fns()
             if opts.use_qk_l2norm_in_kernel:
-                from fla.modules.norm.l2norm import l2norm_bwd
-
-                dq, dk = l2norm_bwd(qa, q_rstd, dq), l2norm_bwd(ka, k_rstd, dk)
+                dq, dk = fla.l2norm_bwd(qa, q_rstd, dq), fla.l2norm_bwd(ka, k_rstd, dk)
             if opts.use_beta_sigmoid_in_kernel:
-                from fla.ops.common.gate import fused_beta_sigmoid_bwd
-
-                dbeta = fused_beta_sigmoid_bwd(beta.contiguous(), dbeta, 2.0 if opts.allow_neg_eigval else 1.0)
+                dbeta = fla.fused_beta_sigmoid_bwd(beta.contiguous(), dbeta, 2.0 if opts.allow_neg_eigval else 1.0)
         if dh0 is None:
             dh0s = [None] * len(h0s)
         else:

@@ -99,12 +99,6 @@ def _fold_grad_state(qe, do, part, T, H, T_SPLIT,
     tl.store(dst, acc, mask=mask)
 
 
-@functools.lru_cache(maxsize=None)
-def _sm_count(index: int) -> int:
-    """The GPU's SM count (asked once per device: the backward reads it every call)."""
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
 def _pow2(n: int) -> int:
     return max(16, triton.next_power_of_2(n))
 
@@ -136,6 +130,21 @@ def fold_forward(o: torch.Tensor, q_eff: torch.Tensor, S_in: torch.Tensor, copy_
     return (out, q_copy) if copy_q else out
 
 
+@functools.lru_cache(maxsize=1024)
+def _state_grad_launch(B: int, T: int, H: int, K: int, V: int, cuda_index):
+    """``(BK, BV, column blocks, token splits, tokens per split)`` of :func:`fold_state_grad`, once per
+    shape (the backward's host time)."""
+    BK, BV = _pow2(K), min(_pow2(V), 64)
+    nv = triton.cdiv(V, BV)
+    # enough CTAs to fill the GPU: split the tokens when heads x column blocks are few (on the CPU
+    # interpreter a nominal 8 "SMs", so the splits are exercised there too)
+    sms = 8 if cuda_index is None else torch.cuda.get_device_properties(cuda_index).multi_processor_count
+    blocks = triton.cdiv(T, _BLOCK_T)
+    splits = max(1, min(blocks, triton.cdiv(2 * sms, B * H * nv)))
+    t_split = triton.cdiv(blocks, splits) * _BLOCK_T
+    return BK, BV, nv, triton.cdiv(T, t_split), t_split
+
+
 def fold_state_grad(q_eff: torch.Tensor, dout: torch.Tensor) -> torch.Tensor:
     """``einsum("bthk,bthv->bhkv", q_eff, dout)`` in fp32 (no autograd): the gradient of ``S_in`` in
     :func:`fold_forward`, deterministic."""
@@ -144,15 +153,7 @@ def fold_state_grad(q_eff: torch.Tensor, dout: torch.Tensor) -> torch.Tensor:
     _check_inner_stride("q_eff", q_eff)
     if dout.stride(-1) != 1:
         dout = dout.contiguous()
-    BK, BV = _pow2(K), min(_pow2(V), 64)
-    nv = triton.cdiv(V, BV)
-    # enough CTAs to fill the GPU: split the tokens when heads x column blocks are few (on the CPU
-    # interpreter a nominal 8 "SMs", so the splits are exercised there too)
-    sms = _sm_count(q_eff.device.index) if q_eff.is_cuda else 8
-    blocks = triton.cdiv(T, _BLOCK_T)
-    splits = max(1, min(blocks, triton.cdiv(2 * sms, B * H * nv)))
-    t_split = triton.cdiv(blocks, splits) * _BLOCK_T
-    splits = triton.cdiv(T, t_split)
+    BK, BV, nv, splits, t_split = _state_grad_launch(B, T, H, K, V, q_eff.device.index if q_eff.is_cuda else None)
     part = torch.empty(splits, B * H, K, V, dtype=torch.float32, device=q_eff.device)
     ieee = _INTERPRETED or q_eff.dtype == torch.float32 or q_eff.dtype != dout.dtype
     _fold_grad_state[(nv, splits, B * H)](

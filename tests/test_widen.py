@@ -1,0 +1,44 @@
+"""``allscan.ops.delta.widen.widened``: fla's WY values widened with zero columns, against torch's cat.
+On CPU through Triton's interpreter (in a subprocess: the interpreter is chosen when the kernel is
+defined); on GPU the compiled kernel."""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+# (B, T, H, V, width): widths that are and are not powers of two, rows not a multiple of a program's
+SHAPES = [(1, 70, 2, 32, 48), (2, 33, 3, 40, 64), (1, 5, 1, 16, 16), (1, 9, 2, 200, 456)]
+
+
+def check_widened(device: str, shapes=SHAPES):
+    from allscan.ops.delta.widen import widened
+
+    gen = torch.Generator().manual_seed(0)
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        for B, T, H, V, W in shapes:
+            u = torch.randn(B, T, H, V, generator=gen).to(dtype).to(device)
+            out = widened(u, W)
+            ref = torch.cat([u, u.new_zeros(B, T, H, W - V)], -1)
+            assert out.dtype == dtype and out.is_contiguous() and torch.equal(out, ref), (dtype, (B, T, H, V, W))
+    with pytest.raises(ValueError, match="width must be at least"):
+        widened(torch.zeros(1, 2, 1, 8, device=device), 4)
+
+
+def test_widened_interpreted_on_cpu():
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    code = "import sys; sys.path.insert(0, 'tests'); from test_widen import check_widened; check_widened('cpu')"
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    res = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_widened_on_gpu():
+    # the layers' sizes: K = V = 128 (the benchmarks), K = 256, V = 512 (GatedDeltaNet's defaults)
+    check_widened("cuda", shapes=SHAPES + [(1, 4096, 16, 128, 256), (1, 700, 4, 512, 768)])
