@@ -27,8 +27,10 @@ sequence: the scan and the fold-in are issued, over the one-rank group, no trans
 left out and the agreement is ``allgather`` against ``zeco``.
 Writes DIR/delta_bench.json and prints a table with the ratios to ``ideal``; ``--model`` prints the
 model of bytes received and combine FLOPs per rank for ``zeco`` and ``fla_cp`` at P = 2..256 (a model,
-not a measurement). ``--fla-autotune one`` (default) gives every fla kernel one fixed config, the
-same for every row. fla's delta-rule backward needs tilelang on Hopper with Triton 3.6
+not a measurement). fla's kernels autotune as fla does by default (``--fla-autotune full``: each row,
+the ideal and the widened shapes alike, gets its best configs; fla keeps them on disk, so a later run
+on the same machine does not tune again); ``--fla-autotune one`` gives every kernel one fixed config instead (minutes
+less tuning, a slower floor). fla's delta-rule backward needs tilelang on Hopper with Triton 3.6
 (``../shared/tools/device_tilelang.sh``).
 """
 from __future__ import annotations
@@ -444,7 +446,9 @@ def main():
                          "split by stage without a profiler")
     ap.add_argument("--graph", action="store_true", help="also time each row captured in a CUDA graph (not fla_cp)")
     ap.add_argument("--model", action="store_true", help="print the per-rank cost model and exit (no GPU)")
-    add_fla_autotune_option(ap)
+    # fla's own autotuning by default: the floor is fla as its users run it (one fixed config per kernel
+    # made it much slower, bench/README.md, seventeenth run)
+    add_fla_autotune_option(ap, default="full")
     args = ap.parse_args()
     if args.model:
         print(model_table(args.heads, args.head_dim, args.head_dim, [2, 8, 32, 128, 256]))

@@ -21,9 +21,10 @@ def progress(tag: str):
     return say
 
 
-def add_fla_autotune_option(ap) -> None:
-    ap.add_argument("--fla-autotune", default="one", choices=["one", "full"],
-                    help="one: one fixed config per fla kernel (minutes less compilation); full: fla's autotuning")
+def add_fla_autotune_option(ap, default: str = "one") -> None:
+    ap.add_argument("--fla-autotune", default=default, choices=["one", "full"],
+                    help="one: one fixed config per fla kernel (minutes less compilation); full: fla's autotuning "
+                         "(what users run; fla keeps its results on disk for the next run on the machine)")
 
 
 def pyplot():
