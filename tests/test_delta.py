@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -575,8 +576,6 @@ def test_fla_backend_option_plumbing_with_reference_steps(monkeypatch):
     steps see the activated q, k and beta; the backward returns dq, dk, dv, dbeta, dg, dh0, dA_log,
     ddt_bias). With the in-kernel l2norm and beta sigmoid (negative eigenvalues allowed), the forward's
     pieces and the gradients of the raw inputs must equal autograd through the reference."""
-    l2mod = pytest.importorskip("fla.modules.norm.l2norm")
-    gatemod = pytest.importorskip("fla.ops.common.gate")
     import allscan.ops.delta.fla as fla_backend
     from allscan.ops.delta.gates import DeltaOptions, beta_gate, l2norm
 
@@ -602,10 +601,10 @@ def test_fla_backend_option_plumbing_with_reference_steps(monkeypatch):
         dq, dk, dv, dg, db, dh0 = torch.autograd.grad([o, fin], xs, [do, dht])
         return dq, dk, dv, db, dg, dh0, None, None  # fla's order
 
-    monkeypatch.setattr(l2mod, "l2norm_fwd", l2_fwd)
-    monkeypatch.setattr(l2mod, "l2norm_bwd", l2_bwd)
-    monkeypatch.setattr(gatemod, "fused_beta_sigmoid_fwd", lambda x, scale=1.0: scale * torch.sigmoid(x))
-    monkeypatch.setattr(gatemod, "fused_beta_sigmoid_bwd", sig_bwd)
+    # the activations FlaDelta takes from fla (looked up once per process, through _fns)
+    fakes = SimpleNamespace(l2norm_fwd=l2_fwd, l2norm_bwd=l2_bwd, fused_beta_sigmoid_bwd=sig_bwd,
+                            fused_beta_sigmoid_fwd=lambda x, scale=1.0: scale * torch.sigmoid(x))
+    monkeypatch.setattr(fla_backend, "_fns", lambda: fakes)
     monkeypatch.setattr(fla_backend, "_state_steps", state_steps)
     monkeypatch.setattr(fla_backend, "_output_step", lambda staged: (staged[0], ()))
     monkeypatch.setattr(fla_backend, "_backward_steps", backward_steps)

@@ -24,6 +24,12 @@ def check_widened(device: str, shapes=SHAPES):
             out = widened(u, W)
             ref = torch.cat([u, u.new_zeros(B, T, H, W - V)], -1)
             assert out.dtype == dtype and out.is_contiguous() and torch.equal(out, ref), (dtype, (B, T, H, V, W))
+    # a strided u (made contiguous first), and empty ones
+    u = torch.randn(2, 6, 3, 40, generator=gen).to(device)[:, ::2, :, :24]
+    assert torch.equal(widened(u, 30), torch.cat([u, u.new_zeros(2, 3, 3, 6)], -1))
+    for shape, W in (((1, 0, 2, 8), 12), ((1, 3, 2, 0), 5)):
+        out = widened(torch.zeros(shape, device=device), W)
+        assert out.shape == shape[:-1] + (W,) and not out.any(), shape
     with pytest.raises(ValueError, match="width must be at least"):
         widened(torch.zeros(1, 2, 1, 8, device=device), 4)
 

@@ -42,10 +42,10 @@ from .chunk import CHUNK, compute_dtype
 
 @functools.lru_cache(maxsize=None)
 def fla_delta_available() -> bool:
-    """Whether fla-core's delta-rule kernels import (fla-core and Triton with a GPU)."""
+    """Whether every fla-core function the delta layers call imports (fla-core and Triton with a GPU):
+    a version lacking one falls back to the torch backend at selection, not in the middle of a call."""
     try:
-        import fla.ops.gated_delta_rule  # noqa: F401
-        import fla.ops.kda  # noqa: F401
+        _fns()
     except Exception:  # noqa: BLE001 - any failure to import means: not usable here
         return False
     return True
@@ -73,7 +73,8 @@ def fla_kernel(opts):
 @functools.lru_cache(maxsize=None)
 def _fns() -> SimpleNamespace:
     """fla-core's functions the steps below call, and allscan's kernels around them, imported once per
-    process (import statements on every call are host time on the critical path, issue 14)."""
+    process (import statements on every call are host time on the critical path, issue 14). What it
+    found is kept: to replace one of them (tests, benchmarks), replace ``_fns`` or clear its cache."""
     from fla.modules.norm.l2norm import l2norm_bwd, l2norm_fwd
     from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_h
     from fla.ops.common.chunk_o import chunk_fwd_o
@@ -114,12 +115,11 @@ def _on_device(t: torch.Tensor):
 def _activate(q, k, beta, opts):
     """What fla's autograd functions apply before their forward steps: ``(q, k, beta, q_rstd, k_rstd)``."""
     q_rstd = k_rstd = None
-    fla = _fns()
     if opts.use_qk_l2norm_in_kernel:
-        q, q_rstd = fla.l2norm_fwd(q)
-        k, k_rstd = fla.l2norm_fwd(k)
+        q, q_rstd = _fns().l2norm_fwd(q)
+        k, k_rstd = _fns().l2norm_fwd(k)
     if opts.use_beta_sigmoid_in_kernel:
-        beta = fla.fused_beta_sigmoid_fwd(beta, 2.0 if opts.allow_neg_eigval else 1.0)
+        beta = _fns().fused_beta_sigmoid_fwd(beta, 2.0 if opts.allow_neg_eigval else 1.0)
     return q, k, beta, q_rstd, k_rstd
 
 
@@ -193,9 +193,9 @@ def _backward_steps(q, k, v, g, beta, factors, opts, scale, h0, do, dht, cu=None
                 cu_seqlens=cu, chunk_indices=ci)
     if opts.per_key:
         g_cum, Aqk, Akk = factors
-        return _fns().chunk_kda_bwd(q=q, k=k, v=v, beta=beta, Aqk=Aqk, Akk=Akk, scale=scale, initial_state=h0, do=do,
-                             dht=dht, g=g_cum, g_org=g if opts.use_gate_in_kernel else None,
-                             safe_gate=opts.safe_gate, lower_bound=opts.lower_bound, **gate)
+        return _fns().chunk_kda_bwd(q=q, k=k, v=v, beta=beta, Aqk=Aqk, Akk=Akk, scale=scale, initial_state=h0,
+                                    do=do, dht=dht, g=g_cum, g_org=g if opts.use_gate_in_kernel else None,
+                                    safe_gate=opts.safe_gate, lower_bound=opts.lower_bound, **gate)
     g_cum, A = factors
     return _fns().chunk_gated_delta_rule_bwd(q=q, k=k, v=v, g=g_cum, beta=beta, A=A, scale=scale, initial_state=h0,
                                              do=do, dht=dht, g_input=g if opts.use_gate_in_kernel else None, **gate)
@@ -306,11 +306,10 @@ class FlaDelta:
             dq, dk, dv, dbeta, dg, dh0, dA_log, ddt_bias = _backward_steps(
                 qa, ka, v.contiguous(), g.contiguous(), ba, factors, opts, scale, _stacked(h0s, dt), do.contiguous(),
                 _stacked(dhts, dt), cu, ci)
-            fla = _fns()
             if opts.use_qk_l2norm_in_kernel:
-                dq, dk = fla.l2norm_bwd(qa, q_rstd, dq), fla.l2norm_bwd(ka, k_rstd, dk)
+                dq, dk = _fns().l2norm_bwd(qa, q_rstd, dq), _fns().l2norm_bwd(ka, k_rstd, dk)
             if opts.use_beta_sigmoid_in_kernel:
-                dbeta = fla.fused_beta_sigmoid_bwd(beta.contiguous(), dbeta, 2.0 if opts.allow_neg_eigval else 1.0)
+                dbeta = _fns().fused_beta_sigmoid_bwd(beta.contiguous(), dbeta, 2.0 if opts.allow_neg_eigval else 1.0)
         if dh0 is None:
             dh0s = [None] * len(h0s)
         else:

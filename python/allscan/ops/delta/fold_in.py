@@ -130,15 +130,21 @@ def fold_forward(o: torch.Tensor, q_eff: torch.Tensor, S_in: torch.Tensor, copy_
     return (out, q_copy) if copy_q else out
 
 
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    """The GPU's SM count, asked once per device."""
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
 @functools.lru_cache(maxsize=1024)
 def _state_grad_launch(B: int, T: int, H: int, K: int, V: int, cuda_index):
     """``(BK, BV, column blocks, token splits, tokens per split)`` of :func:`fold_state_grad`, once per
-    shape (the backward's host time)."""
+    shape (the backward's host time; packed sequences change T, and only the arithmetic is redone)."""
     BK, BV = _pow2(K), min(_pow2(V), 64)
     nv = triton.cdiv(V, BV)
     # enough CTAs to fill the GPU: split the tokens when heads x column blocks are few (on the CPU
     # interpreter a nominal 8 "SMs", so the splits are exercised there too)
-    sms = 8 if cuda_index is None else torch.cuda.get_device_properties(cuda_index).multi_processor_count
+    sms = 8 if cuda_index is None else _sm_count(cuda_index)
     blocks = triton.cdiv(T, _BLOCK_T)
     splits = max(1, min(blocks, triton.cdiv(2 * sms, B * H * nv)))
     t_split = triton.cdiv(blocks, splits) * _BLOCK_T

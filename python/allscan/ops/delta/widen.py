@@ -27,7 +27,7 @@ def _widen(src, dst, n_rows, V: tl.constexpr, W: tl.constexpr, BR: tl.constexpr,
 
 
 def widened(u: torch.Tensor, width: int) -> torch.Tensor:
-    """``torch.cat([u, zeros(..., width - V)], -1)`` for a contiguous ``u`` (no autograd)."""
+    """``torch.cat([u, zeros(..., width - V)], -1)``, contiguous (no autograd)."""
     V = u.shape[-1]
     if width < V:
         raise ValueError(f"widened: width must be at least u's last dimension {V}, got {width}")
