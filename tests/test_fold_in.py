@@ -1,12 +1,9 @@
 """The delta-rule layers' fold-in kernels (``allscan.ops.delta.fold_in``): ``o + Q' S_in`` and the gradient
 of ``S_in`` against float64, with the strided slices fla's widened call hands it. On CPU through Triton's interpreter
 (in a subprocess: the interpreter is chosen when the kernels are defined); on GPU the compiled kernels."""
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
+from triton_interpreted import assert_passes_interpreted
 
 pytest.importorskip("triton")
 
@@ -49,12 +46,7 @@ def check_fold_in(device: str, shapes=SHAPES, dtypes=DTYPES):
 
 
 def test_fold_in_interpreted_on_cpu():
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    code = "import sys; sys.path.insert(0, 'tests'); from test_fold_in import check_fold_in; check_fold_in('cpu')"
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    res = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True,
-                         timeout=600)
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert_passes_interpreted("test_fold_in", "check_fold_in")
 
 
 @pytest.mark.gpu

@@ -1,12 +1,9 @@
 """``allscan.ops.delta.widen.widened``: fla's WY values widened with zero columns, against torch's cat.
 On CPU through Triton's interpreter (in a subprocess: the interpreter is chosen when the kernel is
 defined); on GPU the compiled kernel."""
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
+from triton_interpreted import assert_passes_interpreted
 
 pytest.importorskip("triton")
 
@@ -35,12 +32,7 @@ def check_widened(device: str, shapes=SHAPES):
 
 
 def test_widened_interpreted_on_cpu():
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    code = "import sys; sys.path.insert(0, 'tests'); from test_widen import check_widened; check_widened('cpu')"
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    res = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True,
-                         timeout=600)
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert_passes_interpreted("test_widen", "check_widened")
 
 
 @pytest.mark.gpu
