@@ -18,36 +18,50 @@ using detail::fromAcc;
 using detail::toAcc;
 using detail::quietNan;
 
-// Output tile TILE x TILE per CTA of 256 threads (TILE/16 x TILE/16 outputs per thread), inner
-// dimension in steps of BK through shared memory. FFMA in the accumulation dtype: an fp32 state must
-// match a float64 chain to ~1e-6 relative, which TF32 tensor cores (10-bit mantissa) cannot give.
-// 64 x 64 tiles when there is enough work to fill the GPU with them, else 32 x 32 (4x the CTAs: a
-// pipeline block of a few [128, 128] entries is a few dozen CTAs).
-constexpr int BK = 16;
+// An FFMA GEMM in the accumulation dtype: an fp32 state must match a float64 chain to ~1e-6
+// relative, which TF32 tensor cores (10-bit mantissa) cannot give; 3xTF32 on tensor cores was
+// measured slower than this kernel at every tested size (bench/README.md, eighteenth run).
+// Output tile TILE x TILE per CTA of 256 threads (TILE/16 x TILE/16 outputs per thread): 64 x 64 when
+// there are enough of them to fill the GPU, else 32 x 32 (4x the CTAs: a pipeline block of a few
+// [128, 128] entries is a few dozen CTAs).
+constexpr int BK = 16;  // the inner dimension is summed in partials of BK terms, then those added
 constexpr int kThreads = 256;
 constexpr size_t kSmallTileBelowCtas = 128;  // fewer 64 x 64 CTAs than this: 32 x 32 tiles
 
 struct Params {
   const void* m;
-  bool transpose;
   View y, x, out, out2, ycopy;
   size_t nb, k, vc;
   unsigned col_tiles;
   detail::SigCheck check;
 };
 
-template <typename T, typename MT, int TILE>
+// The inner dimension is loaded in rounds of KC rows (16 KiB of shared memory per operand), every
+// thread's share of a round read into registers first (all of its loads in flight at once), then
+// stored to shared memory: one global-load latency per round. The result goes through shared memory
+// to the epilogue, whose stores are coalesced.
+template <typename T, typename MT, int TILE, bool TRANSPOSE>
 __global__ void __launch_bounds__(kThreads) combineKernel(Params p) {
   using A = typename Acc<T>::type;
-  constexpr int BM = TILE, BN = TILE, TM = TILE / 16, TN = TILE / 16;
-  __shared__ A Ms[BK][BM];  // Ms[kk][i] = M[i0 + i][k0 + kk]
-  __shared__ A Ys[BK][BN];  // Ys[kk][c] = y[k0 + kk][c0 + c]
+  constexpr int NT = kThreads;
+  constexpr int KC = 16384 / (TILE * static_cast<int>(sizeof(A)));
+  constexpr int PER = TILE * KC / NT;  // elements of each operand a thread stages per round
+  constexpr int TM = TILE / 16;       // FFMA: TM x TM outputs per thread
+  static_assert(NT % TILE == 0 && NT % KC == 0, "a thread's staged elements are a fixed stride apart");
+  // Ms[kk][i] = M[i0 + i][k0 + kk] (M^T's when transposed), its rows one longer than the tile so that
+  // the staging of M (consecutive kk, one i per warp) stores into distinct banks; Ys[kk][c] = y[k0 +
+  // kk][c0 + c]; after the last round the same memory holds Os, the tile's M @ y.
+  constexpr int kSmem = KC * (TILE + 1) + KC * TILE;
+  static_assert(TILE * TILE <= kSmem, "the output tile fits where the operands were staged");
+  __shared__ __align__(128) A smem[kSmem];
+  A (*Ms)[TILE + 1] = reinterpret_cast<A (*)[TILE + 1]>(smem);
+  A (*Ys)[TILE] = reinterpret_cast<A (*)[TILE]>(smem + KC * (TILE + 1));
+  A (*Os)[TILE] = reinterpret_cast<A (*)[TILE]>(smem);
   const size_t K = p.k, vc = p.vc;
   const size_t b = blockIdx.x / p.col_tiles;
-  const size_t c0 = static_cast<size_t>(blockIdx.x % p.col_tiles) * BN;
-  const size_t i0 = static_cast<size_t>(blockIdx.y) * BM;
+  const size_t c0 = static_cast<size_t>(blockIdx.x % p.col_tiles) * TILE;
+  const size_t i0 = static_cast<size_t>(blockIdx.y) * TILE;
   const int tid = threadIdx.x;
-  const int tx = tid % (BN / TN), ty = tid / (BN / TN);
 
   const MT* M = static_cast<const MT*>(p.m) + b * K * K;
   const T* Y = static_cast<const T*>(p.y.p) + b * p.y.bstride;
@@ -55,84 +69,91 @@ __global__ void __launch_bounds__(kThreads) combineKernel(Params p) {
   const bool poison = p.check.mismatch();
   const T nan = fromAcc<T>(quietNan(A(0)));
 
-  A acc[TM][TN];
+  const int tx = tid % 16, ty = tid / 16;
+  A acc[TM][TM];
 #pragma unroll
   for (int u = 0; u < TM; ++u)
 #pragma unroll
-    for (int v = 0; v < TN; ++v) acc[u][v] = A(0);
+    for (int v = 0; v < TM; ++v) acc[u][v] = A(0);
 
-  for (size_t k0 = 0; k0 < K; k0 += BK) {
-    for (int e = tid; e < BM * BK; e += kThreads) {
+  for (size_t k0 = 0; k0 < K; k0 += KC) {
+    const int kn = static_cast<int>(std::min<size_t>(KC, K - k0));
+    const int kp = (kn + BK - 1) / BK * BK;  // the staged rows, zeros past kn up to a whole BK
+    A mreg[PER], yreg[PER];
+    // Thread tid's elements of a round: a fixed first index plus r times a fixed step (NT is a
+    // multiple of TILE and of KC), so the unrolled loads are one base address plus r strides.
+#pragma unroll
+    for (int r = 0; r < PER; ++r) {
       // Consecutive threads read consecutive addresses of M (or of M^T's rows, M's columns).
-      const int i = p.transpose ? e % BM : e / BK;
-      const int kk = p.transpose ? e / BM : e % BK;
+      const int i = TRANSPOSE ? tid % TILE : tid / KC + r * (NT / KC);
+      const int kk = TRANSPOSE ? tid / TILE + r * (NT / TILE) : tid % KC;
       const size_t gi = i0 + i, gk = k0 + kk;
-      A v = A(0);
-      if (gi < K && gk < K) v = toAcc<MT>(M[p.transpose ? gk * K + gi : gi * K + gk]);
-      Ms[kk][i] = v;
+      mreg[r] = gi < K && kk < kn ? toAcc<MT>(M[TRANSPOSE ? gk * K + gi : gi * K + gk]) : A(0);
+      const int ky = tid / TILE + r * (NT / TILE), c = tid % TILE;
+      yreg[r] = ky < kn && c0 + c < vc ? toAcc<T>(Y[(k0 + ky) * p.y.rstride + c0 + c]) : A(0);
     }
-    for (int e = tid; e < BK * BN; e += kThreads) {
-      const int kk = e / BN, c = e % BN;
-      const size_t gk = k0 + kk, gc = c0 + c;
-      A v = A(0);
-      if (gk < K && gc < vc) {
-        const T raw = Y[gk * p.y.rstride + gc];
-        v = toAcc<T>(raw);
-        if (Ycopy != nullptr) Ycopy[gk * p.ycopy.rstride + gc] = poison ? nan : raw;
-      }
-      Ys[kk][c] = v;
+#pragma unroll
+    for (int r = 0; r < PER; ++r) {
+      const int i = TRANSPOSE ? tid % TILE : tid / KC + r * (NT / KC);
+      const int kk = TRANSPOSE ? tid / TILE + r * (NT / TILE) : tid % KC;
+      Ms[kk][i] = mreg[r];
+      const int ky = tid / TILE + r * (NT / TILE), c = tid % TILE;
+      Ys[ky][c] = yreg[r];
+      // toAcc then fromAcc is exact: the copy is the received bits
+      if (Ycopy != nullptr && ky < kn && c0 + c < vc)
+        Ycopy[(k0 + ky) * p.ycopy.rstride + c0 + c] = poison ? nan : fromAcc<T>(yreg[r]);
     }
     __syncthreads();
     // Two-level sum: each BK-long slice in its own partial, then added to the total, so the
     // rounding error grows like sqrt(BK) + sqrt(K/BK) instead of sqrt(K) (half at K = 256).
-    A part[TM][TN];
-#pragma unroll
-    for (int u = 0; u < TM; ++u)
-#pragma unroll
-      for (int v = 0; v < TN; ++v) part[u][v] = A(0);
-#pragma unroll
-    for (int kk = 0; kk < BK; ++kk) {
-      A mv[TM], yv[TN];
-#pragma unroll
-      for (int u = 0; u < TM; ++u) mv[u] = Ms[kk][ty * TM + u];
-#pragma unroll
-      for (int v = 0; v < TN; ++v) yv[v] = Ys[kk][tx * TN + v];
+    for (int kb = 0; kb < kp; kb += BK) {
+      A prt[TM][TM];
 #pragma unroll
       for (int u = 0; u < TM; ++u)
 #pragma unroll
-        for (int v = 0; v < TN; ++v) part[u][v] = fma(mv[u], yv[v], part[u][v]);
+        for (int v = 0; v < TM; ++v) prt[u][v] = A(0);
+#pragma unroll
+      for (int kk = kb; kk < kb + BK; ++kk) {
+        A mv[TM], yv[TM];
+#pragma unroll
+        for (int u = 0; u < TM; ++u) mv[u] = Ms[kk][ty * TM + u];
+#pragma unroll
+        for (int v = 0; v < TM; ++v) yv[v] = Ys[kk][tx * TM + v];
+#pragma unroll
+        for (int u = 0; u < TM; ++u)
+#pragma unroll
+          for (int v = 0; v < TM; ++v) prt[u][v] = fma(mv[u], yv[v], prt[u][v]);
+      }
+#pragma unroll
+      for (int u = 0; u < TM; ++u)
+#pragma unroll
+        for (int v = 0; v < TM; ++v) acc[u][v] += prt[u][v];
     }
-#pragma unroll
-    for (int u = 0; u < TM; ++u)
-#pragma unroll
-      for (int v = 0; v < TN; ++v) acc[u][v] += part[u][v];
     __syncthreads();
   }
+#pragma unroll
+  for (int u = 0; u < TM; ++u)
+#pragma unroll
+    for (int v = 0; v < TM; ++v) Os[ty * TM + u][tx * TM + v] = acc[u][v];
+  __syncthreads();
 
   const T* X = static_cast<const T*>(p.x.p) + b * p.x.bstride;
   T* O = static_cast<T*>(p.out.p) + b * p.out.bstride;
   T* O2 = p.out2.p != nullptr ? static_cast<T*>(p.out2.p) + b * p.out2.bstride : nullptr;
-#pragma unroll
-  for (int u = 0; u < TM; ++u) {
-    const size_t gi = i0 + ty * TM + u;
-    if (gi >= K) continue;
-#pragma unroll
-    for (int v = 0; v < TN; ++v) {
-      const size_t gc = c0 + tx * TN + v;
-      if (gc >= vc) continue;
-      const T r = poison ? nan : fromAcc<T>(acc[u][v] + toAcc<T>(X[gi * p.x.rstride + gc]));
-      O[gi * p.out.rstride + gc] = r;
-      if (O2 != nullptr) O2[gi * p.out2.rstride + gc] = r;
-    }
+  for (int e = tid; e < TILE * TILE; e += NT) {
+    const int i = e / TILE, c = e % TILE;
+    const size_t gi = i0 + i, gc = c0 + c;
+    if (gi >= K || gc >= vc) continue;
+    const T r = poison ? nan : fromAcc<T>(Os[i][c] + toAcc<T>(X[gi * p.x.rstride + gc]));
+    O[gi * p.out.rstride + gc] = r;
+    if (O2 != nullptr) O2[gi * p.out2.rstride + gc] = r;
   }
 }
 
 template <typename T, typename MT, int TILE>
 cudaError_t launchTile(const CombineArgs& a, cudaStream_t stream) {
-  constexpr int BM = TILE, BN = TILE;
   Params p;
   p.m = a.m;
-  p.transpose = a.transpose;
   p.y = a.y;
   p.x = a.x;
   p.out = a.out;
@@ -141,12 +162,17 @@ cudaError_t launchTile(const CombineArgs& a, cudaStream_t stream) {
   p.nb = a.nb;
   p.k = a.k;
   p.vc = a.vc;
-  p.col_tiles = static_cast<unsigned>((a.vc + BN - 1) / BN);
+  p.col_tiles = static_cast<unsigned>((a.vc + TILE - 1) / TILE);
   p.check = a.check;
   const size_t gx = static_cast<size_t>(p.col_tiles) * a.nb;
-  const size_t gy = (a.k + BM - 1) / BM;
+  const size_t gy = (a.k + TILE - 1) / TILE;
   if (gx > 0x7fffffffu || gy > 65535u) return cudaErrorInvalidConfiguration;
-  combineKernel<T, MT, TILE><<<dim3(static_cast<unsigned>(gx), static_cast<unsigned>(gy)), kThreads, 0, stream>>>(p);
+  const dim3 grid(static_cast<unsigned>(gx), static_cast<unsigned>(gy));
+  if (a.transpose) {
+    combineKernel<T, MT, TILE, true><<<grid, kThreads, 0, stream>>>(p);
+  } else {
+    combineKernel<T, MT, TILE, false><<<grid, kThreads, 0, stream>>>(p);
+  }
   return cudaGetLastError();
 }
 

@@ -36,8 +36,8 @@ struct CombineArgs {
   detail::SigCheck check;   // NaN into out, out2 and ycopy when y came from a mismatched call
 };
 
-// One launch over the whole block. Arithmetic: fp32 FFMA (fp64 for fp64 states), summing over j in
-// order, then + x, one rounding to the storage dtype.
+// One launch over the whole block. Arithmetic: fp32 FFMA (fp64 for fp64 states), the sum over j in
+// partials of 16 consecutive terms added in order, then + x, one rounding to the storage dtype.
 cudaError_t launchCombine(const CombineArgs& a, cudaStream_t stream);
 
 // Natural [batch, K, V] <-> block layout: batch entry b keeps its K*V elements at b*K*V, as the
