@@ -281,12 +281,17 @@ def _as_middle_rank(world):
     zeco.ShardSegments = MiddleRank
 
 
-def _middle_rank(rank, world, layer):
+def _middle_rank(rank, world, layer, dtype_name):
     """One GPU as a middle rank (:func:`_as_middle_rank`) with initial and final states: B = 2; packed
     sequences (one continuing from the previous rank, one starting and ending here, one crossing into the
     next rank); and packed sequences in one process (``allscan.ops.LOCAL``). Output, final states and the
     gradients of q, k, v, g, beta and the initial states against the exact answer, within 1.1x of fla's
-    own error (fla's chunk function on the shard from the same initial states)."""
+    own error (fla's chunk function on the shard from the same initial states). In bf16, and in fp32 with
+    IEEE dots: the incoming state's path (the fp32 matrix scan, the fold-in's fp32 Q') must not add error
+    where fla's own is small."""
+    if dtype_name == "float32":
+        os.environ["TRITON_F32_DEFAULT"] = "ieee"  # before Triton compiles anything in this process
+        torch.backends.cuda.matmul.allow_tf32 = False
     import torch.distributed as dist
 
     from allscan.ops import LOCAL
@@ -321,7 +326,8 @@ def _middle_rank(rank, world, layer):
     bad = {}
     for case, (B, N, kw, ref_fn, ex_fn) in cases.items():
         gen = torch.Generator(device=dev).manual_seed(5)
-        *ins, do = _bf16_inputs(layer, B, T, gen, dev)
+        *ins, do = [t.to(getattr(torch, dtype_name)) if t.dtype == torch.bfloat16 else t
+                    for t in _bf16_inputs(layer, B, T, gen, dev)]
         ins.append(0.1 * torch.randn(N, H, K, V, device=dev, generator=gen))
         dht = torch.randn(N, H, K, V, device=dev, generator=gen)
 
@@ -334,7 +340,7 @@ def _middle_rank(rank, world, layer):
         mine, ref, exact = run(op, **kw), run(ref_fn), run(ex_fn, dtype=torch.float64)
         for n in names:
             err, fla_err = _rms_ratio(mine[n], exact[n]), _rms_ratio(ref[n], exact[n])
-            if not err <= max(TOL["bfloat16"], RATIO * fla_err):
+            if not err <= max(TOL[dtype_name], RATIO * fla_err):
                 bad[f"{case}: {n}"] = f"{err:.2e} (fla {fla_err:.2e})"
     assert not bad, f"{layer} as a middle rank on one GPU: errors above {RATIO}x fla's own: {bad}"
     dist.barrier()
@@ -342,9 +348,10 @@ def _middle_rank(rank, world, layer):
 
 
 @pytest.mark.timeout(RUN_TIMEOUT + 90)
+@pytest.mark.parametrize("dtype_name", ["bfloat16", "float32"])
 @pytest.mark.parametrize("layer", ["gdn", "kda"])
-def test_middle_rank_on_one_gpu_matches_fla(layer):
-    _run_on_gpus(_middle_rank, 1, layer)
+def test_middle_rank_on_one_gpu_matches_fla(layer, dtype_name):
+    _run_on_gpus(_middle_rank, 1, layer, dtype_name)
 
 
 def _graph_replay(rank, world, layer):
@@ -474,11 +481,12 @@ def test_peak_memory_near_fla(layer):
     _run_on_gpus(_peak_memory, 1, layer)
 
 
-def _run_on_gpus(fn, world, layer):
-    """``fn`` on ``world`` NCCL ranks, skipped where fla refuses the delta-rule backward."""
+def _run_on_gpus(fn, world, layer, *args):
+    """``fn(rank, world, layer, *args)`` on ``world`` NCCL ranks, skipped where fla refuses the delta-rule
+    backward."""
     _need(world)
     try:
-        ok = run_distributed(fn, world, layer, timeout=RUN_TIMEOUT, backend="nccl")
+        ok = run_distributed(fn, world, layer, *args, timeout=RUN_TIMEOUT, backend="nccl")
     except AssertionError as e:
         if "install tilelang" in str(e):
             pytest.skip("fla refuses its delta-rule backward here without tilelang (../shared/tools/device_tilelang.sh)")
