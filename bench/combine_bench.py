@@ -1,5 +1,5 @@
 """The matrix All-Scan's combine kernel, ``out = M @ y + x``, on one GPU, side by side with torch's batched
-GEMM (cuBLAS) on the same operands.
+GEMM (cuBLAS) on the same values.
 
     torchrun --nproc-per-node 1 bench/combine_bench.py [--out DIR]
 
@@ -8,10 +8,11 @@ the block and sending the result on, so its time adds to every hop of the chain 
 ``init``). At P = 1 an inclusive matrix scan with ``init`` is exactly one combine (``M @ init + x``), so
 the op is timed through ``torch.ops.allscan.matrix_scan`` on a group of one. Each row: ``--calls``
 calls captured in one CUDA graph (no launch gaps beyond the GPU's own), replayed, the median per call
-over ``--repeats`` rounds in which the rows alternate. Beside it: ``torch.baddbmm`` in fp32 without
-TF32 (cuBLAS, the same arithmetic class: the named floor), with TF32 (a speed reference only: 10-bit
-mantissas miss the 1e-6 the scan must meet), and the bytes moved (M, y and x read, out written) at
-the copy bandwidth. Accuracy: the kernel's relative error (norm) against float64 of the operands as
+over ``--repeats`` rounds; within a state the three timed columns alternate. Beside it:
+``torch.baddbmm`` in fp32 without TF32 (cuBLAS, the same arithmetic class: the named floor), with TF32
+(a speed reference only: 10-bit mantissas miss the 1e-6 the scan must meet), and the bytes moved (M, y
+and x read, out written) at the copy bandwidth. cuBLAS always gets fp32 operands (for a bf16 state,
+fp32 copies of its values: twice the bytes of x and y). Accuracy: the kernel's relative error (norm) against float64 of the operands as
 stored.
 """
 from __future__ import annotations
@@ -67,6 +68,9 @@ def main():
     torch.cuda.set_device(local)
     dev = torch.device("cuda", local)
     dist.init_process_group("nccl", device_id=dev)
+    if dist.get_world_size() != 1:
+        raise SystemExit("combine_bench.py: run it as one process (torchrun --nproc-per-node 1): with more ranks the "
+                         "op is a whole chain, not one combine")
     name = dist.group.WORLD.group_name
     gen = torch.Generator().manual_seed(7)
     rows = []

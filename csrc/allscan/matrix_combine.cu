@@ -99,7 +99,8 @@ __global__ void __launch_bounds__(kThreads) combineKernel(Params p) {
       Ms[kk][i] = mreg[r];
       const int ky = tid / TILE + r * (NT / TILE), c = tid % TILE;
       Ys[ky][c] = yreg[r];
-      // toAcc then fromAcc is exact: the copy is the received bits
+      // toAcc then fromAcc returns every value it was given (a NaN of a 16-bit dtype may come back
+      // as another NaN): not a re-read of y in the measured path
       if (Ycopy != nullptr && ky < kn && c0 + c < vc)
         Ycopy[(k0 + ky) * p.ycopy.rstride + c0 + c] = poison ? nan : fromAcc<T>(yreg[r]);
     }
