@@ -40,8 +40,10 @@ struct Params {
 // thread's share of a round read into registers first (all of its loads in flight at once), then
 // stored to shared memory: one global-load latency per round. The result goes through shared memory
 // to the epilogue, whose stores are coalesced.
+// Two CTAs per SM for fp32 accumulation (else a bf16 state's 32 x 32 tiles took 150 registers, one CTA
+// per SM, and a [16, 128, 128] combine ran in two waves); fp64 would spill under that cap.
 template <typename T, typename MT, int TILE, bool TRANSPOSE>
-__global__ void __launch_bounds__(kThreads) combineKernel(Params p) {
+__global__ void __launch_bounds__(kThreads, sizeof(typename Acc<T>::type) == 4 ? 2 : 1) combineKernel(Params p) {
   using A = typename Acc<T>::type;
   constexpr int NT = kThreads;
   constexpr int KC = 16384 / (TILE * static_cast<int>(sizeof(A)));
