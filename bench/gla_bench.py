@@ -44,7 +44,7 @@ import statistics
 import sys
 import time
 
-from gla_common import add_fla_autotune_option, progress, pyplot, redraw
+from gla_common import add_fla_autotune_option, add_stand_in_option, progress, pyplot, redraw
 
 ROWS = ["ideal", "zeco", "zeco_corr", "lasp2", "lasp1", "lasp1_strict"]
 
@@ -390,11 +390,12 @@ def main():
     ap.add_argument("--inner", type=int, default=4, help="back-to-back fwd+bwd calls per timing")
     ap.add_argument("--warmup", type=int, default=3)
     add_fla_autotune_option(ap)
+    add_stand_in_option(ap)
     ap.add_argument("--plot", default=None, help="redraw the table and plot from this JSON (no GPU)")
     ap.add_argument("--profile", default="", help="T_local values (comma-separated) at which to print where "
                     "the time goes: host issue time and torch.profiler's kernel table for ideal and zeco")
     ap.add_argument("--host", action="store_true", help="host issue time, eager and CUDA-graph time of ideal and "
-                    "zeco, and zeco's host time by part (bench/gla_host.py); one rank stands in for a middle rank")
+                    "zeco, and zeco's host time by part (bench/gla_host.py); one rank stands in for another (--stand-in)")
     args = ap.parse_args()
     if args.plot:
         redraw(args.plot, args.out, report, plot)

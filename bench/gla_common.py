@@ -49,14 +49,18 @@ def redraw(path: str, outdir: str, report, plot) -> None:
 
 
 @contextlib.contextmanager
-def middle_rank_stand_in(world: int, module: str):
+def middle_rank_stand_in(world: int, module: str, place: str = "middle"):
     """With one rank: the layer of ``module`` (``allscan.ops.gla.zeco``, ``allscan.ops.delta.zeco``) cuts
-    its shards as a middle rank's (the sequence continues from a previous rank: the incoming-state work
-    and the scans are issued, over the one-rank group), so one GPU issues a middle rank's work. With
-    more ranks: nothing changes."""
+    its shards as rank 1 of 3 (``place="middle"``) or as the last of 2 (``"last"``): the sequence
+    continues from a previous rank, so the incoming-state work and the scans are issued, over the
+    one-rank group, and one GPU issues that rank's work (GLA's last rank takes its incoming state's
+    gradient from its local backward; a middle rank computes it beside). With more ranks: nothing
+    changes."""
     import importlib
 
     zeco_module = importlib.import_module(module)
+    if place not in ("middle", "last"):
+        raise ValueError(f"place: 'middle' or 'last', got {place!r}")
 
     real = zeco_module.ShardSegments
     if world > 1:
@@ -67,13 +71,18 @@ def middle_rank_stand_in(world: int, module: str):
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
             if not self.varlen:
-                self.world, self.rank, self.continued = 2, 1, True
+                self.world, self.rank, self.continued = (3 if place == "middle" else 2), 1, True
 
     zeco_module.ShardSegments = MiddleRank
     try:
         yield
     finally:
         zeco_module.ShardSegments = real
+
+
+def add_stand_in_option(ap) -> None:
+    ap.add_argument("--stand-in", default="middle", choices=["middle", "last"],
+                    help="with one GPU, the rank it stands in for: rank 1 of 3, or the last of 2")
 
 
 def captured_time(fwd_bwd, name, calls, dev):

@@ -15,9 +15,10 @@ T_local (B = 1, H heads, K = V, bf16 by default), every number the slowest rank'
   incoming-state kernels, the scans (issue and wait), and the layer's own Python (argument checks,
   glue between stages, autograd).
 
-With one rank the ``zeco`` rows run what a middle rank runs (its shard continues the sequence, so the
-incoming-state kernels and both scans are issued) with the scan over the one-rank group: the host's
-work is a middle rank's; the GPU's lacks only the transfer. Writes DIR/gla_host.json, prints a table.
+With one rank the ``zeco`` rows run what a middle rank (``--stand-in middle``, rank 1 of 3) or the last
+of two ranks (``--stand-in last``) runs: its shard continues the sequence, so the incoming-state kernels
+and both scans are issued, over the one-rank group; the host's work is that rank's, the GPU's lacks
+only the transfer. Writes DIR/gla_host.json, prints a table.
 """
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ import time
 from gla_common import captured_time, middle_rank_stand_in
 
 ROWS = ("ideal", "zeco")
-FLA_STAGES = ("fwd_states", "fwd_intra", "fwd_output", "bwd_begin", "bwd_prepare", "bwd_finish")
+FLA_STAGES = ("fwd_states", "fwd_intra", "fwd_output", "bwd_begin", "bwd_prepare", "bwd_dh", "bwd_finish")
 ALLSCAN_KERNELS = ("shard_gamma", "fwd_output_with_state", "correct", "xgrad")
 
 
@@ -81,7 +82,7 @@ def run_host(args, say):
     dtype = getattr(torch, args.dtype)
     H, K, B = args.heads, args.head_dim, 1
     results = []
-    with middle_rank_stand_in(world, "allscan.ops.gla.zeco"):
+    with middle_rank_stand_in(world, "allscan.ops.gla.zeco", args.stand_in):
         for T in args.tlocal:
             gen = torch.Generator(device=dev).manual_seed(1000 + rank)
             q, k, v = (torch.randn(B, T, H, K, device=dev, generator=gen, dtype=dtype).requires_grad_(True)
@@ -131,7 +132,7 @@ def run_host(args, say):
     out = dict(bench="gla_host", world=world, B=B, H=H, K=K, V=K, dtype=args.dtype, repeats=args.repeats,
                inner=args.inner, fla_autotune=args.fla_autotune, host=socket.gethostname(),
                device=torch.cuda.get_device_name(dev), torch=torch.__version__,
-               middle_rank_stand_in=world == 1, time=time.strftime("%Y-%m-%d %H:%M:%S"),
+               middle_rank_stand_in=world == 1, stand_in=args.stand_in if world == 1 else None, time=time.strftime("%Y-%m-%d %H:%M:%S"),
                command="torchrun --nproc-per-node %d bench/gla_bench.py %s" % (world, " ".join(sys.argv[1:])),
                results=results)
     if rank == 0:
@@ -148,7 +149,8 @@ def run_host(args, say):
 def report_host(out) -> str:
     """The table of a ``--host`` run: per T_local, ideal and zeco (ms) and zeco's ratios to ideal."""
     by = {(r["T_local"], r["row"]): r for r in out["results"]}
-    lines = [f"gla_bench --host: P={out['world']}{' (a middle rank stood in by one GPU)' if out['middle_rank_stand_in'] else ''}, "
+    place = {"middle": "rank 1 of 3", "last": "the last of 2 ranks"}.get(out.get("stand_in") or "middle")
+    lines = [f"gla_bench --host: P={out['world']}{f' (one GPU stands in for {place})' if out['middle_rank_stand_in'] else ''}, "
              f"{out['dtype']}, H={out['H']}, K=V={out['K']}, ms per fwd+bwd (slowest rank)",
              "| T_local | row | host issue | eager | captured | replay == eager | eager / ideal | captured / ideal |",
              "|---|---|---|---|---|---|---|---|"]

@@ -2,10 +2,10 @@
 and ``zeco`` (zeco_gla), each kernel's start, duration and the idle gap before it (torch.profiler).
 
     torchrun --nproc-per-node 1 bench/graph_timeline.py [--tlocal 8192] [--method zeco|lasp1]
-             [--side-fill] [--side-priority high|normal] [--all]
+             [--side-fill] [--side-priority high|normal] [--all] [--fla-autotune one|full] [--stand-in middle|last]
 
-With one rank zeco runs what a middle rank runs (bench/gla_common.py's stand-in: both scans issued over
-the one-rank group). ``--method lasp1`` waits for each scan where it is issued (no side branch in the
+With one rank zeco runs what a middle rank (``--stand-in middle``, rank 1 of 3) or the last of two ranks
+(``last``) runs (bench/gla_common.py's stand-in: both scans issued over the one-rank group). ``--method lasp1`` waits for each scan where it is issued (no side branch in the
 graph). ``--side-fill`` replaces the scans by a fill of their output on a side stream of the given
 priority (a side branch without allscan's core), to tell the branch from the collective. Prints the
 kernels longer than 100 us and the gaps over 3 us (``--all``: every kernel), then the span.
@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from gla_common import middle_rank_stand_in  # noqa: E402
+from gla_common import add_fla_autotune_option, add_stand_in_option, middle_rank_stand_in  # noqa: E402
 
 
 class _FillHandle:
@@ -48,18 +48,20 @@ def main():
     ap.add_argument("--side-fill", action="store_true")
     ap.add_argument("--side-priority", default="high", choices=["high", "normal"])
     ap.add_argument("--all", action="store_true")
+    add_fla_autotune_option(ap)
+    add_stand_in_option(ap)
     args = ap.parse_args()
 
     torch.cuda.set_device(0)
     dev = torch.device("cuda", 0)
     dist.init_process_group("nccl", device_id=dev)
     if dist.get_world_size() != 1:
-        raise SystemExit("graph_timeline.py runs on one GPU (torchrun --nproc-per-node 1): a middle rank stood in")
+        raise SystemExit("graph_timeline.py runs on one GPU (torchrun --nproc-per-node 1): it stands in for a rank")
     from fla.ops.gla import chunk_gla
 
     from allscan.ops.gla import limit_fla_autotune, zeco_gla
 
-    limit_fla_autotune("one")
+    limit_fla_autotune(args.fla_autotune)
     if args.side_fill:
         side = torch.cuda.Stream(device=dev, priority=-100 if args.side_priority == "high" else 0)
         zeco_module = importlib.import_module("allscan.ops.gla.zeco")
@@ -82,7 +84,7 @@ def main():
         o = chunk_gla(q, k, v, g)[0] if name == "ideal" else zeco_gla(q, k, v, g, method=args.method)[0]
         return (o,) + torch.autograd.grad(o, ins, do)
 
-    with middle_rank_stand_in(1, "allscan.ops.gla.zeco"):
+    with middle_rank_stand_in(1, "allscan.ops.gla.zeco", args.stand_in):
         for name in ("ideal", "zeco"):
             side_warm = torch.cuda.Stream(dev)
             side_warm.wait_stream(torch.cuda.current_stream())

@@ -507,3 +507,132 @@ def test_zeco_gla_compiled_equals_eager(world):
         pytest.skip(f"needs {world} GPUs")
     _need1()
     assert run_distributed(_compiled, world, timeout=RUN_TIMEOUT, backend="nccl") == [True] * world
+
+
+class _Ready:
+    """What an async scan returns, for a result known in advance."""
+
+    def __init__(self, y):
+        self.y = y
+
+    def wait(self):
+        return self.y
+
+
+def _stand_in(rank, world, dtype_name, decay, place):
+    """One GPU as rank 1 of 3 (``place="middle"``) or as the last of 2, with the exact boundary states:
+    the shard is cut as that rank's, and the two scans deliver what they would there (the state
+    entering the shard; the gradient of the state leaving it, zero on the last rank, whose final state
+    gets the caller's gradient instead), taken from a float64 recurrence over the shards. So the
+    incoming-state kernels (the output with the state folded in; a middle rank's state gradient, the
+    last rank's from its local backward) run on values as they are at P > 1, without the transfers.
+    Output, final state, the gradients of q, k, v, g and of the state entering the shard (what this
+    rank sends back, combined as the scan combines it) against the exact answer, within 1.1x of fla's
+    own error on the same slice (chunk_gla on the whole sequence; for the incoming state's gradient,
+    chunk_gla on the shards from this one on); the floor is below fla's bf16 error, so the bound is the
+    ratio."""
+    if dtype_name == "float32":
+        os.environ["TRITON_F32_DEFAULT"] = "ieee"  # before Triton compiles anything in this process
+    torch.backends.cuda.matmul.allow_tf32 = False
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from fla.ops.gla import chunk_gla
+
+    import allscan.ops.gla.zeco as zeco
+    from allscan.ops.gla import fused_kernels_enabled, limit_fla_autotune, recurrent_gla_reference, zeco_gla
+
+    limit_fla_autotune("one")
+    dtype = getattr(torch, dtype_name)
+    dev = torch.device("cuda", torch.cuda.current_device())
+    shards = 3 if place == "middle" else 2
+    B, T, H, K, V = 2, 1000, 4, 128, 128  # T: not a multiple of the 64-token chunk
+    gen = torch.Generator(device=dev).manual_seed(7)
+    q, k = (torch.randn(B, shards * T, H, K, device=dev, generator=gen).to(dtype) for _ in range(2))
+    v = torch.randn(B, shards * T, H, V, device=dev, generator=gen).to(dtype)
+    shape = (B, shards * T, H, K) if decay == "gla" else (B, shards * T, H)
+    g = (F.logsigmoid(torch.randn(shape, device=dev, generator=gen) + (0 if decay == "gla" else 2)) / 16).to(dtype)
+    h0 = 0.1 * torch.randn(B, H, K, V, device=dev, generator=gen)
+    do = torch.randn(B, shards * T, H, V, device=dev, generator=gen).to(dtype)
+    dht = torch.randn(B, H, K, V, device=dev, generator=gen) if place == "last" else torch.zeros(B, H, K, V, device=dev)
+    mid = slice(T, 2 * T)
+    names = ("o", "dq", "dk", "dv", "dg")
+
+    # exact: the recurrence shard by shard in float64, the boundary states kept with their gradients
+    xs = [t.double().requires_grad_(True) for t in (q, k, v, g)]
+    state, boundary, outs = h0.double(), [], []
+    for p in range(shards):
+        o_p, state = recurrent_gla_reference(*(t[:, p * T:(p + 1) * T] for t in xs), initial_state=state)
+        state.retain_grad()
+        boundary.append(state)
+        outs.append(o_p)
+    ((torch.cat(outs, 1) * do.double()).sum() + (state * dht.double()).sum()).backward()
+    exact = dict(zip(names, [torch.cat(outs, 1).detach()[:, mid]] + [t.grad[:, mid] for t in xs]))
+    exact["final"] = boundary[1].detach()
+    S_in = boundary[0].detach().float()
+    dS_out = boundary[1].grad.float() if place == "middle" else torch.zeros_like(S_in)
+
+    # fla on the whole sequence, the same slice
+    fs = [t.clone().requires_grad_(True) for t in (q, k, v, g)]
+    g_full = fs[3] if decay == "gla" else fs[3].unsqueeze(-1).expand(B, shards * T, H, K)
+    fo, ffin = chunk_gla(fs[0], fs[1], fs[2], g_full, initial_state=h0, output_final_state=True)
+    ((fo.float() * do.float()).sum() + (ffin * dht).sum()).backward()
+    fla = dict(zip(names, [fo.detach()[:, mid]] + [t.grad[:, mid] for t in fs]))
+    fla["final"] = ffin.detach()
+    if place == "middle":  # the state after this rank's shard
+        _, fla["final"] = chunk_gla(*(t[:, :2 * T].contiguous() for t in (q, k, v, g_full.detach())),
+                                    initial_state=h0, output_final_state=True)
+    # the gradient of the state entering the shard, as fla computes it: from the shards after it
+    rest = [t[:, T:].contiguous() for t in (q, k, v, g_full.detach())]
+    fh = S_in.clone().requires_grad_(True)
+    fo, ffin = chunk_gla(*rest, initial_state=fh, output_final_state=True)
+    ((fo.float() * do[:, T:].float()).sum() + (ffin * dht).sum()).backward()
+    fla["dS_in"], exact["dS_in"] = fh.grad, boundary[0].grad
+
+    sent = {}
+
+    def exact_scan(x, gamma, group, *, reverse=False, async_op=False, method=None):
+        if reverse:
+            sent["x"] = x.clone()  # this rank's part of the gradient the previous rank receives
+        y = (dS_out if reverse else S_in).clone()
+        return _Ready(y) if async_op else y
+
+    class StandIn(zeco.ShardSegments):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.world, self.rank, self.continued = shards, 1, True
+
+    real = zeco._scan, zeco.ShardSegments
+    zeco._scan, zeco.ShardSegments = exact_scan, StandIn
+    try:
+        ms = [t[:, mid].clone().requires_grad_(True) for t in (q, k, v, g)]
+        o, final = zeco_gla(*ms, dist.group.WORLD, output_final_state=True)
+        ((o.float() * do[:, mid].float()).sum() + (final * dht).sum()).backward()
+    finally:
+        zeco._scan, zeco.ShardSegments = real
+    mine = dict(zip(names, [o.detach()] + [t.grad for t in ms]))
+    mine["final"] = final.detach()
+    # what the reverse scan makes of it on this rank: x + (the shard's total decay) * dS_out
+    decay_total = torch.exp(g[:, mid].double().sum(1))
+    decay_total = decay_total if decay == "gla" else decay_total.unsqueeze(-1)
+    mine["dS_in"] = sent["x"].double() + decay_total.unsqueeze(-1) * dS_out.double()
+    assert fused_kernels_enabled(), "the fused Triton kernels failed and fell back to torch ops (see the warning)"
+    bad = {}
+    for n in names + ("final", "dS_in"):
+        err, fla_err = _rms_ratio(mine[n], exact[n]), _rms_ratio(fla[n], exact[n])
+        if not err <= max(MIDDLE_FLOOR[dtype_name], MIDDLE_RATIO * fla_err):
+            bad[n] = f"{err:.2e} (fla {fla_err:.2e})"
+    assert not bad, f"GLA ({decay}, {dtype_name}) as the {place} rank: errors above {MIDDLE_RATIO}x fla's own: {bad}"
+    return True
+
+
+MIDDLE_RATIO = 1.1
+MIDDLE_FLOOR = {"bfloat16": 1e-3, "float32": 1e-5}
+
+
+@pytest.mark.timeout(RUN_TIMEOUT + 90)
+@pytest.mark.parametrize("place", ["middle", "last"])
+@pytest.mark.parametrize("decay", ["gla", "simple"])
+@pytest.mark.parametrize("dtype_name", ["bfloat16", "float32"])
+def test_one_gpu_as_another_rank_matches_exact(dtype_name, decay, place):
+    _need1()
+    assert run_distributed(_stand_in, 1, dtype_name, decay, place, timeout=RUN_TIMEOUT, backend="nccl") == [True]

@@ -30,12 +30,19 @@ def test_one_rank_stands_in_for_a_middle_rank_and_restores(module):
     real = Z.ShardSegments
     with common.middle_rank_stand_in(1, module):
         segs = Z.ShardSegments(None, 8, 1, None, "t")
-        assert (segs.world, segs.rank, segs.continued) == (2, 1, True)
+        assert (segs.world, segs.rank, segs.continued) == (3, 1, True)
         packed = Z.ShardSegments(None, 8, 1, torch.tensor([0, 3, 8]), "t")  # varlen: left as it is
         assert (packed.world, packed.continued) == (1, False)
     assert Z.ShardSegments is real
+    with common.middle_rank_stand_in(1, module, "last"):
+        segs = Z.ShardSegments(None, 8, 1, None, "t")
+        assert (segs.world, segs.rank, segs.continued) == (2, 1, True)
+    assert Z.ShardSegments is real
     with common.middle_rank_stand_in(2, module):
         assert Z.ShardSegments is real
+    with pytest.raises(ValueError, match="place"):
+        with common.middle_rank_stand_in(1, module, "first"):
+            pass
 
 
 def test_stage_names_are_the_ops():
@@ -55,7 +62,10 @@ def test_report_ratios():
     text = gh.report_host(dict(world=1, middle_rank_stand_in=True, dtype="bfloat16", H=16, K=128, results=rows))
     assert "| 4096 | zeco | 2.000 | 3.000 | 1.100 | True | 1.500 | 1.100 |" in text
     assert "| 8192 | zeco | 2.000 | 2.310 | 2.060 | True | 1.050 | 1.030 |" in text
-    assert "middle rank" in text and "8192: 2000 = 1500 + 200 + 60 + 240" in text
+    assert "stands in for rank 1 of 3" in text and "8192: 2000 = 1500 + 200 + 60 + 240" in text
+    last = gh.report_host(dict(world=1, middle_rank_stand_in=True, stand_in="last", dtype="bfloat16", H=16, K=128,
+                               results=rows))
+    assert "stands in for the last of 2 ranks" in last
 
 
 def test_delta_report_host_and_captured_columns(capsys):

@@ -10,6 +10,7 @@ the backward autograd through a recomputation; the float64 token-by-token refere
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 from typing import List, NamedTuple, Optional, Sequence
 
 import torch
@@ -132,7 +133,7 @@ class TorchGLA:
 
     @staticmethod
     def bwd_begin(q, k, v, gf, bounds, h0s):
-        return None
+        return SimpleNamespace()
 
     @staticmethod
     def xgrad(prep, saved, q, g, do, scale, L1):
@@ -140,10 +141,11 @@ class TorchGLA:
 
     @staticmethod
     def bwd_prepare(prep, saved, q, k, v, g, scale, bounds, h0s, do):
-        return None
+        return prep
 
     @staticmethod
-    def bwd_finish(prep, q, k, v, g, scale, bounds, h0s, do, dhts):
+    def bwd_dh(prep, q, k, v, g, scale, bounds, h0s, do, dhts):
+        """The whole local backward (one vjp); ``prep.dh0s``: the initial states' gradients."""
         # torch.func.vjp, not torch.autograd.grad: it also works inside a custom op's implementation
         # (below autograd: zeco_gla under torch.compile)
         given = [j for j, h in enumerate(h0s) if h is not None]
@@ -163,8 +165,14 @@ class TorchGLA:
         outputs, vjp = torch.func.vjp(local, q, k, v, g, *[h0s[j].float() for j in given])
         cotangents = [do] + [dhts[j] for j in ends]
         res = vjp(tuple(c.to(o.dtype) for c, o in zip(cotangents, outputs)))
-        dq, dk, dv, dg = (r.to(x.dtype) for r, x in zip(res[:4], (q, k, v, g)))
-        dh0s = [None] * len(h0s)
+        prep.grads = [r.to(x.dtype) for r, x in zip(res[:4], (q, k, v, g))]
+        prep.dh0s = [None] * len(h0s)
         for j, r in zip(given, res[4:]):
-            dh0s[j] = r
+            prep.dh0s[j] = r
+        return prep
+
+    @staticmethod
+    def bwd_finish(prep, q, k, v, g, scale, bounds, h0s, do):
+        dq, dk, dv, dg = prep.grads
+        dh0s = prep.dh0s
         return dq, dk, dv, dg, dh0s

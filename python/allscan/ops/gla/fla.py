@@ -315,26 +315,35 @@ class FlaGLA:
         m = FlaGLA._mods()
         BT, cu, ci, gcum = prep.BT, prep.cu, prep.ci, prep.gcum
         dA = m.gla.chunk_gla_bwd_dA(v=v, do=do, scale=scale, cu_seqlens=cu, chunk_size=BT, chunk_indices=ci)
-        dq, dk = m.gla.chunk_gla_bwd_dqk_intra(q=q, k=k, g=gcum, dA=dA, cu_seqlens=cu, chunk_size=BT,
-                                               chunk_indices=ci)
-        return SimpleNamespace(BT=BT, cu=cu, ci=ci, h0=prep.h0, gcum=gcum, h=prep.h, dq=dq, dk=dk, A=saved[0])
+        prep.dq, prep.dk = m.gla.chunk_gla_bwd_dqk_intra(q=q, k=k, g=gcum, dA=dA, cu_seqlens=cu, chunk_size=BT,
+                                                         chunk_indices=ci)
+        prep.A = saved[0]
+        return prep
 
     @staticmethod
-    def bwd_finish(p, q, k, v, g, scale, bounds, h0s, do, dhts):
+    def bwd_dh(p, q, k, v, g, scale, bounds, h0s, do, dhts):
+        """The chunk states' gradients from the segments' final-state gradients ``dhts``, and the
+        initial states' (``p.dh0s``, None where ``h0s`` is)."""
         m = FlaGLA._mods()
         B, T, H, K = k.shape
         V = v.shape[-1]
         dht = FlaGLA._stack(dhts, (1, H, K, V), q.device)
-        dh, dh0 = m.chunk_bwd_dh(q=q, k=k, v=v, do=do, h0=p.h0, dht=dht, scale=scale, g=None, gk=p.gcum,
-                                 gv=None, cu_seqlens=p.cu, chunk_size=p.BT, states_in_fp32=True)
-        dv = m.gla.chunk_gla_bwd_dv(k=k, g=p.gcum, A=p.A, do=do, dh=dh, cu_seqlens=p.cu, chunk_size=p.BT,
-                                    chunk_indices=p.ci)
-        dq, dk, dg = m.gla.chunk_gla_bwd_dqkg(q=q, k=k, v=v, h=p.h, g=p.gcum, do=do, dh=dh, dq=p.dq, dk=p.dk,
-                                              scale=scale, cu_seqlens=p.cu, chunk_size=p.BT, chunk_indices=p.ci)
+        p.dh, dh0 = m.chunk_bwd_dh(q=q, k=k, v=v, do=do, h0=p.h0, dht=dht, scale=scale, g=None, gk=p.gcum,
+                                   gv=None, cu_seqlens=p.cu, chunk_size=p.BT, states_in_fp32=True)
         n = len(bounds) - 1
         if dh0 is None:
-            dh0s = [None] * n
+            p.dh0s = [None] * n
         else:
             parts = FlaGLA._split(dh0, n)
-            dh0s = [None if h is None else parts[j] for j, h in enumerate(h0s)]
+            p.dh0s = [None if h is None else parts[j] for j, h in enumerate(h0s)]
+        return p
+
+    @staticmethod
+    def bwd_finish(p, q, k, v, g, scale, bounds, h0s, do):
+        m = FlaGLA._mods()
+        dv = m.gla.chunk_gla_bwd_dv(k=k, g=p.gcum, A=p.A, do=do, dh=p.dh, cu_seqlens=p.cu, chunk_size=p.BT,
+                                    chunk_indices=p.ci)
+        dq, dk, dg = m.gla.chunk_gla_bwd_dqkg(q=q, k=k, v=v, h=p.h, g=p.gcum, do=do, dh=p.dh, dq=p.dq, dk=p.dk,
+                                              scale=scale, cu_seqlens=p.cu, chunk_size=p.BT, chunk_indices=p.ci)
+        dh0s = p.dh0s
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dg, dh0s

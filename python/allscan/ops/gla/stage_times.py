@@ -11,7 +11,7 @@ import time
 from typing import Dict, Iterator, List
 
 STAGES = ("fwd_states", "shard_gamma", "fwd_intra", "fwd_output_with_state", "fwd_output", "correct",
-          "bwd_begin", "xgrad", "bwd_prepare", "bwd_finish")
+          "bwd_begin", "xgrad", "bwd_prepare", "bwd_dh", "bwd_finish")
 _STAGE_TIMERS: List[Dict[str, float]] = []  # the dicts of the open host_stage_times() blocks
 
 

@@ -21,7 +21,9 @@ same decays. ``X_p`` needs only q, g and do, so the reverse scan starts early (a
 are recomputed: that kernel slows beside a concurrent one) and runs while the local backward prepares
 everything else that does not need ``Z``; then the local backward of
 ``chunk_gla(q, k, v, g, initial_state=S_in)`` with final-state gradient ``Z`` gives exactly dq, dk, dv,
-dg (including the decay of the incoming state) and the initial state's gradient.
+dg (including the decay of the incoming state) and the initial state's gradient. The last rank knows
+its ``Z`` (the caller's ``dfinal``) without the scan: it runs the local state backward first, and the
+initial state's gradient that backward computes is its ``dS_in`` (no separate pass for ``X``).
 
 Variable-length packing (``cu_seqlens`` over the GLOBAL packed sequence, B = 1, equal shard lengths):
 the shard is cut into local segments at the sequence boundaries that fall inside it
@@ -36,10 +38,12 @@ state: LASP-2, overlapped).
 Collectives (what keeps P ranks from deadlocking): with ``world > 1`` every rank, in every branch
 (first, last or inner rank, varlen or not, any method), issues exactly one ``allscan.scan`` in forward
 and one reverse ``allscan.scan`` in backward, with the same signature (state ``[B, H, K, V]`` fp32;
-gamma of the same shape and dtype on every rank, or None on every rank), and nothing else. Each scan
-is launched before the local work that may synchronise the device (Triton compiling or autotuning,
-``.item()``), so a rank blocked in such a synchronise on its own pending scan never waits for a peer
-that is itself waiting for it; every async handle is waited on before the function returns. A rank
+gamma of the same shape and dtype on every rank, or None on every rank), and nothing else. Before a
+rank launches a scan it has no collective of its own pending, so local work there that may synchronise
+the device (Triton compiling or autotuning, ``.item()``: in the backward the chunk states'
+recomputation, and on the last rank the state backward) waits for no peer; every rank therefore
+launches its scan, and a rank that synchronises after launching waits only for scans its peers launch.
+Every async handle is waited on before the function returns. A rank
 that raises after launching its scan leaves its peers able to finish that scan; a mismatch of
 arguments across ranks raises on every rank in the scan's signature check instead of hanging.
 
@@ -206,6 +210,19 @@ def _forward(be, q, k, v, g, h0, scale, segs: ShardSegments, method: str, want_f
     return o, final, S_in, gamma, saved
 
 
+def _final_grads(dfin, y, q, v, segs: ShardSegments) -> List[Optional[torch.Tensor]]:
+    """The gradient of every local segment's final state: the caller's ``dfin``, plus for the last
+    segment ``y``, the gradient of the state leaving the shard from the next ranks (None: none); the
+    last segment always gets one (zeros if nothing)."""
+    dhts = list(dfin)
+    if y is not None:
+        dhts[-1] = y if dhts[-1] is None else dhts[-1] + y
+    if dhts[-1] is None:
+        B, _, H, K = q.shape
+        dhts[-1] = q.new_zeros(1 if segs.varlen else B, H, K, v.shape[-1], dtype=torch.float32)
+    return dhts
+
+
 def _backward(be, do, dfinal, q, k, v, g, h0, S_in, gamma, saved, scale, segs: ShardSegments, method: str):
     """The backward on the local backend ``be`` from what :func:`_forward` returned: ``(dq, dk, dv,
     dg or None, dh0 or None)``."""
@@ -232,32 +249,36 @@ def _backward(be, do, dfinal, q, k, v, g, h0, S_in, gamma, saved, scale, segs: S
     # CUDA graph) it ran up to 1.7x slower; the scan overlaps the intra-chunk backward instead.
     prep = be.bwd_begin(q, k, v, gf, segs.bounds, h0s)
 
-    # the part of dS_in this rank contributes (needs only q, g, do): start the reverse scan on it
-    y = None
-    if sp:
+    smethod = _SCAN_METHOD[method]
+    handle = y = None
+    # The last rank's final-state gradients are the caller's alone (nothing comes from its right), so
+    # its local state backward runs first and the gradient of its incoming state is the one that
+    # backward computes anyway: no separate pass over q, g and do for X.
+    last = sp and segs.continued and segs.rank == segs.world - 1
+    if last:
+        prep = be.bwd_dh(prep, q, k, v, gf, scale, segs.bounds, h0s, do, _final_grads(dfin, y, q, v, segs))
+        x = prep.dh0s[0].reshape(B, H, K, V)
+    elif sp:  # the part of dS_in this rank contributes (needs only q, g, do): start the reverse scan on it
         if segs.continued:
             x, evec = be.xgrad(prep, saved, q, g, do, scale, segs.bounds[1])
             if dfin[0] is not None:
                 x = x + _scale_state(dfin[0], evec)
         else:  # nothing of this rank's output depends on the incoming state
             x = q.new_zeros(B, H, K, V, dtype=torch.float32)
-        smethod = _SCAN_METHOD[method]
+    if sp:
         if method == "lasp1":
             y = _scan(x.contiguous(), gamma, segs.group, reverse=True, method=smethod)
-            handle = None
         else:
             handle = _scan(x.contiguous(), gamma, segs.group, reverse=True, method=smethod, async_op=True)
 
     prep = be.bwd_prepare(prep, saved, q, k, v, gf, scale, segs.bounds, h0s, do)
-    if sp and y is None:
-        y = handle.wait()
-    dhts = list(dfin)
-    if y is not None:
-        dhts[-1] = y if dhts[-1] is None else dhts[-1] + y
-    if dhts[-1] is None:
-        dhts[-1] = q.new_zeros(B, H, K, V, dtype=torch.float32) if not segs.varlen else q.new_zeros(
-            1, H, K, V, dtype=torch.float32)
-    dq, dk, dv, dgf, dh0s = be.bwd_finish(prep, q, k, v, gf, scale, segs.bounds, h0s, do, dhts)
+    if not last:
+        if handle is not None:
+            y, handle = handle.wait(), None
+        prep = be.bwd_dh(prep, q, k, v, gf, scale, segs.bounds, h0s, do, _final_grads(dfin, y, q, v, segs))
+    dq, dk, dv, dgf, dh0s = be.bwd_finish(prep, q, k, v, gf, scale, segs.bounds, h0s, do)
+    if handle is not None:
+        handle.wait()  # the last rank's scan result is zero (nothing comes from its right)
 
     dg = None
     if g is not None:
