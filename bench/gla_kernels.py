@@ -1,14 +1,17 @@
 """Tile sweep of the incoming-state kernels of sequence-parallel GLA on one GPU.
 
-    python3 bench/gla_kernels.py --out bench/results/<run>/gla
+    python3 bench/gla_kernels.py --out bench/results/<run>/gla [--fla-autotune full] [--kernels out,fwd,bwd]
 
 For T in --tlocal (B = 1, H = 16, K = V = 128, bf16 inputs, Triton's default fp32 dot precision),
 times ``output_with_state`` (the chunk output with the incoming state folded in) next to fla's
-output kernel alone, ``correct_output_`` (the separate forward correction: o += scale * (q * 2^G) @ S_in)
-and ``state_grad`` (backward: X = scale * sum_t (q_t * 2^G_t)^T do_t) at each tile configuration (CUDA events, median of
---repeats timings of --inner back-to-back launches), after checking each configuration against the
-torch-op reference (relative Frobenius error). Writes gla_kernels.json and prints a table with the
-fastest configuration per kernel; the library's defaults (FWD_O_TILES, FWD_TILES, BWD_TILES in
+output kernel alone (one fixed config, or fla's own autotuning), ``correct_output_`` (the separate
+forward correction: o += scale * (q * 2^G) @ S_in) and ``state_grad`` (backward: X = scale * sum_t
+(q_t * 2^G_t)^T do_t) at each tile configuration: GPU time per call, ``--inner`` calls captured in one
+CUDA graph and replayed, median of ``--repeats`` (launched one by one, this host's Triton launches
+took longer than the kernels at T = 4K). Each configuration's relative error: the output kernels'
+against their formula in float64 on the operands as stored (so the kernel's own rounding, fla's too),
+the others against the torch-op reference. Writes gla_kernels.json and prints the fastest configuration
+per kernel (summed over T); the library's defaults (FWD_O_TILES, FWD_TILES, BWD_TILES in
 allscan/ops/gla/incoming_state.py) come from this table.
 """
 from __future__ import annotations
@@ -16,33 +19,52 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from combine_bench import graph_time_us  # noqa: E402
+from gla_common import add_fla_autotune_option  # noqa: E402
 
 FWD = [dict(BK=128, BV=128, num_warps=8), dict(BK=32, BV=64, num_warps=4)]
-BWD = [dict(BK=32, BV=128, num_warps=4, cps=16), dict(BK=64, BV=128, num_warps=4, cps=16),
-       dict(BK=128, BV=128, num_warps=8, cps=16), dict(BK=32, BV=64, num_warps=4, cps=16)]
-OUT = [dict(BK=64, BV=64, num_warps=4, num_stages=2), dict(BK=128, BV=64, num_warps=4, num_stages=2),
-       dict(BK=64, BV=128, num_warps=8, num_stages=2), dict(BK=32, BV=64, num_warps=4, num_stages=3)]
+# the first of each list is the library's default
+BWD = [dict(BK=128, BV=128, num_warps=8, cps=16)] + [
+    dict(BK=bk, BV=128, num_warps=w, cps=cps) for bk in (64, 128) for w in (4, 8) for cps in (8, 16)
+    if (bk, w, cps) != (128, 8, 16)]
+OUT = [dict(BK=64, BV=128, num_warps=4, num_stages=2)] + [
+    dict(BK=bk, BV=bv, num_warps=w, num_stages=st)
+    for bk in (32, 64) for bv in (64, 128) for w in (4, 8) for st in (2, 3) if (bk, bv, w, st) != (64, 128, 4, 2)]
+
+
+def exact_output(q, v, gc, A, h, S, off, scale, BT):
+    """The output kernels' formula in float64 on the operands as stored: ``scale * (q * 2^gc) @ (h_c +
+    diag(2^off_c) S) + tril(A) @ v`` per chunk (``S = None``: fla's output kernel, no incoming state), so
+    an error against it is the kernel's own rounding."""
+    import torch
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    NT = T // BT
+    qg = (q.double() * torch.exp2(gc.double())).view(B, NT, BT, H, K)
+    hs = h.double().view(B, NT, H, K, V)
+    if S is not None:
+        hs = hs + torch.exp2(off.double())[..., None] * S.double()[:, None]
+    o = scale * torch.einsum("bntok,bnokv->bntov", qg, hs)
+    mask = torch.ones(BT, BT, device=q.device, dtype=torch.float64).tril()
+    Am = A.double().view(B, NT, BT, H, BT) * mask[None, None, :, None, :]
+    o = o + torch.einsum("bntoj,bnjov->bntov", Am, v.double().view(B, NT, BT, H, V))
+    return o.reshape(B, T, H, V)
+
+
+def rel_err(a, b):
+    return ((a.double() - b).norm() / b.norm()).item()
 
 
 def _time(fn, repeats, inner):
+    """GPU time per call (us): ``inner`` calls captured in one CUDA graph, replayed ``repeats`` times, the
+    median (launched one by one, this host's Triton launches take longer than these kernels at small T)."""
     import torch
-    fn()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(repeats):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(inner):
-            fn()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b) * 1e3 / inner)
-    return statistics.median(ts)
+    return graph_time_us(torch, fn, inner, repeats)
 
 
 def main():
@@ -53,6 +75,8 @@ def main():
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--inner", type=int, default=10)
+    ap.add_argument("--kernels", default="out,fwd,bwd", help="which of out, fwd, bwd to sweep")
+    add_fla_autotune_option(ap)
     args = ap.parse_args()
     import torch
 
@@ -60,7 +84,7 @@ def main():
     from allscan.ops.gla import limit_fla_autotune
     from allscan.ops.gla.chunk import torch_correct_, torch_state_grad
 
-    limit_fla_autotune("one")  # fla's output kernel with one fixed config, as in gla_bench
+    limit_fla_autotune(args.fla_autotune)  # fla's output kernel: one fixed config, or fla's own tuning
 
     dev = torch.device("cuda", 0)
     H, K = args.heads, args.head_dim
@@ -88,17 +112,22 @@ def main():
                            states_in_fp32=False)
         A = fgc.chunk_gla_fwd_intra_gk(q=q, k=k_, g=gc, scale=scale, chunk_size=BT)
         o_fla = fgc.chunk_gla_fwd_o_gk(q=q, v=do, g=gc, A=A, h=h, scale=scale, chunk_size=BT)
-        o_ref2 = o_fla.float().clone()
-        torch_correct_(q, g, o_ref2, S, scale, T)
+        assert T % BT == 0, "--tlocal: multiples of the 64-token chunk"
+        o_exact = exact_output(q, do, gc, A, h, S, offs[0], scale, BT)
+        err_fla = rel_err(o_fla, exact_output(q, do, gc, A, h, None, None, scale, BT))
         us_fla = _time(lambda: fgc.chunk_gla_fwd_o_gk(q=q, v=do, g=gc, A=A, h=h, scale=scale, chunk_size=BT),
                        args.repeats, args.inner)
-        rows.append(dict(kernel="out_fla", T=T, us=us_fla))
-        print(f"T={T:6d} fla output kernel alone: {us_fla:8.1f} us", flush=True)
+        rows.append(dict(kernel="out_fla", T=T, us=us_fla, rel_err=err_fla))
+        print(f"T={T:6d} fla output kernel alone: {us_fla:8.1f} us  rel err {err_fla:.2e} (its own formula)",
+              flush=True)
+        kinds = args.kernels.split(",")
         for kind, configs in (("out", OUT), ("fwd", FWD), ("bwd", BWD)):
+            if kind not in kinds:
+                continue
             for cfg in configs:
                 if kind == "out":
                     o = GT.output_with_state(q, do, gc, A, h, S, scale, BT, offs, tiles=cfg)
-                    err = ((o.float() - o_ref2).norm() / o_ref2.norm()).item()  # the state term decays fast here
+                    err = rel_err(o, o_exact)
                     us = _time(lambda: GT.output_with_state(q, do, gc, A, h, S, scale, BT, offs, tiles=cfg),
                                args.repeats, args.inner)
                 elif kind == "fwd":
@@ -120,7 +149,7 @@ def main():
         print(f"T={T:6d} offsets: one kernel {us:.1f} us, torch ops {us_t:.1f} us", flush=True)
     best = {}
     firsts = {"fwd": FWD[0], "bwd": BWD[0], "out": OUT[0]}
-    for kind in ("out", "fwd", "bwd"):
+    for kind in args.kernels.split(","):
         tot = {}
         for r in rows:
             if r["kernel"] == kind:
