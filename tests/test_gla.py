@@ -165,9 +165,20 @@ def _cases(world):
     return cases
 
 
-def _run_world(rank, world):
+def _run_world(rank, world, state_backward_first=None):
     torch.manual_seed(0)
+    if state_backward_first is not None:  # the order the fla backend takes, on the torch backend
+        from allscan.ops.gla.chunk import TorchGLA
+        TorchGLA.state_backward_first = state_backward_first
     _check_rank(rank, world, _cases(world))
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_zeco_gla_distributed_last_rank_state_backward_first(world):
+    """The last rank's state backward before its reverse scan, its initial-state gradient sent back
+    (what the fla backend does) against float64: packed sequences with the last rank's first segment
+    ending inside its shard, B > 1, every decay form and method, final-state gradients given."""
+    run_distributed(_run_world, world, True, timeout=600)
 
 
 def test_chunked_matches_recurrent_single_process():
@@ -433,9 +444,7 @@ def _run_stage_times(rank, world):
     expected = ["fwd_states", "shard_gamma", "fwd_output", "bwd_begin", "bwd_prepare", "bwd_dh", "bwd_finish",
                 "scan issue", "scan wait", "forward body", "backward body"]
     if rank > 0:  # the ranks that receive a state apply it
-        expected += ["correct"]
-    if 0 < rank < world - 1:  # the last rank's incoming-state gradient comes from its local backward
-        expected += ["xgrad"]
+        expected += ["correct", "xgrad"]
     assert set(t) == set(expected), sorted(t)
     assert all(t[key] > 0 for key in expected), t
     assert t["forward body"] >= t["fwd_states"] + t["fwd_output"]
@@ -444,9 +453,58 @@ def _run_stage_times(rank, world):
     assert t == before
 
 
-@pytest.mark.parametrize("world", [2, 3])
-def test_host_stage_times_hook(world):
-    run_distributed(_run_stage_times, world, timeout=120)
+def test_host_stage_times_hook():
+    run_distributed(_run_stage_times, 2, timeout=120)
+
+
+def _run_last_rank_state_backward_fails(rank, world, times):
+    """The last rank runs its state backward before it issues the reverse scan; if that raises, it
+    issues the scan from X instead, so the other ranks are never left waiting in it: raising once, the
+    backward runs the state backward again after the scan and every rank's gradients are as usual;
+    raising every time, the last rank raises and the others finish."""
+    from allscan.ops.gla.chunk import TorchGLA
+
+    TorchGLA.state_backward_first = True  # the fla backend's order, on the torch backend
+    q, k, v, g, _, do = _data(13, 1, 48 * world, "gla", 1)
+    sl = slice(rank * 48, (rank + 1) * 48)
+
+    def grads():
+        ins = [x[:, sl].clone().requires_grad_(True) for x in (q, k, v, g)]
+        o, _ = zeco_gla(*ins)
+        (o * do[:, sl]).sum().backward()
+        return [t.grad for t in ins]
+
+    expected = grads()
+    real = TorchGLA.bwd_dh
+    calls = []
+
+    def failing(*args, **kwargs):
+        calls.append(1)
+        if rank == world - 1 and len(calls) <= times:
+            raise RuntimeError("injected failure of the state backward")
+        return real(*args, **kwargs)
+
+    TorchGLA.bwd_dh = staticmethod(failing)
+    try:
+        got = grads()
+    except RuntimeError as e:
+        assert rank == world - 1 and times > 1 and "injected" in str(e), (rank, e)
+        return "raised"
+    finally:
+        TorchGLA.bwd_dh = staticmethod(real)
+    for a, b in zip(got, expected):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    return len(calls)
+
+
+@pytest.mark.parametrize("times", [1, 99])
+def test_last_rank_state_backward_failure_leaves_no_peer_waiting(times):
+    world = 3
+    out = run_distributed(_run_last_rank_state_backward_fails, world, times, timeout=120)
+    if times == 1:
+        assert out == [1, 1, 2]  # the last rank's state backward ran twice: before the scan, failing, and after
+    else:
+        assert out == [1, 1, "raised"]
 
 
 def test_fla_autotune_one_config_choice():

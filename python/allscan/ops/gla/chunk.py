@@ -98,6 +98,9 @@ class TorchGLA:
     a recomputation."""
 
     name = "torch"
+    # bwd_dh is the whole local backward (one vjp): run before the reverse scan it would hold the
+    # other ranks for all of it, so the last rank computes X like the others
+    state_backward_first = False
 
     @staticmethod
     def fwd_states(q, k, v, g, scale, bounds: Sequence[int], h0s: List[Optional[torch.Tensor]]):

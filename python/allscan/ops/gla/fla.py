@@ -153,6 +153,7 @@ class FlaGLA:
     """fla-core's ``chunk_gla`` Triton kernels, called stage by stage (CUDA only)."""
 
     name = "fla"
+    state_backward_first = True  # bwd_dh is one kernel: the last rank runs it before its reverse scan
 
     @staticmethod
     @functools.lru_cache(maxsize=None)

@@ -38,14 +38,15 @@ state: LASP-2, overlapped).
 Collectives (what keeps P ranks from deadlocking): with ``world > 1`` every rank, in every branch
 (first, last or inner rank, varlen or not, any method), issues exactly one ``allscan.scan`` in forward
 and one reverse ``allscan.scan`` in backward, with the same signature (state ``[B, H, K, V]`` fp32;
-gamma of the same shape and dtype on every rank, or None on every rank), and nothing else. Before a
-rank launches a scan it has no collective of its own pending, so local work there that may synchronise
-the device (Triton compiling or autotuning, ``.item()``: in the backward the chunk states'
-recomputation, and on the last rank the state backward) waits for no peer; every rank therefore
-launches its scan, and a rank that synchronises after launching waits only for scans its peers launch.
-Every async handle is waited on before the function returns. A rank
-that raises after launching its scan leaves its peers able to finish that scan; a mismatch of
-arguments across ranks raises on every rank in the scan's signature check instead of hanging.
+gamma of the same shape and dtype on every rank, or None on every rank), and nothing else. Every rank
+launches its scans in the same order, and the local work before a launch that may synchronise the
+device (Triton compiling or autotuning, ``.item()``; in the backward the chunk states' recomputation,
+a middle rank's X, the last rank's state backward) waits only for work already issued, whose scans
+every peer launches without waiting for this rank: so every rank reaches each launch. If the last
+rank's state backward raises before its launch, it launches from X instead and raises after. Every
+async handle is waited on before the function returns. A rank that raises after launching its scan
+leaves its peers able to finish that scan; a mismatch of arguments across ranks raises on every rank
+in the scan's signature check instead of hanging.
 
 The local work runs on one of two staged backends (:class:`~allscan.ops.gla.fla.FlaGLA` on CUDA with
 fla-core, :class:`~allscan.ops.gla.chunk.TorchGLA` otherwise; ``ALLSCAN_GLA_BACKEND`` forces one).
@@ -250,15 +251,20 @@ def _backward(be, do, dfinal, q, k, v, g, h0, S_in, gamma, saved, scale, segs: S
     prep = be.bwd_begin(q, k, v, gf, segs.bounds, h0s)
 
     smethod = _SCAN_METHOD[method]
-    handle = y = None
+    handle = y = x = None
     # The last rank's final-state gradients are the caller's alone (nothing comes from its right), so
-    # its local state backward runs first and the gradient of its incoming state is the one that
-    # backward computes anyway: no separate pass over q, g and do for X.
-    last = sp and segs.continued and segs.rank == segs.world - 1
+    # where the state backward is a step of its own (fla's kernel, not the torch backend's one vjp of
+    # everything) it runs first and the gradient of the incoming state is the one it computes anyway
+    # (with fla's rounding of the decayed queries to the input dtype, as fla's own backward on one
+    # GPU): no separate pass over q, g and do for X.
+    last = sp and segs.continued and segs.rank == segs.world - 1 and be.state_backward_first
     if last:
-        prep = be.bwd_dh(prep, q, k, v, gf, scale, segs.bounds, h0s, do, _final_grads(dfin, y, q, v, segs))
-        x = prep.dh0s[0].reshape(B, H, K, V)
-    elif sp:  # the part of dS_in this rank contributes (needs only q, g, do): start the reverse scan on it
+        try:
+            prep = be.bwd_dh(prep, q, k, v, gf, scale, segs.bounds, h0s, do, _final_grads(dfin, y, q, v, segs))
+            x = prep.dh0s[0].reshape(B, H, K, V)
+        except Exception:  # noqa: BLE001 - issue the scan from X, so the peers are not left waiting in it;
+            last = False   # the state backward runs again after it (and raises there if it fails again)
+    if sp and x is None:  # the part of dS_in this rank contributes (needs only q, g, do): start the scan on it
         if segs.continued:
             x, evec = be.xgrad(prep, saved, q, g, do, scale, segs.bounds[1])
             if dfin[0] is not None:
