@@ -149,7 +149,8 @@ def run_host(args, say):
 def report_host(out) -> str:
     """The table of a ``--host`` run: per T_local, ideal and zeco (ms) and zeco's ratios to ideal."""
     by = {(r["T_local"], r["row"]): r for r in out["results"]}
-    place = {"middle": "rank 1 of 3", "last": "the last of 2 ranks"}.get(out.get("stand_in") or "middle")
+    # runs before the --stand-in option stood in for rank 1 of 2 (a middle rank's code then)
+    place = {"middle": "rank 1 of 3", "last": "the last of 2 ranks", None: "rank 1 of 2"}[out.get("stand_in")]
     lines = [f"gla_bench --host: P={out['world']}{f' (one GPU stands in for {place})' if out['middle_rank_stand_in'] else ''}, "
              f"{out['dtype']}, H={out['H']}, K=V={out['K']}, ms per fwd+bwd (slowest rank)",
              "| T_local | row | host issue | eager | captured | replay == eager | eager / ideal | captured / ideal |",

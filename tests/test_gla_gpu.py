@@ -591,6 +591,7 @@ def _stand_in(rank, world, dtype_name, decay, place):
     sent = {}
 
     def exact_scan(x, gamma, group, *, reverse=False, async_op=False, method=None):
+        sent["reverse" if reverse else "forward"] = gamma.clone()  # the shard's decay, both directions
         if reverse:
             sent["x"] = x.clone()  # this rank's part of the gradient the previous rank receives
         y = (dS_out if reverse else S_in).clone()
@@ -612,8 +613,10 @@ def _stand_in(rank, world, dtype_name, decay, place):
     mine = dict(zip(names, [o.detach()] + [t.grad for t in ms]))
     mine["final"] = final.detach()
     # what the reverse scan makes of it on this rank: x + (the shard's total decay) * dS_out
-    decay_total = torch.exp(g[:, mid].double().sum(1))
-    decay_total = decay_total if decay == "gla" else decay_total.unsqueeze(-1)
+    gamma = torch.exp(g[:, mid].double().sum(1))  # the shard's decay as the scans take it: [B, H, K] or [B, H]
+    for direction in ("forward", "reverse"):
+        assert _rms_ratio(sent[direction], gamma) < 1e-5, f"the {direction} scan's decay is off"
+    decay_total = gamma if decay == "gla" else gamma.unsqueeze(-1)
     mine["dS_in"] = sent["x"].double() + decay_total.unsqueeze(-1) * dS_out.double()
     assert fused_kernels_enabled(), "the fused Triton kernels failed and fell back to torch ops (see the warning)"
     bad = {}

@@ -62,10 +62,12 @@ def test_report_ratios():
     text = gh.report_host(dict(world=1, middle_rank_stand_in=True, dtype="bfloat16", H=16, K=128, results=rows))
     assert "| 4096 | zeco | 2.000 | 3.000 | 1.100 | True | 1.500 | 1.100 |" in text
     assert "| 8192 | zeco | 2.000 | 2.310 | 2.060 | True | 1.050 | 1.030 |" in text
-    assert "stands in for rank 1 of 3" in text and "8192: 2000 = 1500 + 200 + 60 + 240" in text
-    last = gh.report_host(dict(world=1, middle_rank_stand_in=True, stand_in="last", dtype="bfloat16", H=16, K=128,
-                               results=rows))
-    assert "stands in for the last of 2 ranks" in last
+    # a run from before --stand-in existed stood in for rank 1 of 2
+    assert "stands in for rank 1 of 2" in text and "8192: 2000 = 1500 + 200 + 60 + 240" in text
+    for place, words in (("middle", "rank 1 of 3"), ("last", "the last of 2 ranks")):
+        text = gh.report_host(dict(world=1, middle_rank_stand_in=True, stand_in=place, dtype="bfloat16", H=16,
+                                   K=128, results=rows))
+        assert f"stands in for {words}" in text
 
 
 def test_delta_report_host_and_captured_columns(capsys):
