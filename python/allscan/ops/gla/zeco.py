@@ -22,8 +22,8 @@ are recomputed: that kernel slows beside a concurrent one) and runs while the lo
 everything else that does not need ``Z``; then the local backward of
 ``chunk_gla(q, k, v, g, initial_state=S_in)`` with final-state gradient ``Z`` gives exactly dq, dk, dv,
 dg (including the decay of the incoming state) and the initial state's gradient. The last rank knows
-its ``Z`` (the caller's ``dfinal``) without the scan: it runs the local state backward first, and the
-initial state's gradient that backward computes is its ``dS_in`` (no separate pass for ``X``).
+its ``Z`` (the caller's ``dfinal``) without the scan: on fla's kernels it runs the local state backward
+first, and the initial state's gradient that backward computes is its ``dS_in`` (no pass for ``X``).
 
 Variable-length packing (``cu_seqlens`` over the GLOBAL packed sequence, B = 1, equal shard lengths):
 the shard is cut into local segments at the sequence boundaries that fall inside it
