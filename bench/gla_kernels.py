@@ -78,6 +78,12 @@ def main():
     ap.add_argument("--kernels", default="out,fwd,bwd", help="which of out, fwd, bwd to sweep")
     add_fla_autotune_option(ap)
     args = ap.parse_args()
+    tlocal = [int(x) for x in args.tlocal.split(",")]
+    if any(T <= 0 or T % 64 for T in tlocal):  # the exact output is formed chunk by chunk
+        ap.error(f"--tlocal: positive multiples of the 64-token chunk, got {args.tlocal}")
+    kinds = args.kernels.split(",")
+    if not kinds or set(kinds) - {"out", "fwd", "bwd"}:
+        ap.error(f"--kernels: a comma-separated subset of out, fwd, bwd, got {args.kernels}")
     import torch
 
     from allscan.ops.gla import incoming_state as GT
@@ -90,7 +96,7 @@ def main():
     H, K = args.heads, args.head_dim
     V, B, BT = K, 1, 64
     rows = []
-    for T in [int(x) for x in args.tlocal.split(",")]:
+    for T in tlocal:
         gen = torch.Generator(device=dev).manual_seed(T)
         q = torch.randn(B, T, H, K, device=dev, generator=gen).to(torch.bfloat16)
         do = torch.randn(B, T, H, V, device=dev, generator=gen).to(torch.bfloat16)
@@ -112,7 +118,6 @@ def main():
                            states_in_fp32=False)
         A = fgc.chunk_gla_fwd_intra_gk(q=q, k=k_, g=gc, scale=scale, chunk_size=BT)
         o_fla = fgc.chunk_gla_fwd_o_gk(q=q, v=do, g=gc, A=A, h=h, scale=scale, chunk_size=BT)
-        assert T % BT == 0, "--tlocal: multiples of the 64-token chunk"
         o_exact = exact_output(q, do, gc, A, h, S, offs[0], scale, BT)
         err_fla = rel_err(o_fla, exact_output(q, do, gc, A, h, None, None, scale, BT))
         us_fla = _time(lambda: fgc.chunk_gla_fwd_o_gk(q=q, v=do, g=gc, A=A, h=h, scale=scale, chunk_size=BT),
@@ -120,7 +125,6 @@ def main():
         rows.append(dict(kernel="out_fla", T=T, us=us_fla, rel_err=err_fla))
         print(f"T={T:6d} fla output kernel alone: {us_fla:8.1f} us  rel err {err_fla:.2e} (its own formula)",
               flush=True)
-        kinds = args.kernels.split(",")
         for kind, configs in (("out", OUT), ("fwd", FWD), ("bwd", BWD)):
             if kind not in kinds:
                 continue
@@ -149,7 +153,7 @@ def main():
         print(f"T={T:6d} offsets: one kernel {us:.1f} us, torch ops {us_t:.1f} us", flush=True)
     best = {}
     firsts = {"fwd": FWD[0], "bwd": BWD[0], "out": OUT[0]}
-    for kind in args.kernels.split(","):
+    for kind in kinds:
         tot = {}
         for r in rows:
             if r["kernel"] == kind:
