@@ -29,9 +29,9 @@ from gla_common import add_fla_autotune_option  # noqa: E402
 
 FWD = [dict(BK=128, BV=128, num_warps=8), dict(BK=32, BV=64, num_warps=4)]
 # the first of each list is the library's default
-BWD = [dict(BK=128, BV=128, num_warps=8, cps=16)] + [
-    dict(BK=bk, BV=128, num_warps=w, cps=cps) for bk in (64, 128) for w in (4, 8) for cps in (8, 16)
-    if (bk, w, cps) != (128, 8, 16)]
+# cps None: chunks per partial sum from the grid's occupancy (the library's rule); fixed counts beside it
+BWD = [dict(BK=128, BV=128, num_warps=8, cps=None)] + [
+    dict(BK=bk, BV=128, num_warps=w, cps=cps) for bk in (64, 128) for w in (4, 8) for cps in (4, 8, 16)]
 OUT = [dict(BK=64, BV=128, num_warps=4, num_stages=2)] + [
     dict(BK=bk, BV=bv, num_warps=w, num_stages=st)
     for bk in (32, 64) for bv in (64, 128) for w in (4, 8) for st in (2, 3) if (bk, bv, w, st) != (64, 128, 4, 2)]

@@ -541,3 +541,20 @@ def test_limit_fla_autotune_without_fla_names_the_extra():
 
     with pytest.raises(ImportError, match=r"limit_fla_autotune needs fla-core >= 0.6 \(pip install allscan\[gla\]\)"):
         limit_fla_autotune("one")
+
+
+def test_state_gradient_splits_fill_the_gpu():
+    """The state gradient's chunks per partial sum: 16 where the grid fills the GPU already, fewer
+    (more partials) where a short shard would leave SMs idle, never below one chunk."""
+    pytest.importorskip("triton")
+    from allscan.ops.gla.incoming_state import MAX_CHUNKS_PER_SPLIT, chunks_per_split
+
+    heads, sms = 16, 132  # bf16, H = 16, one K x V tile per head, on an H200
+    assert [chunks_per_split(T // 64, heads, sms) for T in (2048, 4096, 8192, 16384)] == [4, 8, 16, 16]
+    assert chunks_per_split(1, 1, sms) == 1  # nothing can fill it: one chunk per split
+    for nt in range(1, 300, 7):
+        for tiles in (1, 2, 16, 64, 512):
+            cps = chunks_per_split(nt, tiles, sms)
+            assert 1 <= cps <= MAX_CHUNKS_PER_SPLIT and cps & (cps - 1) == 0
+            # halved only while the grid was short of the SMs
+            assert cps == MAX_CHUNKS_PER_SPLIT or -(-nt // (2 * cps)) * tiles * 10 < sms * 9

@@ -20,6 +20,8 @@ Tile sizes and their timings: bench/gla_kernels.py and bench/README.md.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -151,9 +153,27 @@ def _corr_bwd_kernel(q, gc, off, do, Xp, T, L1, NT, scale,
 
 # Tiles: the fastest of bench/gla_kernels.py's sweep on an H200 (bench/README.md): the separate
 # forward correction (the fallback) with the whole K = 128 in one tile; the state gradient with its
-# bf16 hi/lo products and the whole K x V tile.
+# bf16 hi/lo products and the whole K x V tile, over at most 16 chunks per partial sum (``cps``; None:
+# :func:`chunks_per_split`).
 FWD_TILES = dict(BK=128, BV=128, num_warps=8)
-BWD_TILES = dict(BK=128, BV=128, num_warps=8, cps=16)
+BWD_TILES = dict(BK=128, BV=128, num_warps=8, cps=None)
+MAX_CHUNKS_PER_SPLIT = 16
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def chunks_per_split(NT: int, tiles_per_split: int, sms: int) -> int:
+    """Chunks per partial sum of :func:`state_grad`: :data:`MAX_CHUNKS_PER_SPLIT`, halved while the
+    grid (splits x ``tiles_per_split``) would leave more than a tenth of the ``sms`` SMs idle: each CTA
+    streams its chunks, so a short shard needs more, shorter splits to keep the memory busy (fewer
+    partials where the grid is full already: each one is another K x V sum)."""
+    cps = MAX_CHUNKS_PER_SPLIT
+    while cps > 1 and triton.cdiv(NT, cps) * tiles_per_split * 10 < sms * 9:
+        cps //= 2
+    return cps
 
 
 def _tiles(K, V, BK, BV):
@@ -191,7 +211,8 @@ def state_grad(q, gc, do, scale: float, L1: int, BT: int, offsets=None, tiles=No
     NT = off.shape[1]
     t = dict(BWD_TILES, **(tiles or {}))
     BK, BV = _tiles(K, V, t["BK"], t["BV"])
-    cps = t["cps"]
+    tiles_per_split = B * H * triton.cdiv(K, BK) * triton.cdiv(V, BV)
+    cps = t["cps"] or chunks_per_split(NT, tiles_per_split, _sm_count(q.device.index))
     NS = triton.cdiv(NT, cps)
     Xp = torch.empty(NS, B * H, K, V, dtype=torch.float32, device=q.device)
     grid = (NS, B * H, triton.cdiv(K, BK) * triton.cdiv(V, BV))
