@@ -2,7 +2,7 @@
 """Sequence-parallel Gated DeltaNet and KDA operator benchmark: allscan against fla's own CP.
 
     torchrun --nproc-per-node 2 bench/delta_bench.py --out DIR          # on the GPU machine
-    torchrun --nproc-per-node 1 bench/delta_bench.py --graph ...        # one GPU: a middle rank's work (below)
+    torchrun --nproc-per-node 1 bench/delta_bench.py --graph ...        # one GPU: another rank's work (below)
     python3 bench/delta_bench.py --model                                # the per-rank cost model only (CPU)
 
 Forward + backward time of one operator (B = 1, H = 16, K = V = 128, bf16 by default), the sequence
@@ -22,8 +22,9 @@ calls (nothing synchronised inside; a row whose issue time reaches its time is h
 host; ``fla_cp`` is not captured), with whether the replay is bitwise the eager call. Peak memory above
 the inputs for one fwd+bwd, per row (max over ranks). The agreement of the sequence-parallel rows is
 checked first (relative error of output and gradients against ``fla_cp``). With one rank the ``zeco``
-and ``allgather`` rows run what a middle rank of a longer chain runs (its shard continues the
-sequence: the scan and the fold-in are issued, over the one-rank group, no transfer), ``fla_cp`` is
+and ``allgather`` rows run what rank 1 of 3 (``--stand-in middle``, the default), the last of 2
+(``last``) or the first of 2 (``first``) runs: the scans are issued over the one-rank group (no
+transfer), and where the shard continues the sequence (middle, last) the fold-in too; ``fla_cp`` is
 left out and the agreement is ``allgather`` against ``zeco``.
 Writes DIR/delta_bench.json and prints a table with the ratios to ``ideal``; ``--model`` prints the
 model of bytes received and combine FLOPs per rank for ``zeco`` and ``fla_cp`` at P = 2..256 (a model,
@@ -43,7 +44,7 @@ import statistics
 import sys
 import time
 
-from gla_common import add_fla_autotune_option, captured_time, middle_rank_stand_in, progress
+from gla_common import add_fla_autotune_option, add_stand_in_option, captured_time, middle_rank_stand_in, progress
 
 ROWS = ["ideal", "zeco", "allgather", "fla_cp"]
 _say = progress("delta_bench")
@@ -184,13 +185,14 @@ def run(args):
     nk = limit_fla_autotune(args.fla_autotune)
     _say(f"P={world}, layers {args.layers}, T_local {args.tlocal}, fla autotune {args.fla_autotune!r} ({nk} kernels)",
          rank)
-    with middle_rank_stand_in(world, "allscan.ops.delta.zeco"):
+    with middle_rank_stand_in(world, "allscan.ops.delta.zeco", args.stand_in):
         results, checks = _measure(args, rows, dev)
     H, K, V = args.heads, args.head_dim, args.head_dim
     out = dict(bench="delta_bench", world=world, B=1, H=H, K=K, V=V, dtype=args.dtype, repeats=args.repeats,
                inner=args.inner, warmup=args.warmup, fla_autotune=args.fla_autotune, host=socket.gethostname(),
                device=torch.cuda.get_device_name(dev), torch=torch.__version__, fla=_version("fla-core"),
                time=time.strftime("%Y-%m-%d %H:%M:%S"), middle_rank_stand_in=world == 1,
+               stand_in=args.stand_in if world == 1 else None,
                command="torchrun --nproc-per-node %d bench/delta_bench.py %s" % (world, " ".join(sys.argv[1:])),
                agreement_rel_err=checks, agreement_reference="fla_cp" if world > 1 else "zeco", results=results)
     if rank == 0:
@@ -371,7 +373,10 @@ def _version(pkg):
 
 
 def report(out):
-    stand_in = " (a middle rank stood in by one GPU)" if out.get("middle_rank_stand_in") else ""
+    # runs before --stand-in stood in for a middle rank (rank 1 of 2: a middle rank's code then)
+    place = {"middle": "rank 1 of 3", "last": "the last of 2 ranks", "first": "the first of 2 ranks",
+             None: "a middle rank"}[out.get("stand_in")]
+    stand_in = f" (one GPU stands in for {place})" if out.get("middle_rank_stand_in") else ""
     print(f"\n{out['bench']}: P={out['world']}{stand_in}, H={out['H']}, K={out['K']}, V={out['V']}, {out['dtype']}, "
           f"fwd+bwd, slowest rank, median of {out['repeats']} (ms; x = ratio to ideal; peak MiB above the inputs)")
     by = {(r["layer"], r["T_local"], r["row"]): r for r in out["results"]}
@@ -448,6 +453,7 @@ def main():
     ap.add_argument("--model", action="store_true", help="print the per-rank cost model and exit (no GPU)")
     # fla's own autotuning by default: the floor is fla as its users run it (bench/README.md, seventeenth run)
     add_fla_autotune_option(ap, default="full")
+    add_stand_in_option(ap)
     args = ap.parse_args()
     if args.model:
         print(model_table(args.heads, args.head_dim, args.head_dim, [2, 8, 32, 128, 256]))

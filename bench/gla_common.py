@@ -48,19 +48,22 @@ def redraw(path: str, outdir: str, report, plot) -> None:
     plot(out, outdir)
 
 
+PLACES = ("middle", "last", "first")  # the ranks one GPU can stand in for (middle_rank_stand_in)
+
+
 @contextlib.contextmanager
 def middle_rank_stand_in(world: int, module: str, place: str = "middle"):
     """With one rank: the layer of ``module`` (``allscan.ops.gla.zeco``, ``allscan.ops.delta.zeco``) cuts
-    its shards as rank 1 of 3 (``place="middle"``) or as the last of 2 (``"last"``): the sequence
-    continues from a previous rank, so the incoming-state work and the scans are issued, over the
-    one-rank group, and one GPU issues that rank's work (GLA's last rank takes its incoming state's
-    gradient from its local backward; a middle rank computes it beside). With more ranks: nothing
-    changes."""
+    its shards as rank 1 of 3 (``place="middle"``), as the last of 2 (``"last"``) or as the first of 2
+    (``"first"``). For the first two the sequence continues from a previous rank, so the incoming-state
+    work is issued (GLA's last rank takes its incoming state's gradient from its local backward; a
+    middle rank computes it beside); every place issues both scans, over the one-rank group, so one GPU
+    issues that rank's work. With more ranks: nothing changes."""
     import importlib
 
     zeco_module = importlib.import_module(module)
-    if place not in ("middle", "last"):
-        raise ValueError(f"place: 'middle' or 'last', got {place!r}")
+    if place not in PLACES:
+        raise ValueError(f"place: one of {PLACES}, got {place!r}")
 
     real = zeco_module.ShardSegments
     if world > 1:
@@ -71,7 +74,8 @@ def middle_rank_stand_in(world: int, module: str, place: str = "middle"):
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
             if not self.varlen:
-                self.world, self.rank, self.continued = (3 if place == "middle" else 2), 1, True
+                self.world, self.rank = {"middle": (3, 1), "last": (2, 1), "first": (2, 0)}[place]
+                self.continued = self.rank > 0
 
     zeco_module.ShardSegments = MiddleRank
     try:
@@ -81,8 +85,8 @@ def middle_rank_stand_in(world: int, module: str, place: str = "middle"):
 
 
 def add_stand_in_option(ap) -> None:
-    ap.add_argument("--stand-in", default="middle", choices=["middle", "last"],
-                    help="with one GPU, the rank it stands in for: rank 1 of 3, or the last of 2")
+    ap.add_argument("--stand-in", default="middle", choices=list(PLACES),
+                    help="with one GPU, the rank it stands in for: rank 1 of 3, the last of 2 or the first of 2")
 
 
 def captured_time(fwd_bwd, name, calls, dev):

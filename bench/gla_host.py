@@ -15,10 +15,10 @@ T_local (B = 1, H heads, K = V, bf16 by default), every number the slowest rank'
   incoming-state kernels, the scans (issue and wait), and the layer's own Python (argument checks,
   glue between stages, autograd).
 
-With one rank the ``zeco`` rows run what a middle rank (``--stand-in middle``, rank 1 of 3) or the last
-of two ranks (``--stand-in last``) runs: its shard continues the sequence, so the incoming-state kernels
-and both scans are issued, over the one-rank group; the host's work is that rank's, the GPU's lacks
-only the transfer. Writes DIR/gla_host.json, prints a table.
+With one rank the ``zeco`` rows run what a middle rank (``--stand-in middle``, rank 1 of 3), the last
+of two ranks (``last``) or the first of two (``first``) runs: both scans are issued, over the one-rank
+group, and for the first two the incoming-state kernels (their shard continues the sequence); the
+host's work is that rank's, the GPU's lacks only the transfer. Writes DIR/gla_host.json, prints a table.
 """
 from __future__ import annotations
 
@@ -150,7 +150,8 @@ def report_host(out) -> str:
     """The table of a ``--host`` run: per T_local, ideal and zeco (ms) and zeco's ratios to ideal."""
     by = {(r["T_local"], r["row"]): r for r in out["results"]}
     # runs before the --stand-in option stood in for rank 1 of 2 (a middle rank's code then)
-    place = {"middle": "rank 1 of 3", "last": "the last of 2 ranks", None: "rank 1 of 2"}[out.get("stand_in")]
+    place = {"middle": "rank 1 of 3", "last": "the last of 2 ranks", "first": "the first of 2 ranks",
+             None: "rank 1 of 2"}[out.get("stand_in")]
     lines = [f"gla_bench --host: P={out['world']}{f' (one GPU stands in for {place})' if out['middle_rank_stand_in'] else ''}, "
              f"{out['dtype']}, H={out['H']}, K=V={out['K']}, ms per fwd+bwd (slowest rank)",
              "| T_local | row | host issue | eager | captured | replay == eager | eager / ideal | captured / ideal |",

@@ -2,10 +2,10 @@
 and ``zeco`` (zeco_gla), each kernel's start, duration and the idle gap before it (torch.profiler).
 
     torchrun --nproc-per-node 1 bench/graph_timeline.py [--tlocal 8192] [--method zeco|lasp1]
-             [--side-fill] [--side-priority high|normal] [--all] [--fla-autotune one|full] [--stand-in middle|last]
+             [--side-fill] [--side-priority high|normal] [--all] [--fla-autotune one|full] [--stand-in middle|last|first]
 
-With one rank zeco runs what a middle rank (``--stand-in middle``, rank 1 of 3) or the last of two ranks
-(``last``) runs (bench/gla_common.py's stand-in: both scans issued over the one-rank group). ``--method lasp1`` waits for each scan where it is issued (no side branch in the
+With one rank zeco runs what a middle rank (``--stand-in middle``, rank 1 of 3), the last of two ranks
+(``last``) or the first of two (``first``) runs (bench/gla_common.py's stand-in: both scans issued over the one-rank group). ``--method lasp1`` waits for each scan where it is issued (no side branch in the
 graph). ``--side-fill`` replaces the scans by a fill of their output on a side stream of the given
 priority (a side branch without allscan's core), to tell the branch from the collective. Prints the
 kernels longer than 100 us and the gaps over 3 us (``--all``: every kernel), then the span.

@@ -38,10 +38,14 @@ def test_one_rank_stands_in_for_a_middle_rank_and_restores(module):
         segs = Z.ShardSegments(None, 8, 1, None, "t")
         assert (segs.world, segs.rank, segs.continued) == (2, 1, True)
     assert Z.ShardSegments is real
+    with common.middle_rank_stand_in(1, module, "first"):
+        segs = Z.ShardSegments(None, 8, 1, None, "t")
+        assert (segs.world, segs.rank, segs.continued) == (2, 0, False)
+    assert Z.ShardSegments is real
     with common.middle_rank_stand_in(2, module):
         assert Z.ShardSegments is real
     with pytest.raises(ValueError, match="place"):
-        with common.middle_rank_stand_in(1, module, "first"):
+        with common.middle_rank_stand_in(1, module, "second"):
             pass
 
 
@@ -64,7 +68,7 @@ def test_report_ratios():
     assert "| 8192 | zeco | 2.000 | 2.310 | 2.060 | True | 1.050 | 1.030 |" in text
     # a run from before --stand-in existed stood in for rank 1 of 2
     assert "stands in for rank 1 of 2" in text and "8192: 2000 = 1500 + 200 + 60 + 240" in text
-    for place, words in (("middle", "rank 1 of 3"), ("last", "the last of 2 ranks")):
+    for place, words in (("middle", "rank 1 of 3"), ("last", "the last of 2 ranks"), ("first", "the first of 2 ranks")):
         text = gh.report_host(dict(world=1, middle_rank_stand_in=True, stand_in=place, dtype="bfloat16", H=16,
                                    K=128, results=rows))
         assert f"stands in for {words}" in text
@@ -81,7 +85,7 @@ def test_delta_report_host_and_captured_columns(capsys):
                    repeats=3, results=rows, agreement_rel_err={"gdn/8192/allgather": 1e-7},
                    agreement_reference="zeco"))
     out = capsys.readouterr().out
-    assert "a middle rank stood in by one GPU" in out
+    assert "one GPU stands in for a middle rank" in out  # a run from before --stand-in existed
     assert "  6.00 2.00x  100" in out  # zeco: 2x the ideal
     row = next(line for line in out.splitlines() if line.startswith("gdn") and "2.00x" in line)
     assert row.split()[-1] == "-"  # no fla_cp row with one rank
@@ -89,6 +93,10 @@ def test_delta_report_host_and_captured_columns(capsys):
     assert " 2.70 1.35x!" in out  # a replay that differs from eager is marked
     assert "gdn/8192/allgather: max relative error against zeco 1.00e-07" in out
     assert "gdn       8192   2.20 1.10x=" in out  # compiled: 1.1x the ideal captured, bitwise eager
+    for place, words in (("middle", "rank 1 of 3"), ("last", "the last of 2 ranks"), ("first", "the first of 2 ranks")):
+        db.report(dict(bench="delta_bench", world=1, middle_rank_stand_in=True, stand_in=place, H=16, K=128, V=128,
+                       dtype="bfloat16", repeats=3, results=rows, agreement_rel_err={}, agreement_reference="zeco"))
+        assert f"one GPU stands in for {words}" in capsys.readouterr().out
 
 
 def test_stage_clock_times_wrapped_calls_and_restores_them():
