@@ -46,7 +46,8 @@ def zeco_delta_rule_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: tor
     segs, opts, scale = prepared(_op_name(per_key), per_key, q, k, v, g, beta, group, scale, h0, want_final,
                                  cu_seqlens, l2norm, method, gate, A_log, dt_bias, beta_sigmoid, neg_eigval,
                                  safe_gate, lower_bound, needs_grad)
-    run = shard_plan(segs, q, opts, scale, group, method, want_final)
+    # the head widened too: every rank's results have the fake's shapes (shard.runs_widened)
+    run = shard_plan(segs, q, opts, scale, group, method, want_final, plain_head=False)
     with torch.autocast(device_type=q.device.type, enabled=False):
         o, final, q_eff, M, S_in, saved = shard_forward(run, q, k, v, g, beta, h0)
     if q_eff is not None and q_eff.shape[1] != q.shape[1]:  # packed: the first segment's rows, then zeros
@@ -93,7 +94,7 @@ def zeco_delta_rule_state_grad_op(q_eff: torch.Tensor, do: torch.Tensor, q: torc
         return or_empty(None, q)
     q_eff = q_eff[:, :segs.bounds[1]]  # the padding's zero rows dropped
     with torch.autocast(device_type=do.device.type, enabled=False):
-        return or_empty(outputs_state_grad(select_backend(q), segs.world, q_eff, do), q)
+        return or_empty(outputs_state_grad(select_backend(q), q_eff, do), q)
 
 
 @zeco_delta_rule_state_grad_op.register_fake
@@ -123,7 +124,7 @@ def zeco_delta_rule_backward_op(do: torch.Tensor, dfinal: Optional[torch.Tensor]
     group = resolve_group(group_name) if group_name else None
     segs = shard_cut(group, q, cu_seqlens, _op_name(per_key))
     opts = _options(per_key, A_log, dt_bias, l2norm, gate, beta_sigmoid, neg_eigval, safe_gate, lower_bound)
-    run = shard_plan(segs, q, opts, scale, group, method, want_final)
+    run = shard_plan(segs, q, opts, scale, group, method, want_final, plain_head=False)
     with torch.autocast(device_type=do.device.type, enabled=False):
         grads = shard_backward(run, q, k, v, g, beta, h0, dy_out, M, S_in, [absent(t) for t in saved], do, dfinal)
     dq, dk, dv, dg, dbeta, dA_log, ddt_bias, dh0 = grads

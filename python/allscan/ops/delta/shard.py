@@ -1,8 +1,8 @@
 """One shard of a delta-rule layer with the state entering it: its forward, its backward, and the
 autograd function around them (the custom ops of :mod:`.compiled` run the same two functions).
 
-Forward, on each rank (``be`` the local backend, :class:`~allscan.ops.delta.fla.FlaDelta` or
-:class:`~allscan.ops.delta.chunk.TorchDelta`; ``segments`` the shard cut at packed sequences)::
+Forward, on each rank but the chain head (``be`` the local backend, :class:`~allscan.ops.delta.fla.FlaDelta`
+or :class:`~allscan.ops.delta.chunk.TorchDelta`; ``segments`` the shard cut at packed sequences)::
 
     finals, M = be.states(...)                       every segment's final state from its own initial
                                                      state; M the first segment's transition (its
@@ -14,12 +14,19 @@ Forward, on each rank (``be`` the local backend, :class:`~allscan.ops.delta.fla.
                                                      segment's to its outputs
     o = [o_head + Q' S_in | o_tail],  final_0 = h_0 + M S_in
 
+The chain head (group rank 0) knows its incoming state before anything runs: the caller's
+``initial_state`` (or zeros). So it runs the plain forward from it (V columns: no Q', no M, no fold)
+and joins the scan with its final state and a zero transition (``y_1 = 0 init + x_0``, that final
+state); in the backward it sends nothing (rank 0's part of the reverse scan reaches no one) and runs
+the plain backward from its initial state, whose gradient is the one of ``initial_state``. Every rank
+issues both scans alike.
+
 Backward. The state a rank passes on is its shard's final state from the whole incoming state, so the
 gradient of everything local (q, k, v, g, beta, the gate parameters and the initial states) is the
 local backward of the segments run from their whole initial states (``S_full = h0 + S_in`` for the
-first), given ``do`` and the gradients of their final states; the one crossing the shard's end also
+first, but on the chain head), given ``do`` and the gradients of their final states; the one crossing the shard's end also
 gets ``r``, the gradient arriving from later ranks: the reverse scan with the transposed transitions
-of each rank's direct gradient of its incoming state, ``dy = Q'^T do + M^T dfinal_0``::
+of each rank's direct gradient of its incoming state, ``dy = Q'^T do + M^T dfinal_0`` (zeros on the chain head)::
 
     dy = Q'^T do + M^T dfinal_0                      be.fold_state_grad (outputs_state_grad), first:
                                                      Q' is read once, and freed before the rest runs
@@ -27,8 +34,7 @@ of each rank's direct gradient of its incoming state, ``dy = Q'^T do + M^T dfina
     grads = be.backward(...)                         one backward over the shard, V columns only
 
 So the backward never runs over the K extra columns the forward needs for Q' and M (nor their
-gradients), and the transitions never need a gradient of their own. The chain head (group rank 0)
-gets the gradient of ``init`` (the backward's gradient of its initial state).
+gradients), and the transitions never need a gradient of their own.
 
 What crosses the shard's end (``cross``): ``"own"``, the first segment's final state (one segment in
 the shard); ``"ext"``, the final state of the shard's last packed segment (its gradient gets ``r``;
@@ -54,7 +60,8 @@ class ShardRun(NamedTuple):
     scale: float
     group: Any              # the sequence-parallel process group (None: one process)
     world: int
-    head: bool              # group rank 0: the scan's init is its incoming state
+    head: bool              # group rank 0: the scan's chain head (a widened one gets init as S_in)
+    wide: bool              # the first segment runs on [v | 0] from [h0 | I] (Q', M): runs_widened
     method: str             # the scan's method: "pipelined" or "allgather"
     bounds: Tuple[int, ...]  # the local segments' bounds [0, ..., T_local]
     rows: Tuple[Any, ...]   # per segment, the initial_state rows it starts from (an int, or None: all)
@@ -66,21 +73,32 @@ class ShardRun(NamedTuple):
     want_final: bool
 
 
-def plan(segs, backend, opts, scale: float, group, method: str, want_final: bool) -> ShardRun:
-    """The :class:`ShardRun` of a shard cut ``segs`` (:class:`allscan.ops._shards.ShardSegments`)."""
+def plan(segs, backend, opts, scale: float, group, method: str, want_final: bool,
+         plain_head: bool = True) -> ShardRun:
+    """The :class:`ShardRun` of a shard cut ``segs`` (:class:`allscan.ops._shards.ShardSegments`);
+    ``plain_head``: see :func:`runs_widened`."""
     n = segs.nseg
     if segs.world == 1 or not (segs.varlen and segs.ends_here[-1]):
         cross = "ext" if n > 1 else "own"
     else:
         cross = "none"
-    # with one rank every segment starts its sequence; else the first one does where the shard starts one
-    # (rank 0's first segment reads initial_state through the scan's init)
-    own = tuple(segs.world == 1 or j > 0 or (segs.varlen and segs.rank > 0 and not segs.continued)
-                for j in range(n))
+    wide = runs_widened(segs, plain_head)
+    # every segment starts its sequence but a first one that continues it from the previous rank (or,
+    # on a widened head, from the scan's init)
+    own = tuple(not wide or j > 0 or (segs.varlen and segs.rank > 0 and not segs.continued) for j in range(n))
     head = group is None or world_and_rank(group)[1] == 0  # the scan's chain head: its group's rank 0
-    return ShardRun(backend, opts, scale, group, segs.world, head, method, tuple(segs.bounds),
+    return ShardRun(backend, opts, scale, group, segs.world, head, wide, method, tuple(segs.bounds),
                     tuple(segs.seq_ids) if segs.varlen else (None,), own, tuple(segs.ends_here), segs.varlen,
                     segs.num_seqs, cross, want_final)
+
+
+def runs_widened(segs, plain_head: bool = True) -> bool:
+    """Whether a shard's first segment runs widened (for Q' and M): every rank of a chain but, with
+    ``plain_head``, its head (group rank 0), which starts from the caller's initial state. The custom
+    ops under torch.compile widen the head too: their results' shapes must not depend on the rank,
+    since a graph compiled on one rank is cached for all (the head's incoming state then comes
+    through the scan's init)."""
+    return segs.world > 1 and (segs.rank > 0 or not plain_head)
 
 
 def _rows(t: torch.Tensor, row):
@@ -92,7 +110,8 @@ def _initial_states(run: ShardRun, h0: Optional[torch.Tensor]):
 
 
 def _scan_init(run: ShardRun, h0: Optional[torch.Tensor]):
-    """The scan's init: given on every rank alike (the chain head reads it), the first row with packing."""
+    """The scan's init: given on every rank alike (a signature the ranks compare; the head's zero
+    transition leaves it out of the state it passes on), the first row with packing."""
     return None if h0 is None else (h0[:1] if run.varlen else h0)
 
 
@@ -103,28 +122,29 @@ def _crossing(run: ShardRun) -> Optional[int]:
 def shard_forward(run: ShardRun, q, k, v, g, beta, h0):
     """``(o, final or None, Q', M, S_in, saved)``: the outputs in v's dtype and the final states
     (``[N, HV, K, V]`` rows of the sequences ending here, zeros elsewhere, with packing); what the
-    backward needs (Q', M, S_in None with one rank)."""
+    backward needs (Q', M, S_in None unless ``run.wide``)."""
     from allscan import scan
 
     be = run.backend
-    sp = run.world > 1
-    finals, M, staged = be.states(q, k, v, g, beta, run.opts, run.scale, run.bounds, _initial_states(run, h0), sp)
-    if sp:
+    finals, M, staged = be.states(q, k, v, g, beta, run.opts, run.scale, run.bounds, _initial_states(run, h0),
+                                  run.wide)
+    if run.world > 1:
         c = _crossing(run)
         x = torch.zeros_like(finals[0]) if c is None else finals[c]
-        M_scan = M if run.cross == "own" else torch.zeros_like(M)
+        M_scan = M if run.wide and run.cross == "own" else _zero_transition(x)
         pending = scan(x.contiguous(), group=run.group, transition=M_scan, init=_scan_init(run, h0),
                        method=run.method, async_op=True)
     o_head, q_eff, o_tail, saved = be.outputs(staged)
     S_in = None
-    if sp:
-        S_in = pending.wait()
+    if run.world > 1:
+        S_in = pending.wait()  # the head's: its own init, already in its outputs
+    if run.wide:
         o_head, q_eff = be.fold(o_head, q_eff, S_in)
         if run.want_final and run.ends[0]:
             finals[0] = finals[0] + M @ S_in
         o = o_head.to(v.dtype) if o_tail is None else torch.cat([o_head.to(v.dtype), o_tail.to(v.dtype)], 1)
     else:
-        o = o_tail.to(v.dtype)
+        o, S_in = o_tail.to(v.dtype), None
     final = None
     if run.want_final:
         final = finals[0] if not run.varlen else _final_rows(run, finals)
@@ -139,11 +159,16 @@ def _final_rows(run: ShardRun, finals):
     return rows
 
 
-def outputs_state_grad(backend, world: int, q_eff, do):
-    """``Q'^T do``: the gradient the state entering the shard gets through its outputs (None with one
-    rank). The backward's first step, so that Q' (a tensor of q's size) can be freed before the local
-    backward allocates."""
-    if world == 1:
+def _zero_transition(state: torch.Tensor) -> torch.Tensor:
+    """A zero transition ``[.., K, K]`` for a state ``[.., K, V]``: nothing of the incoming state passes."""
+    return state.new_zeros(*state.shape[:-1], state.shape[-2])
+
+
+def outputs_state_grad(backend, q_eff, do):
+    """``Q'^T do``: the gradient the state entering the shard gets through its outputs (None without
+    Q': one rank, or the chain head). The backward's first step, so that Q' (a tensor of q's size)
+    can be freed before the local backward allocates."""
+    if q_eff is None:
         return None
     return backend.fold_state_grad(q_eff, do[:, :q_eff.shape[1]])
 
@@ -151,6 +176,18 @@ def outputs_state_grad(backend, world: int, q_eff, do):
 def zero_if_absent(do, v):
     """The outputs' gradient, zeros when autograd gave none (the loss reads only the final state)."""
     return torch.zeros(*v.shape, dtype=v.dtype, device=v.device) if do is None else do
+
+
+def _head_state_grad(be, q, v, do, dht, dt):
+    """The chain head's part of the reverse scan: zeros (it reaches no one). In a backward that builds
+    a graph (second-order gradients) they come from the other ranks' operations on zero operands, so
+    that they depend on ``do`` and the final state's gradient as the other ranks' parts do: every rank
+    then records the scan alike, and its backward (a collective) runs on every rank or on none."""
+    B, HV, K, V = v.shape[0], v.shape[2], q.shape[-1], v.shape[-1]
+    if not torch.is_grad_enabled():
+        return q.new_zeros(B, HV, K, V, dtype=dt)
+    dy = be.fold_state_grad(q.new_zeros(B, 1, HV, K, dtype=be.q_eff_dtype(v)), do[:, :1])
+    return dy if dht is None else dy + _zero_transition(dy) @ dht
 
 
 def shard_backward(run: ShardRun, q, k, v, g, beta, h0, dy_out, M, S_in, saved, do, dfinal):
@@ -169,14 +206,18 @@ def shard_backward(run: ShardRun, q, k, v, g, beta, h0, dy_out, M, S_in, saved, 
                 dhts[j] = _rows(dfinal, run.rows[j]).to(dt)
     h0s = _initial_states(run, h0)
     if run.world > 1:
-        dy = dy_out if dhts[0] is None else dy_out + M.transpose(-1, -2) @ dhts[0]
-        M_scan = M if run.cross == "own" else torch.zeros_like(M)
+        if run.wide:
+            dy = dy_out if dhts[0] is None else dy_out + M.transpose(-1, -2) @ dhts[0]
+            MT = M.transpose(-1, -2).contiguous() if run.cross == "own" else _zero_transition(dy)
+        else:  # the chain head: what it would send reaches no one
+            dy = _head_state_grad(be, q, v, do, dhts[0], dt)
+            MT = _zero_transition(dy)
         # every rank issues the reverse scan, whatever it does with r
-        r = scan(dy.contiguous(), group=run.group, transition=M_scan.transpose(-1, -2).contiguous(), reverse=True,
-                 method=run.method)
+        r = scan(dy.contiguous(), group=run.group, transition=MT, reverse=True, method=run.method)
         c = _crossing(run)
         if c is not None:
             dhts[c] = r if dhts[c] is None else dhts[c] + r
+    if run.wide:
         h0s[0] = S_in if h0s[0] is None else S_in + h0s[0].to(S_in.dtype)
     dq, dk, dv, dg, dbeta, dh0s, dA_log, ddt_bias = be.backward(saved, q, k, v, g, beta, run.opts, run.scale,
                                                                  run.bounds, h0s, do, dhts)
@@ -186,7 +227,7 @@ def shard_backward(run: ShardRun, q, k, v, g, beta, h0, dy_out, M, S_in, saved, 
         for j in range(n):
             if run.own[j]:
                 _rows(dh0, run.rows[j]).add_(dh0s[j].to(dh0.dtype))
-        if run.world > 1 and run.head:  # the chain head's incoming state is the scan's init
+        if run.wide and run.head:  # a widened head's incoming state is the scan's init
             (dh0[:1] if run.varlen else dh0).add_(dh0s[0].to(dh0.dtype))
     return dq, dk, dv, dg, dbeta, dA_log, ddt_bias, dh0
 
@@ -220,7 +261,7 @@ class ShardFunction(torch.autograd.Function):
         do = zero_if_absent(do, v)
         # the forward's arithmetic, whatever the caller's autocast
         with torch.autocast(device_type=ctx.device_type, enabled=False):
-            dy_out = outputs_state_grad(ctx.run.backend, ctx.run.world, q_eff, do)
+            dy_out = outputs_state_grad(ctx.run.backend, q_eff, do)
             del q_eff  # the backward's own reference: Q' is freed here unless something else holds it
             dq, dk, dv, dg, dbeta, dA_log, ddt_bias, dh0 = shard_backward(ctx.run, q, k, v, g, beta, h0, dy_out, M,
                                                                           S_in, saved, do, dfinal)

@@ -11,8 +11,11 @@ All-Scan ``y_{p+1} = M_p y_p + h_p`` (only the ``[K, V]`` state crosses a bounda
 
     local:    the shard's outputs and final state without an incoming state, Q' and M_p    (the first packed
               segment's forward on V + K columns, the others' on V)
-    All-Scan: S_in = allscan.scan(h_p, transition=M_p, init=initial_state)   (rank 0 reads init)
+    All-Scan: S_in = allscan.scan(h_p, transition=M_p, init=initial_state)
     fold in:  o += Q' S_in, final = h_p + M_p S_in
+
+Rank 0, the chain's head, has its incoming state from the start (``initial_state`` or zeros): it runs
+the plain forward from it and joins the scan with its final state and a zero transition.
 
 The backward is the shard's own backward from its whole incoming state (V columns only), after one
 reverse scan with the transposed transitions has brought each rank the gradient of its final state
@@ -216,9 +219,10 @@ def prepared(op, per_key, q, k, v, g, beta, group, scale, initial_state, output_
     return segs, opts, q.shape[-1] ** -0.5 if scale is None else float(scale)
 
 
-def shard_plan(segs, q, opts, scale, group, method, output_final_state) -> ShardRun:
+def shard_plan(segs, q, opts, scale, group, method, output_final_state, plain_head=True) -> ShardRun:
     """The :class:`~allscan.ops.delta.shard.ShardRun` of a checked call (not ``fla_cp``)."""
-    return plan(segs, select_backend(q), opts, scale, group, _SCAN_METHOD[method], bool(output_final_state))
+    return plan(segs, select_backend(q), opts, scale, group, _SCAN_METHOD[method], bool(output_final_state),
+                plain_head)
 
 
 def _delta_rule(op, per_key, q, k, v, g, beta, group, scale, initial_state, output_final_state, cu_seqlens,
