@@ -556,5 +556,29 @@ def test_state_gradient_splits_fill_the_gpu():
         for tiles in (1, 2, 16, 64, 512):
             cps = chunks_per_split(nt, tiles, sms)
             assert 1 <= cps <= MAX_CHUNKS_PER_SPLIT and cps & (cps - 1) == 0
-            # halved only while the grid was short of the SMs
+            # halved while, and only while, the grid was short of the SMs
             assert cps == MAX_CHUNKS_PER_SPLIT or -(-nt // (2 * cps)) * tiles * 10 < sms * 9
+            assert cps == 1 or -(-nt // cps) * tiles * 10 >= sms * 9
+
+
+def _second_order(rank, world):
+    q, k, v, g, h0, do = _data(3, 1, 12 * world, "gla", 1)
+    sl = slice(rank * 12, (rank + 1) * 12)
+    mine = [x[:, sl].clone().requires_grad_(True) for x in (q, k, v, g)]
+    o, _ = zeco_gla(*mine, dist.group.WORLD)
+    plain = torch.autograd.grad(o, mine, do[:, sl], retain_graph=True)
+    d_o = do[:, sl].clone().requires_grad_(True)
+    first = torch.autograd.grad(o, mine, d_o, create_graph=True)
+    assert all(torch.equal(a, b) for a, b in zip(plain, first)), "first order, building a graph"
+    with pytest.raises(RuntimeError, match="differentiate twice"):
+        sum(x.square().sum() for x in first).backward()
+    o, _ = zeco_gla(*mine, dist.group.WORLD)  # and every rank goes on to the next call
+    return torch.autograd.grad(o, mine[0], do[:, sl])[0].shape == mine[0].shape
+
+
+def test_second_order_gradients_raise_on_every_rank():
+    """zeco_gla is differentiable once: its backward holds the incoming state as a constant, so a
+    second-order gradient would lack the terms through the other ranks. A backward that builds a graph
+    gives the same first-order gradients; differentiating them again raises on every rank, which all
+    go on to the next call (no rank left waiting in a collective)."""
+    assert run_distributed(_second_order, 2, timeout=300) == [True, True]

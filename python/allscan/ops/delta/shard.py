@@ -47,6 +47,7 @@ from __future__ import annotations
 from typing import Any, NamedTuple, Optional, Tuple
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from .._shards import world_and_rank
 from .chunk import compute_dtype
@@ -178,18 +179,6 @@ def zero_if_absent(do, v):
     return torch.zeros(*v.shape, dtype=v.dtype, device=v.device) if do is None else do
 
 
-def _head_state_grad(be, q, v, do, dht, dt):
-    """The chain head's part of the reverse scan: zeros (it reaches no one). In a backward that builds
-    a graph (second-order gradients) they come from the other ranks' operations on zero operands, so
-    that they depend on ``do`` and the final state's gradient as the other ranks' parts do: every rank
-    then records the scan alike, and its backward (a collective) runs on every rank or on none."""
-    B, HV, K, V = v.shape[0], v.shape[2], q.shape[-1], v.shape[-1]
-    if not torch.is_grad_enabled():
-        return q.new_zeros(B, HV, K, V, dtype=dt)
-    dy = be.fold_state_grad(q.new_zeros(B, 1, HV, K, dtype=be.q_eff_dtype(v)), do[:, :1])
-    return dy if dht is None else dy + _zero_transition(dy) @ dht
-
-
 def shard_backward(run: ShardRun, q, k, v, g, beta, h0, dy_out, M, S_in, saved, do, dfinal):
     """The gradients ``(dq, dk, dv, dg, dbeta, dA_log, dt_bias, dh0)`` (None where not an input) from
     ``do`` (not None: :func:`zero_if_absent`) and ``dfinal`` (None: zeros), given :func:`shard_forward`'s
@@ -210,7 +199,7 @@ def shard_backward(run: ShardRun, q, k, v, g, beta, h0, dy_out, M, S_in, saved, 
             dy = dy_out if dhts[0] is None else dy_out + M.transpose(-1, -2) @ dhts[0]
             MT = M.transpose(-1, -2).contiguous() if run.cross == "own" else _zero_transition(dy)
         else:  # the chain head: what it would send reaches no one
-            dy = _head_state_grad(be, q, v, do, dhts[0], dt)
+            dy = q.new_zeros(v.shape[0], v.shape[2], q.shape[-1], v.shape[-1], dtype=dt)
             MT = _zero_transition(dy)
         # every rank issues the reverse scan, whatever it does with r
         r = scan(dy.contiguous(), group=run.group, transition=MT, reverse=True, method=run.method)
@@ -243,7 +232,10 @@ def _drop_saved(ctx):
 
 
 class ShardFunction(torch.autograd.Function):
-    """:func:`shard_forward` and :func:`shard_backward` for eager calls."""
+    """:func:`shard_forward` and :func:`shard_backward` for eager calls. Differentiable once: the
+    backward's gradients hold the incoming state, Q' and M as constants (their own dependence on the
+    inputs, through other ranks too, is not in them), so differentiating them again raises rather than
+    returning second-order gradients without those terms."""
 
     @staticmethod
     def forward(ctx, q, k, v, g, beta, A_log, dt_bias, h0, run: ShardRun):
@@ -255,6 +247,7 @@ class ShardFunction(torch.autograd.Function):
         return o, final
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, do, dfinal):
         q, k, v, g, beta, h0, q_eff, M, S_in, *saved = ctx.saved_tensors
         _drop_saved(ctx)

@@ -61,6 +61,7 @@ import warnings
 from typing import List, Optional, Tuple
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from allscan._contract import DTYPE_CODES, check_across_ranks, settings
 
@@ -303,7 +304,10 @@ def _backward(be, do, dfinal, q, k, v, g, h0, S_in, gamma, saved, scale, segs: S
 
 
 class ZecoGLAFunction(torch.autograd.Function):
-    """The autograd function of :func:`zeco_gla` in eager mode (arguments already checked)."""
+    """The autograd function of :func:`zeco_gla` in eager mode (arguments already checked).
+    Differentiable once: the backward holds the incoming state as a constant (its own dependence on
+    the other ranks' inputs is not in the gradients), so differentiating the gradients again raises
+    rather than returning second-order gradients without those terms."""
 
     @staticmethod
     def forward(ctx, q, k, v, g, h0, scale, segs: ShardSegments, method: str, want_final: bool):
@@ -316,6 +320,7 @@ class ZecoGLAFunction(torch.autograd.Function):
         return o, final
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, do, dfinal):
         q, k, v, g, h0, S_in, *saved = ctx.saved_tensors
         with torch.autocast(device_type=do.device.type, enabled=False):
