@@ -20,11 +20,11 @@ Tile sizes and their timings: bench/gla_kernels.py and bench/README.md.
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
+
+from ..delta.fold_in import _sm_count  # the GPU's SM count, asked once per device
 
 
 def chunk_offsets_torch(gc: torch.Tensor, L1: int, BT: int):
@@ -158,11 +158,6 @@ def _corr_bwd_kernel(q, gc, off, do, Xp, T, L1, NT, scale,
 FWD_TILES = dict(BK=128, BV=128, num_warps=8)
 BWD_TILES = dict(BK=128, BV=128, num_warps=8, cps=None)
 MAX_CHUNKS_PER_SPLIT = 16
-
-
-@functools.lru_cache(maxsize=None)
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def chunks_per_split(NT: int, tiles_per_split: int, sms: int) -> int:
