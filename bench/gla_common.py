@@ -77,11 +77,17 @@ def middle_rank_stand_in(world: int, module: str, place: str = "middle"):
                 self.world, self.rank = {"middle": (3, 1), "last": (2, 1), "first": (2, 0)}[place]
                 self.continued = self.rank > 0
 
+    # the layers reuse the cut of a call repeated with the same arguments: forget the cuts made
+    # before (and, leaving, under) the stand-in
+    from allscan.ops._launch import forget_plans
+
+    forget_plans()
     zeco_module.ShardSegments = MiddleRank
     try:
         yield
     finally:
         zeco_module.ShardSegments = real
+        forget_plans()
 
 
 def add_stand_in_option(ap) -> None:

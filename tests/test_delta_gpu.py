@@ -266,6 +266,7 @@ def _as_middle_rank(world):
     ``allscan.ops.LOCAL`` still means one process."""
     import allscan.ops._shards as shards
     import allscan.ops.delta.zeco as zeco
+    from allscan.ops._launch import forget_plans
 
     if world != 1:
         return
@@ -279,6 +280,7 @@ def _as_middle_rank(world):
             self.stand_in = stand_in  # the weakly keyed place lives as long as the cut
 
     zeco.ShardSegments = MiddleRank
+    forget_plans()  # no cut made before is reused (a repeated call reuses its cut)
 
 
 def _middle_rank(rank, world, layer, dtype_name):

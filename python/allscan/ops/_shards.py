@@ -4,18 +4,27 @@
   process when torch.distributed is not initialised); ``LOCAL`` is one process even inside one.
 - :class:`ShardSegments`: this rank's contiguous shard of the global sequence, cut at the packed
   sequences' boundaries (``cu_seqlens``, global offsets, the same on every rank).
+- :func:`checked_cut`: a call repeated with arguments its checks cannot tell apart reuses the cut of
+  the call that passed them (the host's time per call, issue 14).
+- :func:`own_precision`: the layers' arithmetic is theirs whatever the caller's autocast.
 """
 from __future__ import annotations
 
 import bisect
+import contextlib
 import weakref
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
 
 from allscan._comm import normalize_group
+from allscan._contract import peers_exchange, settings
 
-__all__ = ["LOCAL", "sequence_parallel_group", "ShardSegments", "world_and_rank", "inputs_need_grad"]
+from ._launch import plan_cache
+
+__all__ = ["LOCAL", "sequence_parallel_group", "ShardSegments", "world_and_rank", "inputs_need_grad", "checked_cut",
+           "own_precision"]
 
 
 class _Local:
@@ -106,3 +115,62 @@ class ShardSegments:
     @property
     def nseg(self):
         return len(self.bounds) - 1
+
+
+def own_precision(device_type: str):
+    """The context a layer computes in: autocast off (its precision choices are its own), and
+    nothing at all when autocast is off already (entering and leaving one costs host time per call)."""
+    if torch.is_autocast_enabled(device_type):
+        return torch.autocast(device_type=device_type, enabled=False)
+    return contextlib.nullcontext()
+
+
+# ------------------------------------------------------------------------------------------------
+# Checked calls. A layer's checks read its arguments' types, shapes, dtypes and devices and its
+# options, never a tensor's values (except cu_seqlens', which such calls never skip). So a call
+# with the same of all these on the same group as one that passed its checks passes them too, and
+# skips them where the cross-rank check itself is made once per signature. The cuts are kept in a
+# bounded LRU, forgotten with the collectives' plans (allscan.destroy_communicators).
+# ------------------------------------------------------------------------------------------------
+_checked_cuts = plan_cache()
+
+
+def _argument_key(args) -> Optional[tuple]:
+    """What a layer's checks read of ``args``: a tensor's shape, dtype and device, any other argument
+    itself (None, bool, int, float, str); None for an argument of another type (the checks name it)."""
+    key = []
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            key.append((a.shape, a.dtype, a.device))
+        elif a is None or type(a) in (bool, int, float, str):
+            key.append((type(a), a))
+        else:
+            return None
+    return tuple(key)
+
+
+def checked_cut(op: str, group, device: torch.device, args, check: Callable[[], "ShardSegments"]):
+    """``check()``: every check of an ``op`` call on ``group`` (None: one process), the local ones then
+    across ranks, returning the shard's cut; or the cut of an earlier call on the same group whose
+    ``args`` (everything the checks read, the packed sequences' ``cu_seqlens`` excluded: pass None
+    for ``args`` with packed sequences) had the same key, while the check mode is the one it passed in.
+    The checks are made every call with ``ALLSCAN_CHECK=always``, and wherever the cross-rank check
+    exchanges every call (off NCCL): there every call still exchanges, as the peers expect."""
+    key = None if args is None else _argument_key(args)
+    if key is not None:
+        key = (op, id(group), settings.check) + key
+        hit = _checked_cuts.get(key)
+        if hit is not None and hit[0] is group:  # the entry holds its group: its id is not reused
+            return hit[1]
+    cut = check()
+    if key is not None and _skippable(group, device):
+        _checked_cuts[key] = (group, cut)
+    return cut
+
+
+def _skippable(group, device) -> bool:
+    """Whether a repeated call may skip its checks: not with ``ALLSCAN_CHECK=always``, nor where the
+    peers exchange their signatures every call."""
+    if settings.check == "always":
+        return False
+    return group is None or world_and_rank(group)[0] == 1 or not peers_exchange(group, device)

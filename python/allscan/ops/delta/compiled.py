@@ -18,6 +18,7 @@ import torch
 from allscan._comm import resolve_group
 
 from .._launch import absent, or_empty
+from .._shards import own_precision
 from .chunk import compute_dtype
 from .gates import DeltaOptions
 from .shard import outputs_state_grad, shard_backward, shard_forward, zero_if_absent
@@ -48,7 +49,7 @@ def zeco_delta_rule_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: tor
                                  safe_gate, lower_bound, needs_grad)
     # the head widened too: every rank's results have the fake's shapes (shard.runs_widened)
     run = shard_plan(segs, q, opts, scale, group, method, want_final, plain_head=False)
-    with torch.autocast(device_type=q.device.type, enabled=False):
+    with own_precision(q.device.type):
         o, final, q_eff, M, S_in, saved = shard_forward(run, q, k, v, g, beta, h0)
     if q_eff is not None and q_eff.shape[1] != q.shape[1]:  # packed: the first segment's rows, then zeros
         padded = q_eff.new_zeros(*q.shape[:2], *q_eff.shape[2:])
@@ -93,7 +94,7 @@ def zeco_delta_rule_state_grad_op(q_eff: torch.Tensor, do: torch.Tensor, q: torc
     if segs.world == 1:
         return or_empty(None, q)
     q_eff = q_eff[:, :segs.bounds[1]]  # the padding's zero rows dropped
-    with torch.autocast(device_type=do.device.type, enabled=False):
+    with own_precision(do.device.type):
         return or_empty(outputs_state_grad(select_backend(q), q_eff, do), q)
 
 
@@ -125,7 +126,7 @@ def zeco_delta_rule_backward_op(do: torch.Tensor, dfinal: Optional[torch.Tensor]
     segs = shard_cut(group, q, cu_seqlens, _op_name(per_key))
     opts = _options(per_key, A_log, dt_bias, l2norm, gate, beta_sigmoid, neg_eigval, safe_gate, lower_bound)
     run = shard_plan(segs, q, opts, scale, group, method, want_final, plain_head=False)
-    with torch.autocast(device_type=do.device.type, enabled=False):
+    with own_precision(do.device.type):
         grads = shard_backward(run, q, k, v, g, beta, h0, dy_out, M, S_in, [absent(t) for t in saved], do, dfinal)
     dq, dk, dv, dg, dbeta, dA_log, ddt_bias, dh0 = grads
     like = (q, k, v, g, beta, A_log, dt_bias, h0)

@@ -49,7 +49,7 @@ from typing import Any, NamedTuple, Optional, Tuple
 import torch
 from torch.autograd.function import once_differentiable
 
-from .._shards import world_and_rank
+from .._shards import own_precision, world_and_rank
 from .chunk import compute_dtype
 
 
@@ -253,7 +253,7 @@ class ShardFunction(torch.autograd.Function):
         _drop_saved(ctx)
         do = zero_if_absent(do, v)
         # the forward's arithmetic, whatever the caller's autocast
-        with torch.autocast(device_type=ctx.device_type, enabled=False):
+        with own_precision(ctx.device_type):
             dy_out = outputs_state_grad(ctx.run.backend, q_eff, do)
             del q_eff  # the backward's own reference: Q' is freed here unless something else holds it
             dq, dk, dv, dg, dbeta, dA_log, ddt_bias, dh0 = shard_backward(ctx.run, q, k, v, g, beta, h0, dy_out, M,

@@ -45,7 +45,7 @@ import torch
 from allscan._contract import DTYPE_CODES, check_across_ranks, dtype_code
 
 from .._launch import validated_group
-from .._shards import ShardSegments, inputs_need_grad, sequence_parallel_group
+from .._shards import ShardSegments, checked_cut, inputs_need_grad, own_precision, sequence_parallel_group
 from .chunk import TorchDelta, compute_dtype
 from .fla import FlaDelta, fla_context_parallel, fla_delta_available, fla_kernel
 from .gates import DeltaOptions
@@ -196,26 +196,34 @@ def prepared(op, per_key, q, k, v, g, beta, group, scale, initial_state, output_
              use_qk_l2norm_in_kernel, method, use_gate_in_kernel, A_log, dt_bias, use_beta_sigmoid_in_kernel,
              allow_neg_eigval, safe_gate, lower_bound, needs_grad):
     """Every check of a call (the local ones, then across ranks: a rank whose arguments fail tells its
-    peers, whose signature exchange then fails too): ``(segs, opts, scale)``, the shard's cut, the
-    options and the scale."""
-    segs = None
-
-    def validate():  # every local check, the packed sequences' cut of this shard included
-        nonlocal segs
-        _validate(op, q, k, v, g, beta, per_key, initial_state, output_final_state, cu_seqlens, method)
-        _check_gate_options(op, per_key, v.shape[2], q.shape[-1], use_gate_in_kernel, A_log, dt_bias,
-                            use_beta_sigmoid_in_kernel, allow_neg_eigval, safe_gate, lower_bound)
-        segs = shard_cut(group, q, cu_seqlens, op)
-
-    if group is None:
-        validate()
-    else:
-        validated_group(group, q, op, validate)
+    peers, whose signature exchange then fails too): ``(segs, opts, scale)``, the shard's cut (a
+    repeated call's: :func:`~allscan.ops._shards.checked_cut`), the options and the scale."""
     opts = DeltaOptions(per_key, bool(use_qk_l2norm_in_kernel), bool(use_gate_in_kernel), A_log, dt_bias,
                         bool(use_beta_sigmoid_in_kernel), bool(allow_neg_eigval), bool(safe_gate), lower_bound)
-    if segs.world > 1:
-        check_across_ranks(group, q.device, op, _signature(q, v, segs, method, initial_state, opts.flags(),
-                                                           needs_grad))
+
+    def check():
+        segs = None
+
+        def validate():  # every local check, the packed sequences' cut of this shard included
+            nonlocal segs
+            _validate(op, q, k, v, g, beta, per_key, initial_state, output_final_state, cu_seqlens, method)
+            _check_gate_options(op, per_key, v.shape[2], q.shape[-1], use_gate_in_kernel, A_log, dt_bias,
+                                use_beta_sigmoid_in_kernel, allow_neg_eigval, safe_gate, lower_bound)
+            segs = shard_cut(group, q, cu_seqlens, op)
+
+        if group is None:
+            validate()
+        else:
+            validated_group(group, q, op, validate)
+        if segs.world > 1:
+            check_across_ranks(group, q.device, op, _signature(q, v, segs, method, initial_state, opts.flags(),
+                                                               needs_grad))
+        return segs
+
+    args = None if cu_seqlens is not None else (
+        q, k, v, g, beta, initial_state, output_final_state, method, use_qk_l2norm_in_kernel, use_gate_in_kernel,
+        A_log, dt_bias, use_beta_sigmoid_in_kernel, allow_neg_eigval, safe_gate, lower_bound, needs_grad)
+    segs = checked_cut(op, group, q.device if isinstance(q, torch.Tensor) else None, args, check)
     return segs, opts, q.shape[-1] ** -0.5 if scale is None else float(scale)
 
 
@@ -246,7 +254,7 @@ def _delta_rule(op, per_key, q, k, v, g, beta, group, scale, initial_state, outp
                                  q.shape[1] * segs.world)
         return o, None
     run = shard_plan(segs, q, opts, scale, group, method, output_final_state)
-    with torch.autocast(device_type=q.device.type, enabled=False):  # the compute dtype is ours
+    with own_precision(q.device.type):  # the compute dtype is ours
         return ShardFunction.apply(q, k, v, g, beta, A_log, dt_bias, initial_state, run)
 
 

@@ -68,7 +68,8 @@ from allscan._contract import DTYPE_CODES, check_across_ranks, settings
 from allscan._comm import resolve_group
 
 from .._launch import absent, or_empty, validated_group
-from .._shards import LOCAL, ShardSegments, inputs_need_grad, sequence_parallel_group, world_and_rank
+from .._shards import (LOCAL, ShardSegments, checked_cut, inputs_need_grad, own_precision, sequence_parallel_group,
+                       world_and_rank)
 from .chunk import TorchGLA
 from .fla import FlaGLA, fla_available
 from .stage_times import timed_body, timed_scan
@@ -312,7 +313,7 @@ class ZecoGLAFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, g, h0, scale, segs: ShardSegments, method: str, want_final: bool):
         be = select_backend(q)
-        with torch.autocast(device_type=q.device.type, enabled=False):  # our own precision choices
+        with own_precision(q.device.type):
             o, final, S_in, gamma, saved = timed_body("forward body", _forward, be, q, k, v, g, h0, scale, segs,
                                                       method, want_final)
         ctx.save_for_backward(q, k, v, g, h0, S_in, *saved)
@@ -323,7 +324,7 @@ class ZecoGLAFunction(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, do, dfinal):
         q, k, v, g, h0, S_in, *saved = ctx.saved_tensors
-        with torch.autocast(device_type=do.device.type, enabled=False):
+        with own_precision(do.device.type):
             grads = timed_body("backward body", _backward, ctx.be, do, dfinal, q, k, v, g, h0, S_in, ctx.gamma,
                                saved, ctx.scale, ctx.segs, ctx.method)
         return grads + (None, None, None, None)
@@ -360,7 +361,7 @@ def zeco_gla_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: Optional[t
     whether the traced call differentiates, compared across ranks): ``(o, final, S_in, gamma,
     saved)``, each absent one an empty tensor."""
     segs = _op_segments(group_name, q, cu_seqlens, (k, v, g, h0, method, needs_grad))
-    with torch.autocast(device_type=q.device.type, enabled=False):
+    with own_precision(q.device.type):
         o, final, S_in, gamma, saved = _forward(select_backend(q), q, k, v, g, h0, scale, segs, method, want_final,
                                                 keep_offsets=False)
     return (o.contiguous(), or_empty(final, q).contiguous(), or_empty(S_in, q), or_empty(gamma, q).contiguous(),
@@ -394,7 +395,7 @@ def zeco_gla_backward_op(do: torch.Tensor, dfinal: Optional[torch.Tensor], q: to
                          method: str) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`zeco_gla`'s backward under torch.compile: ``(dq, dk, dv, dg, dh0)``, an absent one empty."""
     segs = _op_segments(group_name, q, cu_seqlens)
-    with torch.autocast(device_type=do.device.type, enabled=False):
+    with own_precision(do.device.type):
         dq, dk, dv, dg, dh0 = _backward(select_backend(q), do, dfinal, q, k, v, g, h0, S_in, gamma, saved, scale,
                                         segs, method)
     return (dq.contiguous(), dk.contiguous(), dv.contiguous(), or_empty(dg, q).contiguous(),
@@ -446,20 +447,25 @@ def _signature(q, v, g, h0, segs: ShardSegments, method, needs_grad):
 
 def checked_segments(group, q, k, v, g, h0, cu_seqlens, method, needs_grad) -> ShardSegments:
     """Every check of a call: the local ones (a rank whose arguments fail tells its peers, whose
-    exchange then fails too), then the call's signature across ranks; the shard's cut."""
-    segs = []
+    exchange then fails too), then the call's signature across ranks; the shard's cut (a repeated
+    call's: :func:`~allscan.ops._shards.checked_cut`)."""
+    def check():
+        segs = []
 
-    def validate():
-        _check_arguments(q, k, v, g, h0, cu_seqlens, method)
-        segs.append(ShardSegments(group, q.shape[1], q.shape[0], cu_seqlens, "zeco_gla"))
+        def validate():
+            _check_arguments(q, k, v, g, h0, cu_seqlens, method)
+            segs.append(ShardSegments(group, q.shape[1], q.shape[0], cu_seqlens, "zeco_gla"))
 
-    if group is None:
-        validate()
+        if group is None:
+            validate()
+            return segs[0]
+        validated_group(group, q, "zeco_gla", validate)
+        if segs[0].world > 1:
+            check_across_ranks(group, q.device, "zeco_gla", _signature(q, v, g, h0, segs[0], method, needs_grad))
         return segs[0]
-    validated_group(group, q, "zeco_gla", validate)
-    if segs[0].world > 1:
-        check_across_ranks(group, q.device, "zeco_gla", _signature(q, v, g, h0, segs[0], method, needs_grad))
-    return segs[0]
+
+    args = None if cu_seqlens is not None else (q, k, v, g, h0, method, needs_grad)
+    return checked_cut("zeco_gla", group, q.device if isinstance(q, torch.Tensor) else None, args, check)
 
 
 def _check_arguments(q, k, v, g, initial_state, cu_seqlens, method):
