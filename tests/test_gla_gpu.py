@@ -615,7 +615,10 @@ def _stand_in(rank, world, dtype_name, decay, place):
     # what the reverse scan makes of it on this rank: x + (the shard's total decay) * dS_out
     gamma = torch.exp(g[:, mid].double().sum(1))  # the shard's decay as the scans take it: [B, H, K] or [B, H]
     for direction in ("forward", "reverse"):
-        assert _rms_ratio(sent[direction], gamma) < 1e-5, f"the {direction} scan's decay is off"
+        if place == "last":  # the chain's end: no scan reads its decay, it passes zeros
+            assert not sent[direction].any(), f"the last rank passed the {direction} scan a nonzero decay"
+        else:
+            assert _rms_ratio(sent[direction], gamma) < 1e-5, f"the {direction} scan's decay is off"
     decay_total = gamma if decay == "gla" else gamma.unsqueeze(-1)
     mine["dS_in"] = sent["x"].double() + decay_total.unsqueeze(-1) * dS_out.double()
     assert fused_kernels_enabled(), "the fused Triton kernels failed and fell back to torch ops (see the warning)"

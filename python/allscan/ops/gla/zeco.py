@@ -125,7 +125,11 @@ def _gamma_fixed(segs, g, B, device):
         shape = (B,)
     else:
         shape = tuple(g.shape[:1]) + tuple(g.shape[2:])  # [B, H, K] or [B, H]
-    if segs.starts_inside:  # a sequence starts in this shard: no state crosses it
+    # Zero where a sequence starts in this shard (no state crosses it), and at the chain's ends, whose
+    # decay no scan reads: the first rank's multiplies the zero entering the forward scan's head, the
+    # last rank's the zero entering the reverse scan's head (both heads send their x as it is); it
+    # saves the ends the shard's decay (a kernel launch and its host time)
+    if segs.starts_inside or (g is not None and segs.rank in (0, segs.world - 1)):
         return torch.zeros(shape, dtype=torch.float32, device=device)
     if g is None:  # plain linear attention: decay 1 (a tensor when varlen, so every rank passes one)
         return torch.ones(shape, dtype=torch.float32, device=device) if segs.varlen else None
@@ -213,16 +217,13 @@ def _forward(be, q, k, v, g, h0, scale, segs: ShardSegments, method: str, want_f
     return o, final, S_in, gamma, saved
 
 
-def _final_grads(dfin, y, q, v, segs: ShardSegments) -> List[Optional[torch.Tensor]]:
-    """The gradient of every local segment's final state: the caller's ``dfin``, plus for the last
-    segment ``y``, the gradient of the state leaving the shard from the next ranks (None: none); the
-    last segment always gets one (zeros if nothing)."""
+def _final_grads(dfin, y) -> List[Optional[torch.Tensor]]:
+    """The gradient of every local segment's final state (None: zero): the caller's ``dfin``, plus for
+    the last segment ``y``, the gradient of the state leaving the shard from the next ranks (None:
+    none)."""
     dhts = list(dfin)
     if y is not None:
         dhts[-1] = y if dhts[-1] is None else dhts[-1] + y
-    if dhts[-1] is None:
-        B, _, H, K = q.shape
-        dhts[-1] = q.new_zeros(1 if segs.varlen else B, H, K, v.shape[-1], dtype=torch.float32)
     return dhts
 
 
@@ -262,7 +263,7 @@ def _backward(be, do, dfinal, q, k, v, g, h0, S_in, gamma, saved, scale, segs: S
     last = sp and segs.continued and segs.rank == segs.world - 1 and be.state_backward_first
     if last:
         try:
-            prep = be.bwd_dh(prep, q, k, v, gf, scale, segs.bounds, h0s, do, _final_grads(dfin, y, q, v, segs))
+            prep = be.bwd_dh(prep, q, k, v, gf, scale, segs.bounds, h0s, do, _final_grads(dfin, y))
             x = prep.dh0s[0].reshape(B, H, K, V)
         except Exception:  # noqa: BLE001 - issue the scan from X, so the peers are not left waiting in it;
             last = False   # the state backward runs again after it (and raises there if it fails again)
@@ -283,7 +284,7 @@ def _backward(be, do, dfinal, q, k, v, g, h0, S_in, gamma, saved, scale, segs: S
     if not last:
         if handle is not None:
             y, handle = handle.wait(), None
-        prep = be.bwd_dh(prep, q, k, v, gf, scale, segs.bounds, h0s, do, _final_grads(dfin, y, q, v, segs))
+        prep = be.bwd_dh(prep, q, k, v, gf, scale, segs.bounds, h0s, do, _final_grads(dfin, y))
     dq, dk, dv, dgf, dh0s = be.bwd_finish(prep, q, k, v, gf, scale, segs.bounds, h0s, do)
     if handle is not None:
         handle.wait()  # the last rank's scan result is zero (nothing comes from its right)
