@@ -2,9 +2,11 @@
 (:func:`allscan.ops._shards.checked_cut`), and only where the cross-rank check itself is made once per
 signature: one process, or NCCL with ``ALLSCAN_CHECK`` first / trust / never. Anything the checks read
 that differs (a shape, a dtype, an option, whether the inputs need gradients) checks again, so bad
-arguments still raise; packed sequences, ``ALLSCAN_CHECK=always`` and gloo groups (whose peers
-exchange their signatures every call) check every call; the cuts are forgotten with the collectives'
-plans. On CPU: GLA and Gated DeltaNet."""
+arguments still raise; packed sequences, ``ALLSCAN_CHECK=always``, options that are not plain Python
+values and gloo groups (whose peers exchange their signatures every call) check every call; where the
+signature is checked once (NCCL, emulated on gloo), a call checks again once its signature is evicted,
+as every rank's repeated check then does; the cuts are forgotten with the collectives' plans. The
+layers compute in their own precision under autocast. On CPU: GLA and Gated DeltaNet."""
 from __future__ import annotations
 
 import os
@@ -18,6 +20,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from distributed import run_distributed  # noqa: E402
 
 import allscan  # noqa: E402
+import allscan._contract as contract  # noqa: E402
 import allscan.ops.delta.zeco as delta_zeco  # noqa: E402
 import allscan.ops.gla.zeco as gla_zeco  # noqa: E402
 from allscan._contract import settings  # noqa: E402
@@ -175,3 +178,55 @@ def _run_gloo_checks_every_call(rank, world):
 
 def test_gloo_groups_check_every_call():
     run_distributed(_run_gloo_checks_every_call, 2, timeout=120)
+
+
+def test_options_that_are_tensors_check_every_call():
+    """An option read by value (a flag, a bound) passed as a tensor: its key would hold its shape, not
+    its value, so such calls check every call."""
+    q, k, v, g, beta = _gdn()
+    with _Counted(delta_zeco, "_validate") as checks:
+        for _ in range(2):
+            zeco_gated_delta_rule(q, k, v, g, beta, use_qk_l2norm_in_kernel=torch.tensor(True))
+        assert checks.calls == 2
+
+
+def test_layers_compute_in_their_own_precision_under_autocast():
+    """Under the caller's autocast (here CPU bf16) a layer computes as without it."""
+    q, k, v, g = _gla()
+    qd, kd, vd, gd, beta = (t.float() for t in _gdn())
+    o_gla, _ = zeco_gla(q, k, v, g)
+    o_gdn, _ = zeco_gated_delta_rule(qd, kd, vd, gd, beta)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert torch.is_autocast_enabled("cpu")
+        a_gla, _ = zeco_gla(q, k, v, g)
+        a_gdn, _ = zeco_gated_delta_rule(qd, kd, vd, gd, beta)
+        assert torch.is_autocast_enabled("cpu")  # restored after each call
+    assert a_gla.dtype == o_gla.dtype and torch.equal(a_gla, o_gla)
+    assert a_gdn.dtype == o_gdn.dtype and torch.equal(a_gdn, o_gdn)
+
+
+def _run_once_per_signature(rank, world):
+    """gloo made to check each signature once, as on NCCL: repeated calls skip the checks and the
+    cross-rank check on every rank; once the signature is evicted (here: forgotten on every rank),
+    the next call checks and exchanges again on every rank, as the repeated cross-rank check would."""
+    contract._on_nccl = lambda group, device: True  # this process only: the NCCL rules on gloo
+    torch.manual_seed(0)
+    q, k, v, g = _gla()
+    with _Counted(gla_zeco, "_check_arguments") as checks, _Counted(gla_zeco, "check_across_ranks") as across:
+        for _ in range(3):
+            zeco_gla(q, k, v, g, dist.group.WORLD)
+        assert (checks.calls, across.calls) == (1, 1)
+        contract.clear_checked_signatures()
+        for _ in range(2):
+            zeco_gla(q, k, v, g, dist.group.WORLD)
+        assert (checks.calls, across.calls) == (2, 2)
+    # both ranks change their arguments (a new key on each): both check, and the difference raises on
+    # both (a rank repeating a cached call while a peer changes its arguments is left to the scan's
+    # in-band signature, as with the cross-rank check's own cache)
+    v2 = torch.randn(1, 16, H, V + 1 + rank)
+    with pytest.raises(ValueError, match=r"ranks passed different arguments.*V \(rank 0: 5, rank 1: 6\)"):
+        zeco_gla(q, k, v2, g, dist.group.WORLD)
+
+
+def test_signature_checked_once_skips_until_evicted():
+    run_distributed(_run_once_per_signature, 2, timeout=120)

@@ -539,6 +539,7 @@ def _stand_in(rank, world, dtype_name, decay, place):
     from fla.ops.gla import chunk_gla
 
     import allscan.ops.gla.zeco as zeco
+    from allscan.ops._launch import forget_plans
     from allscan.ops.gla import fused_kernels_enabled, limit_fla_autotune, recurrent_gla_reference, zeco_gla
 
     limit_fla_autotune("one")
@@ -604,12 +605,14 @@ def _stand_in(rank, world, dtype_name, decay, place):
 
     real = zeco._scan, zeco.ShardSegments
     zeco._scan, zeco.ShardSegments = exact_scan, StandIn
+    forget_plans()  # a repeated call reuses its cut: none made before the stand-in
     try:
         ms = [t[:, mid].clone().requires_grad_(True) for t in (q, k, v, g)]
         o, final = zeco_gla(*ms, dist.group.WORLD, output_final_state=True)
         ((o.float() * do[:, mid].float()).sum() + (final * dht).sum()).backward()
     finally:
         zeco._scan, zeco.ShardSegments = real
+        forget_plans()
     mine = dict(zip(names, [o.detach()] + [t.grad for t in ms]))
     mine["final"] = final.detach()
     # what the reverse scan makes of it on this rank: x + (the shard's total decay) * dS_out

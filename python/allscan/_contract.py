@@ -35,6 +35,7 @@ __all__ = [
     "markdown_table",
     "MAX_CHECKED_SIGNATURES",
     "check_across_ranks",
+    "still_checked",
     "signature_hash",
     "announce_invalid",
     "peers_exchange",
@@ -322,7 +323,7 @@ def _show(name: str, value: int) -> str:
     return DTYPE_NAMES.get(value, "none") if name.endswith("dtype") else str(value)
 
 
-def check_across_ranks(group, device: torch.device, op: str, fields: Sequence[Tuple[str, int]]) -> None:
+def check_across_ranks(group, device: torch.device, op: str, fields: Sequence[Tuple[str, int]]) -> Optional[tuple]:
     """Raise ``ValueError`` on every rank if the ranks of ``group`` pass different ``fields``
     ((name, int) pairs, at most 28) to ``op``, naming each field that differs and every rank's value.
 
@@ -331,10 +332,11 @@ def check_across_ranks(group, device: torch.device, op: str, fields: Sequence[Tu
     ``never``: no check). The fields include whether this rank sends the in-band signature
     (``first``/``always`` do, ``trust`` does not): ranks that disagree on it would mismatch in NCCL.
     Under CUDA graph capture it exchanges nothing: a signature checked before capture passes, a new
-    one raises ``RuntimeError``. Collective whenever it exchanges."""
+    one raises ``RuntimeError``. Collective whenever it exchanges. Returns the signature's key where
+    it is checked once (NCCL, ``first``/``trust``), for :func:`still_checked`; else None."""
     mode = settings.check
     if mode == "never" or dist.get_world_size(group) == 1:
-        return
+        return None
     fields = list(fields) + [("in-band signature (ALLSCAN_CHECK first/always: 1, trust: 0)", int(mode != "trust"))]
     values = tuple(int(v) for _, v in fields)
     if len(values) > _WIDTH - _HEADER:
@@ -345,11 +347,12 @@ def check_across_ranks(group, device: torch.device, op: str, fields: Sequence[Tu
         seen = ref is not None and ref() is group
         if seen:
             _checked.move_to_end(key)
-    if seen and mode in ("first", "trust") and _on_nccl(group, device):
-        return
+    once = mode in ("first", "trust") and _on_nccl(group, device)
+    if seen and once:
+        return key
     if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         if seen:
-            return  # checked before capture; the exchange would synchronise, which capture forbids
+            return key if once else None  # checked before capture; the exchange would synchronise, which capture forbids
         raise RuntimeError(
             f"allscan.{op}: these arguments were never checked across ranks, and the check cannot run while "
             f"a CUDA graph is being captured; call it once with them before capturing")
@@ -361,6 +364,19 @@ def check_across_ranks(group, device: torch.device, op: str, fields: Sequence[Tu
         _checked.move_to_end(key)
         while len(_checked) > MAX_CHECKED_SIGNATURES:
             _checked.popitem(last=False)
+    return key if once else None
+
+
+def still_checked(group, key: tuple) -> bool:
+    """Whether the signature whose key :func:`check_across_ranks` returned is still among the checked
+    ones, kept recent as a repeated check would keep it: a caller that skips repeated checks must
+    check again once it is evicted, when every rank's repeated check exchanges again."""
+    with _checked_lock:
+        ref = _checked.get(key)
+        if ref is None or ref() is not group:
+            return False
+        _checked.move_to_end(key)
+        return True
 
 
 def signature_hash(op: str, fields: Sequence[Tuple[str, int]]) -> int:

@@ -12,14 +12,15 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import threading
 import weakref
-from typing import Callable, Optional
+from typing import Callable, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
 from allscan._comm import normalize_group
-from allscan._contract import peers_exchange, settings
+from allscan._contract import peers_exchange, settings, still_checked
 
 from ._launch import plan_cache
 
@@ -126,45 +127,57 @@ def own_precision(device_type: str):
 
 
 # ------------------------------------------------------------------------------------------------
-# Checked calls. A layer's checks read its arguments' types, shapes, dtypes and devices and its
-# options, never a tensor's values (except cu_seqlens', which such calls never skip). So a call
-# with the same of all these on the same group as one that passed its checks passes them too, and
-# skips them where the cross-rank check itself is made once per signature. The cuts are kept in a
-# bounded LRU, forgotten with the collectives' plans (allscan.destroy_communicators).
+# Checked calls. A layer's checks read its tensors' types, shapes, dtypes and devices and its
+# options' values, never a tensor's values (except cu_seqlens', which such calls never skip). So a
+# call with the same of all these on the same group as one that passed its checks passes them too,
+# and skips them where the cross-rank check is itself made once per signature, for as long as that
+# signature stays checked (every rank evicts it at the same call, and checks again). The cuts are
+# kept in a bounded LRU, forgotten with the collectives' plans (allscan.destroy_communicators).
 # ------------------------------------------------------------------------------------------------
 _checked_cuts = plan_cache()
+_checked_cuts_lock = threading.Lock()  # layers may run on several threads (one group each)
 
 
-def _argument_key(args) -> Optional[tuple]:
-    """What a layer's checks read of ``args``: a tensor's shape, dtype and device, any other argument
-    itself (None, bool, int, float, str); None for an argument of another type (the checks name it)."""
+def _argument_key(tensors, options) -> Optional[tuple]:
+    """What a layer's checks read: each of ``tensors`` (None allowed) by shape, dtype and device, each
+    of ``options`` by type and value; None when an argument is of another kind (a tensor or a list as
+    an option, say), which the checks then see every call."""
     key = []
-    for a in args:
-        if isinstance(a, torch.Tensor):
-            key.append((a.shape, a.dtype, a.device))
-        elif a is None or type(a) in (bool, int, float, str):
-            key.append((type(a), a))
+    for t in tensors:
+        if isinstance(t, torch.Tensor):
+            key.append((t.shape, t.dtype, t.device))
+        elif t is None:
+            key.append(None)
         else:
             return None
+    for a in options:
+        if a is not None and type(a) not in (bool, int, float, str):
+            return None
+        key.append((type(a), a))
     return tuple(key)
 
 
-def checked_cut(op: str, group, device: torch.device, args, check: Callable[[], "ShardSegments"]):
-    """``check()``: every check of an ``op`` call on ``group`` (None: one process), the local ones then
-    across ranks, returning the shard's cut; or the cut of an earlier call on the same group whose
-    ``args`` (everything the checks read, the packed sequences' ``cu_seqlens`` excluded: pass None
-    for ``args`` with packed sequences) had the same key, while the check mode is the one it passed in.
-    The checks are made every call with ``ALLSCAN_CHECK=always``, and wherever the cross-rank check
-    exchanges every call (off NCCL): there every call still exchanges, as the peers expect."""
-    key = None if args is None else _argument_key(args)
+def checked_cut(op: str, group, device: Optional[torch.device], tensors, options,
+                check: Callable[[], Tuple["ShardSegments", Optional[tuple]]]) -> "ShardSegments":
+    """The shard's cut of an ``op`` call on ``group`` (None: one process). ``check()`` makes every
+    check of the call, the local ones then across ranks, and returns ``(cut, signature key)`` (the key
+    :func:`~allscan._contract.check_across_ranks` returned). A call whose ``tensors`` and ``options``
+    (everything the checks read; pass ``tensors=None`` with packed sequences: the cut reads
+    ``cu_seqlens``' values) match an earlier call's on the same group, in the same check mode, reuses
+    that cut while its signature is still checked. Every call checks with ``ALLSCAN_CHECK=always``
+    and wherever the peers exchange their signatures every call (off NCCL)."""
+    key = None if tensors is None or device is None else _argument_key(tensors, options)
     if key is not None:
         key = (op, id(group), settings.check) + key
-        hit = _checked_cuts.get(key)
-        if hit is not None and hit[0] is group:  # the entry holds its group: its id is not reused
+        with _checked_cuts_lock:
+            hit = _checked_cuts.get(key)
+        # the entry holds its group (so its id is not reused) and the signature's key
+        if hit is not None and hit[0] is group and (hit[2] is None or still_checked(group, hit[2])):
             return hit[1]
-    cut = check()
+    cut, signature = check()
     if key is not None and _skippable(group, device):
-        _checked_cuts[key] = (group, cut)
+        with _checked_cuts_lock:
+            _checked_cuts[key] = (group, cut, signature)
     return cut
 
 

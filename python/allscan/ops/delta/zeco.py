@@ -215,15 +215,16 @@ def prepared(op, per_key, q, k, v, g, beta, group, scale, initial_state, output_
             validate()
         else:
             validated_group(group, q, op, validate)
+        signature = None
         if segs.world > 1:
-            check_across_ranks(group, q.device, op, _signature(q, v, segs, method, initial_state, opts.flags(),
-                                                               needs_grad))
-        return segs
+            signature = check_across_ranks(group, q.device, op, _signature(q, v, segs, method, initial_state,
+                                                                           opts.flags(), needs_grad))
+        return segs, signature
 
-    args = None if cu_seqlens is not None else (
-        q, k, v, g, beta, initial_state, output_final_state, method, use_qk_l2norm_in_kernel, use_gate_in_kernel,
-        A_log, dt_bias, use_beta_sigmoid_in_kernel, allow_neg_eigval, safe_gate, lower_bound, needs_grad)
-    segs = checked_cut(op, group, q.device if isinstance(q, torch.Tensor) else None, args, check)
+    tensors = None if cu_seqlens is not None else (q, k, v, g, beta, initial_state, A_log, dt_bias)
+    options = (output_final_state, method, use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel,
+               allow_neg_eigval, safe_gate, lower_bound, needs_grad)
+    segs = checked_cut(op, group, q.device if isinstance(q, torch.Tensor) else None, tensors, options, check)
     return segs, opts, q.shape[-1] ** -0.5 if scale is None else float(scale)
 
 

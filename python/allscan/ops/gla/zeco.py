@@ -459,14 +459,16 @@ def checked_segments(group, q, k, v, g, h0, cu_seqlens, method, needs_grad) -> S
 
         if group is None:
             validate()
-            return segs[0]
+            return segs[0], None
         validated_group(group, q, "zeco_gla", validate)
+        signature = None
         if segs[0].world > 1:
-            check_across_ranks(group, q.device, "zeco_gla", _signature(q, v, g, h0, segs[0], method, needs_grad))
-        return segs[0]
+            signature = check_across_ranks(group, q.device, "zeco_gla",
+                                           _signature(q, v, g, h0, segs[0], method, needs_grad))
+        return segs[0], signature
 
-    args = None if cu_seqlens is not None else (q, k, v, g, h0, method, needs_grad)
-    return checked_cut("zeco_gla", group, q.device if isinstance(q, torch.Tensor) else None, args, check)
+    return checked_cut("zeco_gla", group, q.device if isinstance(q, torch.Tensor) else None,
+                       None if cu_seqlens is not None else (q, k, v, g, h0), (method, needs_grad), check)
 
 
 def _check_arguments(q, k, v, g, initial_state, cu_seqlens, method):
