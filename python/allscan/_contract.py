@@ -141,7 +141,8 @@ _COMM = "first use; the C++ core when it makes a communicator"
 VARIABLES: Tuple[Variable, ...] = (
     Variable("ALLSCAN_CHECK", "check", "`first`, `trust`, `always`, `never`", "`first`", _FIRST_USE,
              "The cross-rank argument check of every collective and layer. `first`: on NCCL, the first "
-             "time a signature is seen per group (then cached), plus an 8-byte signature ahead of each "
+             "time a signature is seen per group (then cached; a layer call repeated with arguments its "
+             "checks cannot tell apart skips its local checks too), plus an 8-byte signature ahead of each "
              "scan's first block that the receiver compares on the GPU; on other backends every call. "
              "`trust`: as `first` without the in-band signature (about 4 us less per scan below 1 MiB; "
              "a rank that switches to a cached signature with the same bytes gives wrong values). "
