@@ -534,7 +534,7 @@ def test_fla_backend_widened_forward_with_a_reference_kernel(monkeypatch):
     monkeypatch.setattr(fla_backend, "_output_step", output_step)
     monkeypatch.setattr(fla_backend, "local_varlen",
                         lambda bounds, device: (None, None) if len(bounds) == 2 else (torch.tensor(bounds), None))
-    monkeypatch.setattr(fla_backend, "_on_device", lambda t: contextlib.nullcontext())
+    monkeypatch.setattr(fla_backend, "on_device", lambda t: contextlib.nullcontext())  # the stubs stage ints
     be, scale = fla_backend.FlaDelta, K ** -0.5
     for layer in ("gdn", "kda"):
         d, _ = _data(11, layer, 1, 40, H, 3, gated=False)
@@ -610,7 +610,6 @@ def test_fla_backend_option_plumbing_with_reference_steps(monkeypatch):
     monkeypatch.setattr(fla_backend, "_state_steps", state_steps)
     monkeypatch.setattr(fla_backend, "_output_step", lambda staged: (staged[0], ()))
     monkeypatch.setattr(fla_backend, "_backward_steps", backward_steps)
-    monkeypatch.setattr(fla_backend, "_on_device", lambda t: contextlib.nullcontext())
     be, scale = fla_backend.FlaDelta, K ** -0.5
     gen = torch.Generator().manual_seed(4)
     for layer in ("gdn", "kda"):

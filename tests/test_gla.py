@@ -171,6 +171,11 @@ def _run_world(rank, world, state_backward_first=None):
         from allscan.ops.gla.chunk import TorchGLA
         TorchGLA.state_backward_first = state_backward_first
     _check_rank(rank, world, _cases(world))
+    # the zeros a chain end passes to its scans are shared between calls: nothing may write them
+    from allscan.ops.gla import zeco as zeco_module
+    assert world == 1 or zeco_module._SHARED_ZEROS, "the chain's ends pass shared zeros"
+    for key, zeros in zeco_module._SHARED_ZEROS.items():
+        assert torch.count_nonzero(zeros) == 0, f"shared zeros {key} were written"
 
 
 @pytest.mark.parametrize("world", [2, 3])

@@ -126,6 +126,15 @@ def own_precision(device_type: str):
     return contextlib.nullcontext()
 
 
+def on_device(t: torch.Tensor):
+    """The context a layer launches its kernels in: ``t``'s CUDA device made current (Triton kernels,
+    fla's and allscan's, launch on the current device), and nothing at all when it is current
+    already (entering one costs host time per call)."""
+    if t.is_cuda and t.device.index != torch.cuda.current_device():
+        return torch.cuda.device(t.device)
+    return contextlib.nullcontext()
+
+
 # ------------------------------------------------------------------------------------------------
 # Checked calls. A layer's checks read its tensors' types, shapes, dtypes and devices and its
 # options' values, never a tensor's values (except cu_seqlens', which such calls never skip). So a

@@ -30,13 +30,13 @@ varlen call over the shard would have made).
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 from types import SimpleNamespace
 from typing import List, Optional, Sequence
 
 import torch
 
+from .._shards import on_device
 from .chunk import CHUNK, compute_dtype
 
 
@@ -95,21 +95,21 @@ def _fns() -> SimpleNamespace:
     from .fold_in import fold_forward, fold_state_grad
     from .widen import widened
 
+    from ..fla_dispatch import direct
+
     apply_autotune_setting()
-    return SimpleNamespace(
+    fla = dict(
         l2norm_fwd=l2norm_fwd, l2norm_bwd=l2norm_bwd, fused_beta_sigmoid_fwd=fused_beta_sigmoid_fwd,
-        fused_beta_sigmoid_bwd=fused_beta_sigmoid_bwd, chunk_local_cumsum=chunk_local_cumsum, RCP_LN2=RCP_LN2,
-        prepare_chunk_indices=prepare_chunk_indices, gdn_gate_chunk_cumsum=gdn_gate_chunk_cumsum,
-        chunk_gated_delta_rule_fwd_intra=chunk_gated_delta_rule_fwd_intra, kda_gate_chunk_cumsum=kda_gate_chunk_cumsum,
-        chunk_kda_fwd_intra=chunk_kda_fwd_intra, chunk_gated_delta_rule_fwd_h=chunk_gated_delta_rule_fwd_h,
-        chunk_fwd_o=chunk_fwd_o, chunk_gla_fwd_o_gk=chunk_gla_fwd_o_gk,
-        chunk_gated_delta_rule_bwd=chunk_gated_delta_rule_bwd, chunk_kda_bwd=chunk_kda_bwd,
+        fused_beta_sigmoid_bwd=fused_beta_sigmoid_bwd, chunk_local_cumsum=chunk_local_cumsum,
+        gdn_gate_chunk_cumsum=gdn_gate_chunk_cumsum, chunk_gated_delta_rule_fwd_intra=chunk_gated_delta_rule_fwd_intra,
+        kda_gate_chunk_cumsum=kda_gate_chunk_cumsum, chunk_kda_fwd_intra=chunk_kda_fwd_intra,
+        chunk_gated_delta_rule_fwd_h=chunk_gated_delta_rule_fwd_h, chunk_fwd_o=chunk_fwd_o,
+        chunk_gla_fwd_o_gk=chunk_gla_fwd_o_gk, chunk_gated_delta_rule_bwd=chunk_gated_delta_rule_bwd,
+        chunk_kda_bwd=chunk_kda_bwd)
+    return SimpleNamespace(
+        **{name: direct(fn) for name, fn in fla.items()},  # past fla's dispatcher where it falls back anyway
+        RCP_LN2=RCP_LN2, prepare_chunk_indices=prepare_chunk_indices,
         widened=widened, fold_forward=fold_forward, fold_state_grad=fold_state_grad)
-
-
-def _on_device(t: torch.Tensor):
-    """fla's kernels launch on the current CUDA device (its autograd functions make it the inputs')."""
-    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
 
 
 def _activate(q, k, beta, opts):
@@ -228,7 +228,7 @@ class FlaDelta:
         q, k, v, g, beta = (t.contiguous() for t in (q, k, v, g, beta))
         dt = compute_dtype(v)  # fp32: fla's states (fp64 only in the CPU tests of this algebra)
         finals, M, steps = [], None, []
-        with _on_device(q):
+        with on_device(q):
             qa, ka, ba, q_rstd, k_rstd = _activate(q, k, beta, opts)
             T0 = bounds[1] if wide else 0
             if wide:  # the first segment on [v | 0] from [h0 | I]
@@ -252,7 +252,7 @@ class FlaDelta:
     @staticmethod
     def outputs(staged):
         steps, wide, V, activated = staged
-        with _on_device(steps[0][1]):
+        with on_device(steps[0][1]):
             outs = [_output_step(st) for st in steps]
         o_head = q_eff = o_tail = None
         if wide:
@@ -301,7 +301,7 @@ class FlaDelta:
         ka = k.contiguous() if ka is None else ka
         ba = beta.contiguous() if ba is None else ba
         dt = compute_dtype(v)
-        with _on_device(q):
+        with on_device(q):
             cu, ci = local_varlen(bounds, q.device)
             dq, dk, dv, dbeta, dg, dh0, dA_log, ddt_bias = _backward_steps(
                 qa, ka, v.contiguous(), g.contiguous(), ba, factors, opts, scale, _stacked(h0s, dt), do.contiguous(),

@@ -163,10 +163,20 @@ class FlaGLA:
         from fla.ops.gla import chunk as gc
         from fla.ops.utils import prepare_chunk_indices
         from fla.ops.utils.constant import RCP_LN2
-        from fla.ops.utils.cumsum import chunk_local_cumsum
-        return SimpleNamespace(chunk_fwd_h=chunk_fwd_h, chunk_bwd_dh=chunk_bwd_dh, gla=gc,
+        from fla.ops.utils.cumsum import chunk_local_cumsum, chunk_local_cumsum_vector
+
+        from ..fla_dispatch import direct, falls_back
+
+        gla = SimpleNamespace(**{name: direct(getattr(gc, name)) for name in (
+            "chunk_gla_fwd_intra_gk", "chunk_gla_fwd_o_gk", "chunk_gla_bwd_dA", "chunk_gla_bwd_dqk_intra",
+            "chunk_gla_bwd_dv", "chunk_gla_bwd_dqkg")})
+        # fla's chunk_local_cumsum is its dispatcher and an input guard (contiguous inputs, the
+        # inputs' device) around chunk_local_cumsum_vector for [B, T, H, K] gates: the stages pass
+        # contiguous gates, on the current device (the layer makes the inputs' device current)
+        cumsum = chunk_local_cumsum_vector if falls_back(chunk_local_cumsum) else chunk_local_cumsum
+        return SimpleNamespace(chunk_fwd_h=direct(chunk_fwd_h), chunk_bwd_dh=direct(chunk_bwd_dh), gla=gla,
                                prepare_chunk_indices=prepare_chunk_indices, RCP_LN2=RCP_LN2,
-                               chunk_local_cumsum=chunk_local_cumsum)
+                               chunk_local_cumsum=cumsum)
 
     @staticmethod
     def _layout(q, bounds):
@@ -197,7 +207,7 @@ class FlaGLA:
         B, T, H, K = k.shape
         V = v.shape[-1]
         h0 = FlaGLA._stack(h0s, (1, H, K, V), q.device)
-        gcum = m.chunk_local_cumsum(g, BT, scale=m.RCP_LN2, cu_seqlens=cu)
+        gcum = m.chunk_local_cumsum(g, BT, scale=m.RCP_LN2, cu_seqlens=cu, chunk_indices=ci)
         h, ht = m.chunk_fwd_h(k=k, v=v, g=None, gk=gcum, gv=None, h0=h0, output_final_state=True,
                               cu_seqlens=cu, chunk_size=BT, states_in_fp32=False)
         return SimpleNamespace(gcum=gcum, h=h, BT=BT, cu=cu, ci=ci, finals=FlaGLA._split(ht, len(bounds) - 1))
@@ -291,7 +301,7 @@ class FlaGLA:
         """The chunk-local decays and the chunk states from the segments' initial states ``h0s``."""
         m = FlaGLA._mods()
         BT, cu, ci = FlaGLA._layout(q, bounds)
-        gcum = m.chunk_local_cumsum(gf, BT, scale=m.RCP_LN2, cu_seqlens=cu)
+        gcum = m.chunk_local_cumsum(gf, BT, scale=m.RCP_LN2, cu_seqlens=cu, chunk_indices=ci)
         B, T, H, K = k.shape
         h0 = FlaGLA._stack(h0s, (1, H, K, v.shape[-1]), q.device)
         h, _ = m.chunk_fwd_h(k=k, v=v, g=None, gk=gcum, gv=None, h0=h0, output_final_state=False,

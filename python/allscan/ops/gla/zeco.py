@@ -58,7 +58,7 @@ Entry points of the same two bodies (:func:`_forward`, :func:`_backward`): eager
 from __future__ import annotations
 
 import warnings
-from typing import List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 from torch.autograd.function import once_differentiable
@@ -68,8 +68,8 @@ from allscan._contract import DTYPE_CODES, check_across_ranks, settings
 from allscan._comm import resolve_group
 
 from .._launch import absent, or_empty, validated_group
-from .._shards import (LOCAL, ShardSegments, checked_cut, inputs_need_grad, own_precision, sequence_parallel_group,
-                       world_and_rank)
+from .._shards import (LOCAL, ShardSegments, checked_cut, inputs_need_grad, on_device, own_precision,
+                       sequence_parallel_group, world_and_rank)
 from .chunk import TorchGLA
 from .fla import FlaGLA, fla_available
 from .stage_times import timed_body, timed_scan
@@ -130,10 +130,28 @@ def _gamma_fixed(segs, g, B, device):
     # last rank's the zero entering the reverse scan's head (both heads send their x as it is); it
     # saves the ends the shard's decay (a kernel launch and its host time)
     if segs.starts_inside or (g is not None and segs.rank in (0, segs.world - 1)):
-        return torch.zeros(shape, dtype=torch.float32, device=device)
+        return _shared_zeros(shape, device)
     if g is None:  # plain linear attention: decay 1 (a tensor when varlen, so every rank passes one)
         return torch.ones(shape, dtype=torch.float32, device=device) if segs.varlen else None
     return None  # computed by the backend from the shard's decays
+
+
+_SHARED_ZEROS: Dict[tuple, torch.Tensor] = {}
+
+
+def _shared_zeros(shape: tuple, device: torch.device) -> torch.Tensor:
+    """fp32 zeros of ``shape`` that only a scan reads (a chain end's decay, the first rank's part of
+    the incoming state's gradient): made once per shape and device, a launch and its host time per
+    call saved; while a CUDA graph is captured the graph makes its own."""
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return torch.zeros(shape, dtype=torch.float32, device=device)
+    key = (shape, device)
+    zeros = _SHARED_ZEROS.get(key)
+    if zeros is None:
+        if len(_SHARED_ZEROS) >= 64:  # bounded: a process that sees ever new shapes
+            _SHARED_ZEROS.clear()
+        zeros = _SHARED_ZEROS[key] = torch.zeros(shape, dtype=torch.float32, device=device)
+    return zeros
 
 
 def _segment_states(segs: ShardSegments, h0, first) -> List[Optional[torch.Tensor]]:
@@ -273,7 +291,7 @@ def _backward(be, do, dfinal, q, k, v, g, h0, S_in, gamma, saved, scale, segs: S
             if dfin[0] is not None:
                 x = x + _scale_state(dfin[0], evec)
         else:  # nothing of this rank's output depends on the incoming state
-            x = q.new_zeros(B, H, K, V, dtype=torch.float32)
+            x = _shared_zeros((B, H, K, V), q.device)
     if sp:
         if method == "lasp1":
             y = _scan(x.contiguous(), gamma, segs.group, reverse=True, method=smethod)
@@ -314,7 +332,7 @@ class ZecoGLAFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, g, h0, scale, segs: ShardSegments, method: str, want_final: bool):
         be = select_backend(q)
-        with own_precision(q.device.type):
+        with own_precision(q.device.type), on_device(q):
             o, final, S_in, gamma, saved = timed_body("forward body", _forward, be, q, k, v, g, h0, scale, segs,
                                                       method, want_final)
         ctx.save_for_backward(q, k, v, g, h0, S_in, *saved)
@@ -325,7 +343,7 @@ class ZecoGLAFunction(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, do, dfinal):
         q, k, v, g, h0, S_in, *saved = ctx.saved_tensors
-        with own_precision(do.device.type):
+        with own_precision(do.device.type), on_device(do):
             grads = timed_body("backward body", _backward, ctx.be, do, dfinal, q, k, v, g, h0, S_in, ctx.gamma,
                                saved, ctx.scale, ctx.segs, ctx.method)
         return grads + (None, None, None, None)
@@ -362,11 +380,12 @@ def zeco_gla_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: Optional[t
     whether the traced call differentiates, compared across ranks): ``(o, final, S_in, gamma,
     saved)``, each absent one an empty tensor."""
     segs = _op_segments(group_name, q, cu_seqlens, (k, v, g, h0, method, needs_grad))
-    with own_precision(q.device.type):
+    with own_precision(q.device.type), on_device(q):
         o, final, S_in, gamma, saved = _forward(select_backend(q), q, k, v, g, h0, scale, segs, method, want_final,
                                                 keep_offsets=False)
-    return (o.contiguous(), or_empty(final, q).contiguous(), or_empty(S_in, q), or_empty(gamma, q).contiguous(),
-            [t.contiguous() for t in saved])  # contiguous whatever the inputs' strides, as the fake says
+    # contiguous whatever the inputs' strides, as the fake says; gamma a fresh tensor (not a shared zero)
+    return (o.contiguous(), or_empty(final, q).contiguous(), or_empty(S_in, q), or_empty(gamma, q).clone(),
+            [t.contiguous() for t in saved])
 
 
 @zeco_gla_op.register_fake
@@ -396,7 +415,7 @@ def zeco_gla_backward_op(do: torch.Tensor, dfinal: Optional[torch.Tensor], q: to
                          method: str) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`zeco_gla`'s backward under torch.compile: ``(dq, dk, dv, dg, dh0)``, an absent one empty."""
     segs = _op_segments(group_name, q, cu_seqlens)
-    with own_precision(do.device.type):
+    with own_precision(do.device.type), on_device(do):
         dq, dk, dv, dg, dh0 = _backward(select_backend(q), do, dfinal, q, k, v, g, h0, S_in, gamma, saved, scale,
                                         segs, method)
     return (dq.contiguous(), dk.contiguous(), dv.contiguous(), or_empty(dg, q).contiguous(),
