@@ -76,8 +76,17 @@ def test_plain_functions_are_left_alone():
     assert direct(plain) is plain
 
 
+dispatch_on = pytest.mark.skipif(__import__("os").environ.get("FLA_DISABLE_BACKEND_DISPATCH") == "1",
+                                 reason="fla's dispatcher switched off: nothing to go past")
+
+
+@dispatch_on
 def test_the_gla_stages_call_fla_past_its_dispatcher():
+    # fla-core 0.6 registers no backend for these on CPU or on CUDA (only Ascend and opt-in ones)
     pytest.importorskip("fla.ops.gla.chunk")
+    import inspect
+
+    from fla.ops.common import chunk_h
     from fla.ops.gla import chunk as gc
     from fla.ops.utils.cumsum import chunk_local_cumsum, chunk_local_cumsum_vector
 
@@ -86,9 +95,29 @@ def test_the_gla_stages_call_fla_past_its_dispatcher():
     m = FlaGLA._mods()
     for name in ("chunk_gla_fwd_intra_gk", "chunk_gla_fwd_o_gk", "chunk_gla_bwd_dA", "chunk_gla_bwd_dqk_intra",
                  "chunk_gla_bwd_dv", "chunk_gla_bwd_dqkg"):
-        fn = getattr(m.gla, name)
-        assert fn is direct(getattr(gc, name))
-        if falls_back(getattr(gc, name)):
-            assert getattr(fn, "__wrapped__", None) is None, name
-    if falls_back(chunk_local_cumsum):
-        assert m.chunk_local_cumsum is chunk_local_cumsum_vector
+        assert falls_back(getattr(gc, name)), name
+        assert getattr(m.gla, name) is inspect.unwrap(getattr(gc, name)), name
+    for name in ("chunk_fwd_h", "chunk_bwd_dh"):
+        assert getattr(m, name) is inspect.unwrap(getattr(chunk_h, name)), name
+    assert falls_back(chunk_local_cumsum)
+    assert m.chunk_local_cumsum is chunk_local_cumsum_vector
+
+
+@dispatch_on
+def test_the_delta_steps_call_fla_past_its_dispatcher():
+    pytest.importorskip("fla.ops.gated_delta_rule")
+    import inspect
+
+    from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_h
+    from fla.ops.common.chunk_o import chunk_fwd_o
+    from fla.ops.gated_delta_rule.chunk import chunk_gated_delta_rule_bwd
+    from fla.ops.kda.chunk_bwd import chunk_kda_bwd
+
+    from allscan.ops.delta.fla import _fns
+
+    fns = _fns()
+    for name, fn in (("chunk_gated_delta_rule_fwd_h", chunk_gated_delta_rule_fwd_h), ("chunk_fwd_o", chunk_fwd_o),
+                     ("chunk_gated_delta_rule_bwd", chunk_gated_delta_rule_bwd), ("chunk_kda_bwd", chunk_kda_bwd)):
+        assert getattr(fns, name) is direct(fn), name
+        if falls_back(fn):
+            assert getattr(fns, name) is inspect.unwrap(fn), name

@@ -57,6 +57,7 @@ Entry points of the same two bodies (:func:`_forward`, :func:`_backward`): eager
 """
 from __future__ import annotations
 
+import math
 import warnings
 from typing import Dict, List, Optional, Tuple
 
@@ -119,7 +120,7 @@ def _scale_state(S, evec):
     return S if evec is None else S * evec
 
 
-def _gamma_fixed(segs, g, B, device):
+def _gamma_fixed(segs, g, B, device, share_zeros: bool):
     """The decay this rank passes to the All-Scan (a prefix shape of the state [B, H, K, V])."""
     if g is None:
         shape = (B,)
@@ -130,26 +131,31 @@ def _gamma_fixed(segs, g, B, device):
     # last rank's the zero entering the reverse scan's head (both heads send their x as it is); it
     # saves the ends the shard's decay (a kernel launch and its host time)
     if segs.starts_inside or (g is not None and segs.rank in (0, segs.world - 1)):
-        return _shared_zeros(shape, device)
+        return _zeros(shape, device, share_zeros)
     if g is None:  # plain linear attention: decay 1 (a tensor when varlen, so every rank passes one)
         return torch.ones(shape, dtype=torch.float32, device=device) if segs.varlen else None
     return None  # computed by the backend from the shard's decays
 
 
 _SHARED_ZEROS: Dict[tuple, torch.Tensor] = {}
+_SHARED_ZEROS_BYTES = 32 << 20  # what the shared zeros may hold in all; a larger tensor is made per call
 
 
-def _shared_zeros(shape: tuple, device: torch.device) -> torch.Tensor:
-    """fp32 zeros of ``shape`` that only a scan reads (a chain end's decay, the first rank's part of
-    the incoming state's gradient): made once per shape and device, a launch and its host time per
-    call saved; while a CUDA graph is captured the graph makes its own."""
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+def _zeros(shape: tuple, device: torch.device, shared: bool) -> torch.Tensor:
+    """fp32 zeros of ``shape`` that only a scan reads (a chain end's decay, the part of the incoming
+    state's gradient a rank without one contributes). ``shared`` (eager calls): made once per shape and
+    device, a launch and its host time per call saved, except while a CUDA graph is captured; the
+    custom ops make their own (torch.compile's CUDA graphs warm up in a graph pool the tree may hand
+    out again)."""
+    nbytes = 4 * math.prod(shape)
+    if not shared or nbytes > _SHARED_ZEROS_BYTES // 4 or (
+            device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
         return torch.zeros(shape, dtype=torch.float32, device=device)
     key = (shape, device)
     zeros = _SHARED_ZEROS.get(key)
     if zeros is None:
-        if len(_SHARED_ZEROS) >= 64:  # bounded: a process that sees ever new shapes
-            _SHARED_ZEROS.clear()
+        if nbytes + sum(4 * z.numel() for z in _SHARED_ZEROS.values()) > _SHARED_ZEROS_BYTES:
+            _SHARED_ZEROS.clear()  # bounded: a process that sees ever new shapes
         zeros = _SHARED_ZEROS[key] = torch.zeros(shape, dtype=torch.float32, device=device)
     return zeros
 
@@ -170,7 +176,8 @@ def _segment_states(segs: ShardSegments, h0, first) -> List[Optional[torch.Tenso
     return h0s
 
 
-def _forward(be, q, k, v, g, h0, scale, segs: ShardSegments, method: str, want_final: bool, keep_offsets=True):
+def _forward(be, q, k, v, g, h0, scale, segs: ShardSegments, method: str, want_final: bool, keep_offsets=True,
+             share_zeros=True):
     """The forward on the local backend ``be``: ``(o, final or None, S_in or None, gamma or None,
     saved)``, what the backward needs besides the inputs (``S_in``: the state entering the shard,
     None with one rank; ``gamma``: the decay the All-Scan used; ``saved``: the backend's tensors, with
@@ -187,7 +194,7 @@ def _forward(be, q, k, v, g, h0, scale, segs: ShardSegments, method: str, want_f
     st = be.fwd_states(q, k, v, gf, scale, segs.bounds, h0s)
     gamma = None
     if sp:
-        gamma = _gamma_fixed(segs, g, B, q.device)
+        gamma = _gamma_fixed(segs, g, B, q.device, share_zeros)
         if gamma is None and g is not None:
             gamma = be.shard_gamma(st, g)
     handle = None
@@ -245,7 +252,8 @@ def _final_grads(dfin, y) -> List[Optional[torch.Tensor]]:
     return dhts
 
 
-def _backward(be, do, dfinal, q, k, v, g, h0, S_in, gamma, saved, scale, segs: ShardSegments, method: str):
+def _backward(be, do, dfinal, q, k, v, g, h0, S_in, gamma, saved, scale, segs: ShardSegments, method: str,
+              share_zeros=True):
     """The backward on the local backend ``be`` from what :func:`_forward` returned: ``(dq, dk, dv,
     dg or None, dh0 or None)``."""
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
@@ -291,7 +299,7 @@ def _backward(be, do, dfinal, q, k, v, g, h0, S_in, gamma, saved, scale, segs: S
             if dfin[0] is not None:
                 x = x + _scale_state(dfin[0], evec)
         else:  # nothing of this rank's output depends on the incoming state
-            x = _shared_zeros((B, H, K, V), q.device)
+            x = _zeros((B, H, K, V), q.device, share_zeros)
     if sp:
         if method == "lasp1":
             y = _scan(x.contiguous(), gamma, segs.group, reverse=True, method=smethod)
@@ -382,10 +390,9 @@ def zeco_gla_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: Optional[t
     segs = _op_segments(group_name, q, cu_seqlens, (k, v, g, h0, method, needs_grad))
     with own_precision(q.device.type), on_device(q):
         o, final, S_in, gamma, saved = _forward(select_backend(q), q, k, v, g, h0, scale, segs, method, want_final,
-                                                keep_offsets=False)
-    # contiguous whatever the inputs' strides, as the fake says; gamma a fresh tensor (not a shared zero)
-    return (o.contiguous(), or_empty(final, q).contiguous(), or_empty(S_in, q), or_empty(gamma, q).clone(),
-            [t.contiguous() for t in saved])
+                                                keep_offsets=False, share_zeros=False)
+    return (o.contiguous(), or_empty(final, q).contiguous(), or_empty(S_in, q), or_empty(gamma, q).contiguous(),
+            [t.contiguous() for t in saved])  # contiguous whatever the inputs' strides, as the fake says
 
 
 @zeco_gla_op.register_fake
@@ -417,7 +424,7 @@ def zeco_gla_backward_op(do: torch.Tensor, dfinal: Optional[torch.Tensor], q: to
     segs = _op_segments(group_name, q, cu_seqlens)
     with own_precision(do.device.type), on_device(do):
         dq, dk, dv, dg, dh0 = _backward(select_backend(q), do, dfinal, q, k, v, g, h0, S_in, gamma, saved, scale,
-                                        segs, method)
+                                        segs, method, share_zeros=False)
     return (dq.contiguous(), dk.contiguous(), dv.contiguous(), or_empty(dg, q).contiguous(),
             or_empty(dh0, q).contiguous())
 
