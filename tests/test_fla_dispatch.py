@@ -1,5 +1,7 @@
 """allscan.ops.fla_dispatch: fla's kernel entry points called past its backend dispatcher exactly where
 the dispatcher would fall back to them (CPU: fla's dispatcher and registries, no kernel runs)."""
+import os
+
 import pytest
 
 from allscan.ops.fla_dispatch import direct, falls_back
@@ -76,7 +78,7 @@ def test_plain_functions_are_left_alone():
     assert direct(plain) is plain
 
 
-dispatch_on = pytest.mark.skipif(__import__("os").environ.get("FLA_DISABLE_BACKEND_DISPATCH") == "1",
+dispatch_on = pytest.mark.skipif(os.environ.get("FLA_DISABLE_BACKEND_DISPATCH") == "1",
                                  reason="fla's dispatcher switched off: nothing to go past")
 
 
@@ -118,6 +120,8 @@ def test_the_delta_steps_call_fla_past_its_dispatcher():
     fns = _fns()
     for name, fn in (("chunk_gated_delta_rule_fwd_h", chunk_gated_delta_rule_fwd_h), ("chunk_fwd_o", chunk_fwd_o),
                      ("chunk_gated_delta_rule_bwd", chunk_gated_delta_rule_bwd), ("chunk_kda_bwd", chunk_kda_bwd)):
-        assert getattr(fns, name) is direct(fn), name
+        assert getattr(fns, name) is direct(fn), name  # _fns resolves every fla entry point
+        if name in ("chunk_gated_delta_rule_fwd_h", "chunk_fwd_o"):  # dispatched, with no backend that runs
+            assert falls_back(fn) or os.environ.get("FLA_INTRACARD_CP", "0") != "0", name  # (fla-core 0.6)
         if falls_back(fn):
             assert getattr(fns, name) is inspect.unwrap(fn), name
