@@ -296,27 +296,30 @@ def _async_overlap(rank, P):
 
 def _async_handles(rank, P):
     """The async path's memory and handle rules: inputs freed right after the call and their memory
-    reused on the caller's stream, results waited for on another stream, handles dropped unwaited
-    (their events recycled), waited twice, polled."""
+    not handed out again while the scan may read them, results waited for on another stream, handles
+    dropped unwaited (their events recycled, their tensors kept from reuse), waited twice, polled.
+    Inclusive scans, so that every rank's result reads its own x (also at P = 1)."""
     dev = torch.device("cuda", torch.cuda.current_device())
     gen = torch.Generator(device=dev).manual_seed(5)
     n = (16 << 20) // 4
     xs = [torch.randn(n, generator=gen, device=dev) for _ in range(P)]
     gs = [torch.rand(4, generator=gen, device=dev) for _ in range(P)]
-    ref = scan_reference([x.view(4, -1) for x in xs], gs)
+    ref = scan_reference([x.view(4, -1) for x in xs], gs, inclusive=True)
     busy = torch.randn(4096, 4096, device=dev)
     # The first call of a signature checks it across ranks, which synchronises the host with the
     # GPU: made here, so that no call in the loop waits for the matmul it is queued behind.
-    allscan.scan(xs[rank].view(4, -1), gs[rank], async_op=True).wait()
+    allscan.scan(xs[rank].view(4, -1), gs[rank], inclusive=True, async_op=True).wait()
     torch.cuda.synchronize()
     for it in range(20):
         x = xs[rank].clone().view(4, -1)
         g = gs[rank].clone()
         busy @ busy  # the side stream waits for this before reading x
-        h = allscan.scan(x, g, async_op=True)
+        h = allscan.scan(x, g, inclusive=True, async_op=True)
         assert not h.is_completed(), f"iteration {it}"  # it waits behind the matmul (ms) on the side stream
+        x_ptr = x.data_ptr()
         del x, g  # freed while the scan may still read them ...
-        junk = [torch.full((n,), 7.0, device=dev) for _ in range(3)]  # ... and their memory handed out again
+        junk = [torch.full((n,), 7.0, device=dev) for _ in range(3)]  # ... and memory handed out again
+        assert all(j.data_ptr() != x_ptr for j in junk), f"iteration {it}: x's memory reused before the scan read it"
         if it % 3 == 0:
             s = torch.cuda.Stream()
             s.wait_stream(torch.cuda.current_stream())
@@ -332,15 +335,22 @@ def _async_handles(rank, P):
         assert h.is_completed()
         torch.testing.assert_close(y2, ref[rank], rtol=1e-6, atol=1e-6, msg=lambda m: f"iteration {it}: {m}")
         del junk
-        dropped = allscan.scan(xs[rank].view(4, -1), gs[rank], async_op=True)  # never waited for
-        del dropped
+        x = xs[rank].clone().view(4, -1)
+        busy @ busy
+        dropped = allscan.scan(x, gs[rank], inclusive=True, async_op=True)  # never waited for
+        x_ptr = x.data_ptr()
+        del dropped, x
+        again = torch.empty(n, device=dev)
+        assert again.data_ptr() != x_ptr, f"iteration {it}: a dropped handle's input reused before the scan read it"
+        del again
     torch.cuda.synchronize()
     return True
 
 
 def test_async_handles_and_memory():
-    _need(2)
-    assert run_distributed(_async_handles, 2, backend="nccl", timeout=300) == [True, True]
+    P = min(2, torch.cuda.device_count())
+    _need(1)
+    assert run_distributed(_async_handles, P, backend="nccl", timeout=300) == [True] * P
 
 
 @pytest.fixture(scope="module")

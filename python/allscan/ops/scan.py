@@ -278,16 +278,20 @@ scan_op.register_autograd(_backward, setup_context=_setup_context)
 # ------------------------------------------------------------------------------------------------
 class ScanHandle:
     """What ``scan(..., async_op=True)`` returns. ``wait()`` returns the result; on CUDA it makes the
-    current stream wait for the side stream the scan ran on (the host does not block)."""
+    current stream wait for the side stream the scan ran on (the host does not block). Until then the
+    handle holds the tensors the scan reads, so the caller may drop its own references at once."""
 
     def __init__(self, result: torch.Tensor, event: Optional["torch.cuda.Event"] = None, raw=None,
-                 caller_stream: int = 0):
+                 caller_stream: int = 0, side=None, keep=()):
         self._result = result
         self._event = event
-        # Fast path: (device, pooled cudaEvent_t), held until the handle goes, and the stream the
-        # result was allocated on.
+        # Fast path: (device, pooled cudaEvent_t), held until the handle goes, the stream the result
+        # was allocated on, the side stream, and the tensors the side stream reads (allocated on the
+        # caller's stream), held until the caller's stream waits for the scan (``_release``).
         self._raw = raw
         self._caller = caller_stream
+        self._side = side
+        self._keep = keep
 
     def is_completed(self) -> bool:
         if self._raw is not None:
@@ -302,6 +306,7 @@ class ScanHandle:
             if cur != self._caller:
                 # The result was allocated on the calling stream; it is now used on this one too.
                 self._result.record_stream(torch.cuda.current_stream(dev))
+            self._release(cur == self._caller)
             return self._result
         if self._event is not None:
             cur = torch.cuda.current_stream(self._result.device)
@@ -310,13 +315,29 @@ class ScanHandle:
             self._result.record_stream(cur)
         return self._result
 
+    def _release(self, ordered: bool) -> None:
+        """Drop the tensors the side stream used. ``ordered``: the caller's stream already waits for
+        the scan, so the caching allocator's reuse of their memory on it comes after the scan (what
+        ``record_stream`` would buy, without its cost per tensor: c10d's ``TORCH_NCCL_AVOID_RECORD_STREAMS``
+        does the same); otherwise their memory is kept from reuse until the side stream is done."""
+        keep, self._keep = self._keep, ()
+        if not ordered and keep:
+            for t in (*keep, self._result):
+                if t is not None:
+                    t.record_stream(self._side)
+
     def __del__(self):
         raw = getattr(self, "_raw", None)
-        if raw is not None:  # the event goes back to the pool (a wait already enqueued keeps its record)
-            try:
-                _C.event_release(*raw)
-            except Exception:  # noqa: BLE001 - interpreter shutdown
-                pass
+        if raw is None:
+            return
+        try:
+            self._release(False)  # when never waited for: nothing orders the caller's stream after the scan
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
+        try:  # the event goes back to the pool (a wait already enqueued keeps its record)
+            _C.event_release(*raw)
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
 
 
 _side_streams: Dict[int, "torch.cuda.Stream"] = {}
@@ -382,10 +403,8 @@ def side_stream_handle(x: torch.Tensor, inputs, launch) -> ScanHandle:
     _C.stream_wait(side.cuda_stream, caller)
     out = launch(side)
     raw = _C.event_record(side.cuda_stream)
-    for t in (*inputs, out):
-        if t is not None:
-            t.record_stream(side)  # freed only after the side stream is done with them
-    return ScanHandle(out, raw=raw, caller_stream=caller)
+    # the handle holds the inputs until the caller's stream waits for the scan (ScanHandle._release)
+    return ScanHandle(out, raw=raw, caller_stream=caller, side=side, keep=inputs)
 
 
 def _needs_grad(*ts) -> bool:
