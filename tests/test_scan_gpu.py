@@ -296,26 +296,30 @@ def _async_overlap(rank, P):
 
 def _async_handles(rank, P):
     """The async path's memory and handle rules: inputs freed right after the call and their memory
-    not handed out again while the scan may read them, results waited for on another stream, handles
-    dropped unwaited (their events recycled, their tensors kept from reuse), waited twice, polled.
-    Inclusive scans, so that every rank's result reads its own x (also at P = 1)."""
+    not handed out again while the scan may read them, results waited for on another stream (the
+    calling stream then not ordered after the scan), handles dropped unwaited (their events recycled,
+    their tensors and result kept from reuse), waited twice, polled. Inclusive scans, so that every
+    rank's result reads its own x (also at P = 1)."""
     dev = torch.device("cuda", torch.cuda.current_device())
     gen = torch.Generator(device=dev).manual_seed(5)
     n = (16 << 20) // 4
     xs = [torch.randn(n, generator=gen, device=dev) for _ in range(P)]
     gs = [torch.rand(4, generator=gen, device=dev) for _ in range(P)]
     ref = scan_reference([x.view(4, -1) for x in xs], gs, inclusive=True)
-    busy = torch.randn(4096, 4096, device=dev)
+
+    def busy():  # the side stream waits for this (tens of ms) before it reads x: far longer than the host's steps
+        torch.cuda._sleep(100_000_000)
+
     # The first call of a signature checks it across ranks, which synchronises the host with the
-    # GPU: made here, so that no call in the loop waits for the matmul it is queued behind.
+    # GPU: made here, so that no call in the loop waits for the GPU it is queued behind.
     allscan.scan(xs[rank].view(4, -1), gs[rank], inclusive=True, async_op=True).wait()
     torch.cuda.synchronize()
     for it in range(20):
         x = xs[rank].clone().view(4, -1)
         g = gs[rank].clone()
-        busy @ busy  # the side stream waits for this before reading x
+        busy()
         h = allscan.scan(x, g, inclusive=True, async_op=True)
-        assert not h.is_completed(), f"iteration {it}"  # it waits behind the matmul (ms) on the side stream
+        assert not h.is_completed(), f"iteration {it}"  # it waits behind the sleep on the side stream
         x_ptr = x.data_ptr()
         del x, g  # freed while the scan may still read them ...
         junk = [torch.full((n,), 7.0, device=dev) for _ in range(3)]  # ... and memory handed out again
@@ -326,6 +330,10 @@ def _async_handles(rank, P):
             with torch.cuda.stream(s):
                 y = h.wait()
                 y2 = y.clone()
+            # the calling stream is not ordered after the scan: x's memory is still not its to reuse
+            probe = torch.empty(n, device=dev)
+            assert probe.data_ptr() != x_ptr, f"iteration {it}: x's memory reused after a wait on another stream"
+            del probe
             torch.cuda.current_stream().wait_stream(s)
         else:
             y = h.wait()
@@ -336,12 +344,13 @@ def _async_handles(rank, P):
         torch.testing.assert_close(y2, ref[rank], rtol=1e-6, atol=1e-6, msg=lambda m: f"iteration {it}: {m}")
         del junk
         x = xs[rank].clone().view(4, -1)
-        busy @ busy
+        busy()
         dropped = allscan.scan(x, gs[rank], inclusive=True, async_op=True)  # never waited for
-        x_ptr = x.data_ptr()
+        x_ptr, y_ptr = x.data_ptr(), dropped._result.data_ptr()
         del dropped, x
-        again = torch.empty(n, device=dev)
-        assert again.data_ptr() != x_ptr, f"iteration {it}: a dropped handle's input reused before the scan read it"
+        again = [torch.empty(n, device=dev) for _ in range(2)]
+        assert not {a.data_ptr() for a in again} & {x_ptr, y_ptr}, \
+            f"iteration {it}: a dropped handle's input or result reused before the scan was done"
         del again
     torch.cuda.synchronize()
     return True

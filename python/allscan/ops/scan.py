@@ -285,9 +285,10 @@ class ScanHandle:
                  caller_stream: int = 0, side=None, keep=()):
         self._result = result
         self._event = event
-        # Fast path: (device, pooled cudaEvent_t), held until the handle goes, the stream the result
-        # was allocated on, the side stream, and the tensors the side stream reads (allocated on the
-        # caller's stream), held until the caller's stream waits for the scan (``_release``).
+        # Fast path: (device, pooled cudaEvent_t), held until the handle goes, the stream the call was
+        # made on, the side stream, and the tensors the side stream reads (used on the calling stream),
+        # held until the scan is ordered before that stream's later work or done (``_release``; None
+        # once released).
         self._raw = raw
         self._caller = caller_stream
         self._side = side
@@ -295,7 +296,10 @@ class ScanHandle:
 
     def is_completed(self) -> bool:
         if self._raw is not None:
-            return _C.event_query(self._raw[1])
+            done = _C.event_query(self._raw[1])
+            if done:
+                self._keep = None  # the scan no longer reads them
+            return done
         return self._event is None or self._event.query()
 
     def wait(self) -> torch.Tensor:
@@ -306,7 +310,7 @@ class ScanHandle:
             if cur != self._caller:
                 # The result was allocated on the calling stream; it is now used on this one too.
                 self._result.record_stream(torch.cuda.current_stream(dev))
-            self._release(cur == self._caller)
+            self._release(ordered=cur == self._caller)
             return self._result
         if self._event is not None:
             cur = torch.cuda.current_stream(self._result.device)
@@ -316,22 +320,25 @@ class ScanHandle:
         return self._result
 
     def _release(self, ordered: bool) -> None:
-        """Drop the tensors the side stream used. ``ordered``: the caller's stream already waits for
-        the scan, so the caching allocator's reuse of their memory on it comes after the scan (what
+        """Drop the tensors the side stream used (once). ``ordered``: the calling stream already waits
+        for the scan, so the caching allocator's reuse of their memory on it comes after the scan (what
         ``record_stream`` would buy, without its cost per tensor: c10d's ``TORCH_NCCL_AVOID_RECORD_STREAMS``
-        does the same); otherwise their memory is kept from reuse until the side stream is done."""
-        keep, self._keep = self._keep, ()
-        if not ordered and keep:
-            for t in (*keep, self._result):
-                if t is not None:
-                    t.record_stream(self._side)
+        rule); otherwise the side stream is recorded on them and on the result, which keeps their memory
+        from reuse until the scan is done."""
+        keep, self._keep = self._keep, None
+        if keep is None or ordered:
+            return
+        for t in (*keep, self._result):
+            if t is not None:
+                t.record_stream(self._side)
 
     def __del__(self):
         raw = getattr(self, "_raw", None)
         if raw is None:
             return
-        try:
-            self._release(False)  # when never waited for: nothing orders the caller's stream after the scan
+        try:  # never waited for: nothing orders the calling stream after the scan, unless it is done
+            if self._keep is not None and not _C.event_query(raw[1]):
+                self._release(ordered=False)
         except Exception:  # noqa: BLE001 - interpreter shutdown
             pass
         try:  # the event goes back to the pool (a wait already enqueued keeps its record)
