@@ -336,7 +336,7 @@ def _host_split(fwd_bwd, tag, rank, outdir, calls=10, rounds=5):
         for name in ("ideal", "zeco") if r % 2 == 0 else ("zeco", "ideal"):
             clock.ms = {}
             if name == "zeco":
-                for attr in ("states", "outputs", "fold", "fold_state_grad", "backward"):
+                for attr in ("states", "outputs", "fold_state_grad", "backward"):
                     clock.wrap(FlaDelta, attr, f"step {attr}", static=True)
                 clock.wrap(allscan, "scan", "allscan.scan (issue, forward and reverse)")
                 clock.wrap(ScanHandle, "wait", "scan handle wait")

@@ -530,8 +530,14 @@ def test_fla_backend_widened_forward_with_a_reference_kernel(monkeypatch):
         o, T = staged
         return o, (torch.full((1, T), float(T)),)  # a per-token factor that says which call made it
 
+    def head_output_step(staged, S_in):  # allscan's kernel (tests/test_fold_in.py): [o | Q'], then the fold
+        (o_wide, factors), V = output_step(staged), S_in.shape[-1]
+        o, q_eff = o_wide[..., :V], o_wide[..., V:]
+        return (o + torch.einsum("bthk,bhkv->bthv", q_eff, S_in), q_eff), factors
+
     monkeypatch.setattr(fla_backend, "_state_steps", state_steps)
     monkeypatch.setattr(fla_backend, "_output_step", output_step)
+    monkeypatch.setattr(fla_backend, "_head_output_step", head_output_step)
     monkeypatch.setattr(fla_backend, "local_varlen",
                         lambda bounds, device: (None, None) if len(bounds) == 2 else (torch.tensor(bounds), None))
     monkeypatch.setattr(fla_backend, "on_device", lambda t: contextlib.nullcontext())  # the stubs stage ints
@@ -544,20 +550,21 @@ def test_fla_backend_widened_forward_with_a_reference_kernel(monkeypatch):
         for h0 in (None, d["h0"][:1]):
             widths.clear()
             finals, M, staged = be.states(*args, opts, scale, [0, 40], [h0], True)
-            o_head, q_eff, o_tail, _ = be.outputs(staged)
+            o_head, q_eff, o_tail, _ = be.outputs(staged, lambda: S_in)
             assert widths == [V + K] and o_tail is None, f"{layer}: one forward on the widened values; got {widths}"
             start = S_in if h0 is None else S_in + h0
             want_o, want_f = recurrent_delta_rule_reference(*args, scale, start)
-            got_o = o_head + torch.einsum("bthk,bhkv->bthv", q_eff, S_in)
-            assert _rel(got_o, want_o) < TOL and _rel(finals[0] + M @ S_in, want_f) < TOL, (layer, h0 is None)
+            assert _rel(o_head, want_o) < TOL and _rel(finals[0] + M @ S_in, want_f) < TOL, (layer, h0 is None)
+            o_zero, _, _, _ = be.outputs(staged, lambda: torch.zeros_like(S_in))
+            assert _rel(o_zero + torch.einsum("bthk,bhkv->bthv", q_eff, S_in), want_o) < TOL, f"{layer}: Q'"
         bounds, h0s = [0, 15, 31, 40], [d["h0"][:1], d["h0"][1:2], None]
         inits = torch.cat([S_in + h0s[0], h0s[1], torch.zeros(1, H, K, V, dtype=torch.float64)])
         want_o, want_f = recurrent_delta_rule_reference(*args, scale, inits, torch.tensor(bounds))
         widths.clear()
         finals, M, staged = be.states(*args, opts, scale, bounds, h0s, True)
-        o_head, q_eff, o_tail, saved = be.outputs(staged)
+        o_head, q_eff, o_tail, saved = be.outputs(staged, lambda: S_in)
         assert widths == [V + K, V], f"{layer}: the first segment widened, the others in one call: {widths}"
-        assert _rel(o_head + torch.einsum("bthk,bhkv->bthv", q_eff, S_in), want_o[:, :15]) < TOL, layer
+        assert _rel(o_head, want_o[:, :15]) < TOL, layer
         assert _rel(o_tail, want_o[:, 15:]) < TOL and len(finals) == 3, layer
         assert _rel(finals[0] + M @ S_in, want_f[:1]) < TOL, layer
         for j in (1, 2):
@@ -609,6 +616,8 @@ def test_fla_backend_option_plumbing_with_reference_steps(monkeypatch):
     monkeypatch.setattr(fla_backend, "_fns", lambda: fakes)
     monkeypatch.setattr(fla_backend, "_state_steps", state_steps)
     monkeypatch.setattr(fla_backend, "_output_step", lambda staged: (staged[0], ()))
+    monkeypatch.setattr(fla_backend, "_head_output_step", lambda staged, S_in: (
+        (staged[0][..., :V] + torch.einsum("bthk,bhkv->bthv", staged[0][..., V:], S_in), staged[0][..., V:]), ()))
     monkeypatch.setattr(fla_backend, "_backward_steps", backward_steps)
     be, scale = fla_backend.FlaDelta, K ** -0.5
     gen = torch.Generator().manual_seed(4)
@@ -626,8 +635,8 @@ def test_fla_backend_option_plumbing_with_reference_steps(monkeypatch):
         want = torch.autograd.grad([want_o, want_f], xs, [do, dht])
 
         (h,), M, staged = be.states(q, k, v, g, beta, opts, scale, [0, 40], [h0], True)
-        o_loc, q_eff, _, saved = be.outputs(staged)
-        assert _rel(o_loc + torch.einsum("bthk,bhkv->bthv", q_eff, S_in), want_o) < TOL, layer
+        o_head, q_eff, _, saved = be.outputs(staged, lambda: S_in)
+        assert _rel(o_head, want_o) < TOL, layer
         assert _rel(h + M @ S_in, want_f) < TOL, layer
         dq, dk, dv, dg, dbeta, (dh0,), _, _ = be.backward(saved, q, k, v, g, beta, opts, scale, [0, 40], [h0 + S_in],
                                                           do, [dht])

@@ -107,9 +107,9 @@ def test_stage_clock_times_wrapped_calls_and_restores_them():
     from allscan.ops.delta.fla import FlaDelta
     from allscan.ops.scan import ScanHandle
 
-    originals = (FlaDelta.__dict__["fold"], allscan.scan, ScanHandle.wait)
+    originals = (FlaDelta.__dict__["fold_state_grad"], allscan.scan, ScanHandle.wait)
     clock = db._StageClock()
-    clock.wrap(FlaDelta, "fold", "step fold", static=True)
+    clock.wrap(FlaDelta, "fold_state_grad", "step fold_state_grad", static=True)
     clock.wrap(allscan, "scan", "scan")
     clock.wrap(ScanHandle, "wait", "wait")
     import torch
@@ -119,7 +119,7 @@ def test_stage_clock_times_wrapped_calls_and_restores_them():
     with pytest.raises(RuntimeError, match="not initialised"):
         allscan.scan(x)  # the wrapper passes a call's failure through, timed
     with pytest.raises(Exception):
-        FlaDelta.fold(None, None, None)
-    assert set(clock.ms) == {"step fold", "scan", "wait"} and all(v >= 0 for v in clock.ms.values())
+        FlaDelta.fold_state_grad(None, None)
+    assert set(clock.ms) == {"step fold_state_grad", "scan", "wait"} and all(v >= 0 for v in clock.ms.values())
     clock.restore()
-    assert (FlaDelta.__dict__["fold"], allscan.scan, ScanHandle.wait) == originals
+    assert (FlaDelta.__dict__["fold_state_grad"], allscan.scan, ScanHandle.wait) == originals

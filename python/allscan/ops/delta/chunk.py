@@ -156,15 +156,20 @@ class TorchDelta:
         return [cp.final for cp in cps], (cps[0].transition if wide else None), (cps, wide)
 
     @staticmethod
-    def outputs(staged):
-        """Second half: ``(o_head, Q', o_tail, saved)``: with ``wide``, the first segment's outputs from its
-        own initial state and the map ``Q' [B, T0, HV, K]`` from a state added to it to its outputs (else
-        None, None); the outputs of the other segments (None if none); what :meth:`backward` needs
-        (nothing here: it recomputes)."""
+    def outputs(staged, incoming=None):
+        """Second half: ``(o_head, Q', o_tail, saved)``: with ``wide``, the first segment's outputs with the
+        state ``incoming()`` (the All-Scan's result, asked for once the other segments' outputs are
+        issued) added to its initial state, and the map ``Q' [B, T0, HV, K]`` from that state to its
+        outputs (else None, None); the outputs of the other segments (None if none); what
+        :meth:`backward` needs (nothing here: it recomputes)."""
         cps, wide = staged
         with torch.no_grad():
-            o_head, q_eff = (chunk_outputs(cps[0]), incoming_map(cps[0])) if wide else (None, None)
             tail = [chunk_outputs(cp) for cp in cps[int(wide):]]
+            o_head = q_eff = None
+            if wide:
+                q_eff = incoming_map(cps[0])
+                S_in = incoming()
+                o_head = chunk_outputs(cps[0]) + torch.einsum("bthk,bhkv->bthv", q_eff, S_in.to(q_eff.dtype))
         o_tail = (torch.cat(tail, 1) if len(tail) > 1 else tail[0]) if tail else None
         return o_head, q_eff, o_tail, ()
 
@@ -175,11 +180,6 @@ class TorchDelta:
     @staticmethod
     def q_eff_dtype(v: torch.Tensor) -> torch.dtype:
         return compute_dtype(v)
-
-    @staticmethod
-    def fold(o_loc: torch.Tensor, q_eff: torch.Tensor, S_in: torch.Tensor):
-        """``(o_loc + Q' S_in, Q')``: the outputs with the incoming state, and the Q' to keep."""
-        return o_loc + torch.einsum("bthk,bhkv->bthv", q_eff, S_in.to(q_eff.dtype)), q_eff
 
     @staticmethod
     def fold_state_grad(q_eff: torch.Tensor, do: torch.Tensor) -> torch.Tensor:

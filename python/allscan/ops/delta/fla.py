@@ -92,7 +92,7 @@ def _fns() -> SimpleNamespace:
 
     from allscan.ops.gla.fla import apply_autotune_setting
 
-    from .fold_in import fold_forward, fold_state_grad
+    from .fold_in import fold_state_grad, head_outputs
     from .widen import widened
 
     from ..fla_dispatch import direct
@@ -109,7 +109,7 @@ def _fns() -> SimpleNamespace:
     return SimpleNamespace(
         **{name: direct(fn) for name, fn in fla.items()},  # past fla's dispatcher where it falls back anyway
         RCP_LN2=RCP_LN2, prepare_chunk_indices=prepare_chunk_indices,
-        widened=widened, fold_forward=fold_forward, fold_state_grad=fold_state_grad)
+        widened=widened, head_outputs=head_outputs, fold_state_grad=fold_state_grad)
 
 
 def _activate(q, k, beta, opts):
@@ -186,6 +186,17 @@ def _output_step(staged):
     return fla.chunk_fwd_o(q=q, k=k, v=v_new, h=h, g=g_cum, scale=scale, chunk_size=CHUNK, **vl), factors
 
 
+def _head_output_step(staged, S_in):
+    """The widened segment's outputs with ``S_in`` folded in, from what :func:`_state_steps` staged (one
+    sequence batch, no packing): ``((o, Q'), factors)``, in allscan's kernel (:mod:`.fold_in`) instead of
+    fla's output kernel over the widened columns and a pass over its result."""
+    if staged[0] == "kda":
+        _, q, v_new, g_cum, Aqk, h, scale, _, factors = staged
+        return _fns().head_outputs(q, q, v_new, h, g_cum, Aqk, S_in, scale), factors
+    _, q, k, v_new, h, g_cum, scale, _, factors = staged
+    return _fns().head_outputs(q, k, v_new, h, g_cum, None, S_in, scale), factors
+
+
 def _backward_steps(q, k, v, g, beta, factors, opts, scale, h0, do, dht, cu=None, ci=None):
     """fla's backward of the forward steps (:func:`_state_steps`, :func:`_output_step`) on ``v`` from
     ``h0``: ``(dq, dk, dv, dbeta, dg, dh0, dA_log, ddt_bias)`` (q, k, beta activated; dg of the raw g)."""
@@ -250,13 +261,15 @@ class FlaDelta:
         return finals, M, (steps, wide, V, activated)
 
     @staticmethod
-    def outputs(staged):
+    def outputs(staged, incoming=None):
         steps, wide, V, activated = staged
         with on_device(steps[0][1]):
-            outs = [_output_step(st) for st in steps]
+            outs = [_output_step(st) for st in steps[int(wide):]]  # beside the All-Scan
+            if wide:
+                outs.insert(0, _head_output_step(steps[0], incoming()))
         o_head = q_eff = o_tail = None
         if wide:
-            o_head, q_eff = outs[0][0][..., :V], outs[0][0][..., V:]
+            o_head, q_eff = outs[0][0]
         if len(outs) > int(wide):
             o_tail = outs[-1][0]
         # the factors of both calls, per token over the whole shard (the backward is one call)
@@ -282,12 +295,6 @@ class FlaDelta:
     def q_eff_dtype(v: torch.Tensor) -> torch.dtype:
         """The dtype of Q' (fla's widened output: the values' dtype)."""
         return v.dtype
-
-    @staticmethod
-    def fold(o_loc: torch.Tensor, q_eff: torch.Tensor, S_in: torch.Tensor):
-        """``(o_loc + Q' S_in, Q' contiguous)``: the copy of Q' (a slice of fla's widened output) is
-        what the backward keeps, so the widened output is freed after the fold."""
-        return _fns().fold_forward(o_loc, q_eff, S_in, copy_q=True)
 
     @staticmethod
     def fold_state_grad(q_eff: torch.Tensor, do: torch.Tensor) -> torch.Tensor:

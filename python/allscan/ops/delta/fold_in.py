@@ -1,23 +1,27 @@
-"""Folding the incoming state into a shard's outputs, ``o + Q' S_in``, in Triton kernels that read each operand once.
+"""Folding the incoming state into a shard's outputs, in Triton kernels that read each operand once.
 
-``Q' [B, T, H, K]`` maps the state entering the shard to every token's output (from fla's forward on
-the widened values, :meth:`allscan.ops.delta.fla.FlaDelta.outputs`), ``S_in [B, H, K, V]`` fp32 is
-the state the All-Scan delivered, ``o [B, T, H, V]`` the local outputs. Done with torch ops this was an
-fp32 GEMM with casts of ``o`` and ``Q'`` around it; here each direction reads its operands once:
+The first segment of a shard runs fla's state kernel on the widened values ``[u | 0]`` from ``[h0 | I]``
+(:class:`allscan.ops.delta.fla.FlaDelta`): its chunk states ``h [B, NT, HV, K, V + K]`` carry the local
+states in their first V columns and the chunks' transitions ``P_c`` in the last K, and so do the new
+values ``v' [B, T, HV, V + K]``. fla's output kernel would turn them into ``[o_local | Q']``; here one
+kernel does that and adds the incoming state ``S_in [B, HV, K, V]`` (fp32, the All-Scan's result)::
 
-    forward:   out = round(o + Q' S_in)                  one pass over o, Q'       fold_forward
-    backward:  dS_in = sum_t Q'_t^T dout_t  (fp32)       the sum over T split      fold_state_grad
-                                                         over CTAs, then summed
+    forward:   o = round(o_local + round(Q') S_in),  Q' kept      head_outputs (fla's output kernel's
+                                                                  math, then the fold, per chunk tile)
+    backward:  dS_in = sum_t Q'_t^T dout_t  (fp32)                fold_state_grad (the sum over T split
+                                                                  over CTAs, then summed)
 
-(``Q'`` needs no gradient: the layer's backward differentiates fla's forward from the whole incoming
-state, :mod:`allscan.ops.delta.shard`.)
+so neither ``o_local`` nor ``Q'`` makes a round trip through memory before the fold (fla's widened output,
+then a pass over it, moved twice the bytes). ``Q'`` needs no gradient: the layer's backward
+differentiates fla's forward from the whole incoming state (:mod:`allscan.ops.delta.shard`).
 
-Precision: ``Q'`` and ``dout`` are exact in their (16-bit) dtype; ``S_in`` is split into two bf16
-parts (hi + lo carry 16 significant bits), so the product is fp32-accurate on bf16 tensor cores and
-the result is rounded once, as the fp32 einsum did. fp16 and fp32 inputs take IEEE fp32 dots.
-The partial sums of ``dS_in`` are written per split and added in a fixed order: deterministic.
-Triton's CPU interpreter (``TRITON_INTERPRET=1``, the CI's tests) computes bf16 dots wrongly, so
-there every dot takes the IEEE fp32 form.
+Precision: the local outputs and ``Q'`` are fla's arithmetic (16-bit dots, fp32 sums; Triton's default
+for fp32 inputs, as fla's kernels); ``Q'`` is rounded to the values' dtype (what the backward keeps);
+``S_in`` is split into two bf16 parts (hi + lo carry 16 significant bits), so ``Q' S_in`` is fp32-accurate
+on bf16 tensor cores, and the output is rounded once. fp16 and fp32 take IEEE fp32 dots for ``Q' S_in``.
+The partial sums of ``dS_in`` are written per split and added in a fixed order: deterministic. Triton's
+CPU interpreter (``TRITON_INTERPRET=1``, the CI's tests) computes bf16 dots wrongly, so there every dot
+takes the IEEE fp32 form.
 """
 from __future__ import annotations
 
@@ -28,9 +32,9 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["fold_forward", "fold_state_grad"]
+__all__ = ["head_outputs", "fold_state_grad"]
 
-_BLOCK_T = 64
+_BLOCK_T = 64  # fla's chunk
 _INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
@@ -45,6 +49,14 @@ def _dot_state(a, s, SPLIT: tl.constexpr):
 
 
 @triton.jit
+def _dot(a, b, acc, IEEE: tl.constexpr):
+    """``acc + a @ b`` as fla's kernels compute it, or in IEEE fp32 (the interpreter)."""
+    if IEEE:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    return tl.dot(a, b, acc)
+
+
+@triton.jit
 def _tile(base, rows, cols, n_rows, n_cols, s_row, s_col):
     """Load ``base[rows, cols]`` (zeros outside ``[n_rows, n_cols]``), 64-bit offsets."""
     mask = (rows[:, None] < n_rows) & (cols[None, :] < n_cols)
@@ -53,25 +65,84 @@ def _tile(base, rows, cols, n_rows, n_cols, s_row, s_col):
 
 
 @triton.jit
-def _fold_forward(o, qe, s, out, q_out, T, H,
-                  so_b, so_t, so_h, sq_b, sq_t, sq_h, sout_b, sout_t, sout_h,
-                  K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                  SPLIT: tl.constexpr, STORE_Q: tl.constexpr):
-    i_t, i_v, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    b, h = (i_bh // H).to(tl.int64), (i_bh % H).to(tl.int64)  # offsets past 2^31 elements
+def _queries(q, g, t, kk, T, K, s_q, s_g, PER_KEY: tl.constexpr):
+    """The chunk's queries ``[BT, BK]``: KDA's gated by their per-key decay (fla's ``q * exp2(g)``)."""
+    b_q = _tile(q, t, kk, T, K, s_q, 1)
+    if PER_KEY:
+        b_q = (b_q * tl.math.exp2(_tile(g, t, kk, T, K, s_g, 1).to(tl.float32))).to(b_q.dtype)
+    return b_q
+
+
+@triton.jit
+def _head_outputs(q, k, v, h, g, A, s, o, qe, T, scale,
+                  H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
+                  BK: tl.constexpr, BV: tl.constexpr, BC: tl.constexpr,
+                  PER_KEY: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr):
+    """One chunk's ``[BT, BV]`` outputs: fla's output kernel over the V columns (``chunk_fwd_o``, or
+    ``chunk_gla_fwd_o_gk`` with PER_KEY), then ``Q'`` over the K columns, BC at a time, each block
+    folded in at once (and stored by the first column block's programs)."""
+    i_v, i_t, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_b, i_hv = (i_bh // HV).to(tl.int64), (i_bh % HV).to(tl.int64)  # offsets past 2^31 elements
+    i_h = i_hv // (HV // H)
+    W = V + K
+    NT = tl.cdiv(T, BT)
+    bos = i_b * T
+    q += (bos * H + i_h) * K
+    k += (bos * H + i_h) * K
+    v += (bos * HV + i_hv) * W
+    h += ((i_b * NT + i_t) * HV + i_hv) * K * W
+    o += (bos * HV + i_hv) * V
+    qe += (bos * HV + i_hv) * K
+    s += i_bh.to(tl.int64) * K * V
+    if PER_KEY:
+        g += (bos * HV + i_hv) * K
+        A += (bos * HV + i_hv) * BT
+    else:
+        g += bos * HV + i_hv
     t = i_t * BT + tl.arange(0, BT)
-    kk = tl.arange(0, BK)
     vv = i_v * BV + tl.arange(0, BV)
-    acc = _tile(o + b * so_b + h * so_h, t, vv, T, V, so_t, 1).to(tl.float32)
-    q = _tile(qe + b * sq_b + h * sq_h, t, kk, T, K, sq_t, 1)
-    if STORE_Q:  # a contiguous copy of Q' [B, T, H, K], written by the first column block
+    cols = tl.arange(0, BT)
+
+    # the local outputs of this column block (and GDN's q k^T)
+    b_o = tl.zeros([BT, BV], dtype=tl.float32)
+    b_A = tl.zeros([BT, BT], dtype=tl.float32)
+    for i_k in range(tl.cdiv(K, BK)):
+        kk = i_k * BK + tl.arange(0, BK)
+        b_q = _queries(q, g, t, kk, T, K, H * K, HV * K, PER_KEY)
+        b_o = _dot(b_q, _tile(h, kk, vv, K, V, W, 1), b_o, IEEE)
+        if not PER_KEY:
+            b_A = _dot(b_q, _tile(k, kk, t, K, T, 1, H * K), b_A, IEEE)
+    causal = (t[:, None] >= t[None, :]) & (t[:, None] < T) & (t[None, :] < T)
+    # fla's scalings: GDN scales both terms after its dots, KDA only the state term (Aqk holds it)
+    if PER_KEY:
+        b_A = tl.where(causal, _tile(A, t, cols, T, BT, HV * BT, 1).to(tl.float32), 0.0)
+        q_scale = tl.full([BT], 1.0, tl.float32) * scale
+        a_scale = 1.0
+    else:
+        b_g = tl.load(g + t.to(tl.int64) * HV, mask=t < T, other=0.0).to(tl.float32)
+        b_A = tl.where(causal, b_A * tl.math.exp2(b_g[:, None] - b_g[None, :]), 0.0)
+        q_scale = tl.math.exp2(b_g) * scale
+        a_scale = scale
+    b_A = b_A.to(v.dtype.element_ty)
+    zero = tl.zeros([BT, BV], dtype=tl.float32)
+    b_o = b_o * q_scale[:, None] + _dot(b_A, _tile(v, t, vv, T, V, HV * W, 1), zero, IEEE) * a_scale
+
+    # Q' (the K columns: chunk transitions and their new values) and its fold, block by block
+    for i_c in range(tl.cdiv(K, BC)):
+        cc = i_c * BC + tl.arange(0, BC)
+        b_e = tl.zeros([BT, BC], dtype=tl.float32)
+        for i_k in range(tl.cdiv(K, BK)):
+            kk = i_k * BK + tl.arange(0, BK)
+            b_q = _queries(q, g, t, kk, T, K, H * K, HV * K, PER_KEY)
+            b_e = _dot(b_q, _tile(h + V, kk, cc, K, K, W, 1), b_e, IEEE)
+        b_av = _dot(b_A, _tile(v + V, t, cc, T, K, HV * W, 1), tl.zeros([BT, BC], dtype=tl.float32), IEEE)
+        b_e = (b_e * q_scale[:, None] + b_av * a_scale).to(qe.dtype.element_ty)
         if i_v == 0:
-            mask_q = (t[:, None] < T) & (kk[None, :] < K)
-            tl.store(q_out + ((b * T + t.to(tl.int64)[:, None]) * H + h) * K + kk[None, :], q, mask=mask_q)
-    acc += _dot_state(q, _tile(s + i_bh.to(tl.int64) * K * V, kk, vv, K, V, V, 1), SPLIT)
+            mask_e = (t[:, None] < T) & (cc[None, :] < K)
+            tl.store(qe + t.to(tl.int64)[:, None] * (HV * K) + cc[None, :], b_e, mask=mask_e)
+        b_o += _dot_state(b_e, _tile(s, cc, vv, K, V, V, 1), SPLIT)
     mask = (t[:, None] < T) & (vv[None, :] < V)
-    dst = out + b * sout_b + h * sout_h + t.to(tl.int64)[:, None] * sout_t + vv[None, :]
-    tl.store(dst, acc.to(out.dtype.element_ty), mask=mask)
+    tl.store(o + t.to(tl.int64)[:, None] * (HV * V) + vv[None, :], b_o.to(o.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -103,31 +174,28 @@ def _pow2(n: int) -> int:
     return max(16, triton.next_power_of_2(n))
 
 
-def _check_inner_stride(name: str, t: torch.Tensor):
-    if t.stride(-1) != 1:
-        raise ValueError(f"fold_forward: {name} must have a unit stride in its last dimension, got {t.stride()}")
+def head_outputs(q, k, v_wide, h_wide, g, A, S_in, scale: float):
+    """``(o, Q')``: the first segment's outputs with the incoming state ``S_in`` folded in, and ``Q'``
+    (both in ``v_wide``'s dtype, contiguous, no autograd), from what fla's widened forward staged.
 
-
-def fold_forward(o: torch.Tensor, q_eff: torch.Tensor, S_in: torch.Tensor, copy_q: bool = False):
-    """``o + einsum("bthk,bhkv->bthv", q_eff, S_in)`` in ``o``'s dtype (no autograd); with ``copy_q``
-    also a contiguous copy of ``q_eff``, read once for both: ``(out, q_copy)``.
-
-    ``o [B, T, H, V]`` and ``q_eff [B, T, H, K]`` (any strides with a unit last one: slices of fla's
-    widened output are taken as they are), ``S_in [B, H, K, V]`` (fp32)."""
-    B, T, H, V = o.shape
-    K = q_eff.shape[-1]
-    _check_inner_stride("o", o)
-    _check_inner_stride("q_eff", q_eff)
+    ``q, k [B, T, H, K]`` (k unused for KDA), ``v_wide [B, T, HV, V + K]`` (fla's new values),
+    ``h_wide [B, NT, HV, K, V + K]`` (its chunk states), ``g``: the cumulative log2 decay
+    ``[B, T, HV]`` (Gated DeltaNet) or ``[B, T, HV, K]`` (KDA, with ``A [B, T, HV, 64]``, fla's Aqk; else
+    None), ``S_in [B, HV, K, V]``."""
+    B, T, H, K = q.shape
+    HV, V = v_wide.shape[2], v_wide.shape[3] - K
+    per_key = g.dim() == 4
+    q, k, v_wide, h_wide, g = (t.contiguous() for t in (q, k, v_wide, h_wide, g))
+    A = A.contiguous() if per_key else g  # not read without per_key
     S = S_in.to(torch.float32).contiguous()
-    out = torch.empty(B, T, H, V, dtype=o.dtype, device=o.device)
-    q_copy = torch.empty(B, T, H, K, dtype=q_eff.dtype, device=o.device) if copy_q else None
-    BK, BV = _pow2(K), min(_pow2(V), 64)
-    split = q_eff.dtype == torch.bfloat16 and not _INTERPRETED
-    grid = (triton.cdiv(T, _BLOCK_T), triton.cdiv(V, BV), B * H)
-    _fold_forward[grid](o, q_eff, S, out, q_copy if copy_q else out, T, H, *[o.stride(i) for i in range(3)],
-                        *[q_eff.stride(i) for i in range(3)], *[out.stride(i) for i in range(3)],
-                        K=K, V=V, BT=_BLOCK_T, BK=BK, BV=BV, SPLIT=split, STORE_Q=copy_q)
-    return (out, q_copy) if copy_q else out
+    o = torch.empty(B, T, HV, V, dtype=v_wide.dtype, device=v_wide.device)
+    q_eff = torch.empty(B, T, HV, K, dtype=v_wide.dtype, device=v_wide.device)
+    BK, BV, BC = min(_pow2(K), 64), min(_pow2(V), 64), min(_pow2(K), 64)
+    split = v_wide.dtype == torch.bfloat16 and not _INTERPRETED
+    grid = (triton.cdiv(V, BV), triton.cdiv(T, _BLOCK_T), B * HV)
+    _head_outputs[grid](q, k, v_wide, h_wide, g, A, S, o, q_eff, T, scale, H=H, HV=HV, K=K, V=V, BT=_BLOCK_T,
+                        BK=BK, BV=BV, BC=BC, PER_KEY=per_key, SPLIT=split, IEEE=_INTERPRETED)
+    return o, q_eff
 
 
 @functools.lru_cache(maxsize=None)
@@ -153,10 +221,11 @@ def _state_grad_launch(B: int, T: int, H: int, K: int, V: int, cuda_index):
 
 def fold_state_grad(q_eff: torch.Tensor, dout: torch.Tensor) -> torch.Tensor:
     """``einsum("bthk,bthv->bhkv", q_eff, dout)`` in fp32 (no autograd): the gradient of ``S_in`` in
-    :func:`fold_forward`, deterministic."""
+    :func:`head_outputs`, deterministic."""
     B, T, H, K = q_eff.shape
     V = dout.shape[-1]
-    _check_inner_stride("q_eff", q_eff)
+    if q_eff.stride(-1) != 1:
+        raise ValueError(f"fold_state_grad: q_eff must have a unit stride in its last dimension, got {q_eff.stride()}")
     if dout.stride(-1) != 1:
         dout = dout.contiguous()
     BK, BV, nv, splits, t_split = _state_grad_launch(B, T, H, K, V, q_eff.device.index if q_eff.is_cuda else None)

@@ -8,11 +8,12 @@ or :class:`~allscan.ops.delta.chunk.TorchDelta`; ``segments`` the shard cut at p
                                                      state; M the first segment's transition (its
                                                      forward runs on [v | 0] from [h0 | I])
     S_in = scan(x, transition=M_scan, init=init)     x the state crossing the shard's end; in flight
-                                                     during the next line
-    o_head, Q', o_tail = be.outputs(...)             the outputs from the segments' own initial states,
-                                                     and the map Q' from a state added to the first
-                                                     segment's to its outputs
-    o = [o_head + Q' S_in | o_tail],  final_0 = h_0 + M S_in
+                                                     while the other segments' outputs are issued
+    o_head, Q', o_tail = be.outputs(..., S_in)       o_head the first segment's outputs from h0 + S_in
+                                                     (its local outputs plus Q' S_in, one kernel on GPU),
+                                                     Q' the map from a state added to its initial state
+                                                     to its outputs; o_tail the other segments'
+    o = [o_head | o_tail],  final_0 = h_0 + M S_in
 
 The chain head (group rank 0) knows its incoming state before anything runs: the caller's
 ``initial_state`` (or zeros). So it runs the plain forward from it (V columns: no Q', no M, no fold)
@@ -129,18 +130,23 @@ def shard_forward(run: ShardRun, q, k, v, g, beta, h0):
     be = run.backend
     finals, M, staged = be.states(q, k, v, g, beta, run.opts, run.scale, run.bounds, _initial_states(run, h0),
                                   run.wide)
+    S_in = None
     if run.world > 1:
         c = _crossing(run)
         x = torch.zeros_like(finals[0]) if c is None else finals[c]
         M_scan = M if run.wide and run.cross == "own" else _zero_transition(x)
         pending = scan(x.contiguous(), group=run.group, transition=M_scan, init=_scan_init(run, h0),
                        method=run.method, async_op=True)
-    o_head, q_eff, o_tail, saved = be.outputs(staged)
-    S_in = None
-    if run.world > 1:
-        S_in = pending.wait()  # the head's: its own init, already in its outputs
+
+    def incoming():
+        nonlocal S_in
+        S_in = pending.wait()
+        return S_in
+
+    o_head, q_eff, o_tail, saved = be.outputs(staged, incoming if run.wide else None)
+    if run.world > 1 and S_in is None:
+        pending.wait()  # the plain head's: its own init, already in its outputs
     if run.wide:
-        o_head, q_eff = be.fold(o_head, q_eff, S_in)
         if run.want_final and run.ends[0]:
             finals[0] = finals[0] + M @ S_in
         o = o_head.to(v.dtype) if o_tail is None else torch.cat([o_head.to(v.dtype), o_tail.to(v.dtype)], 1)
