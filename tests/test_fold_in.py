@@ -4,12 +4,14 @@ against float64. On CPU through Triton's interpreter (in a subprocess: the inter
 kernels are defined); on GPU the compiled kernels."""
 import pytest
 import torch
-from triton_interpreted import assert_passes_interpreted
+from triton_interpreted import assert_passes_in_subprocess, assert_passes_interpreted
 
 pytest.importorskip("triton")
 
-# (B, T, H, HV, K, V): T not a multiple of the 64-token chunk, K and V not powers of two, grouped value heads
-SHAPES = [(1, 70, 2, 2, 16, 32), (2, 130, 1, 3, 24, 40), (1, 200, 1, 1, 32, 16), (1, 90, 1, 2, 16, 200)]
+# (B, T, H, HV, K, V): T not a multiple of the 64-token chunk, K and V not powers of two, grouped value heads;
+# K up to 64 takes Q' in the first pass, more in a second
+SHAPES = [(1, 70, 2, 2, 16, 32), (2, 130, 1, 3, 24, 40), (1, 200, 1, 1, 32, 16), (1, 90, 1, 2, 16, 200),
+          (1, 70, 1, 1, 80, 16)]  # K over one 64-column block: Q' in two passes
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 C = 64
 
@@ -100,5 +102,11 @@ def test_fold_in_interpreted_on_cpu():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_fold_in_on_gpu():
-    # the layers' sizes: K = V = 128 (the benchmarks), K = 256, V = 512 (GatedDeltaNet's defaults)
-    check_fold_in("cuda", shapes=SHAPES + [(1, 4096, 4, 4, 128, 128), (2, 1000, 16, 16, 128, 128), (1, 700, 2, 2, 256, 512)])
+    # fp32 dots in IEEE (TRITON_F32_DEFAULT=ieee, read when Triton compiles: a fresh process), as the
+    # layers' fp32 GPU tests run fla; the layers' sizes: K = V = 128 (the benchmarks), K = 256, V = 512
+    # (GatedDeltaNet's defaults)
+    assert_passes_in_subprocess("test_fold_in", "check_fold_in_large", "cuda", TRITON_F32_DEFAULT="ieee")
+
+
+def check_fold_in_large(device: str):
+    check_fold_in(device, shapes=SHAPES + [(1, 4096, 4, 4, 128, 128), (2, 1000, 16, 16, 128, 128), (1, 700, 2, 2, 256, 512)])

@@ -313,7 +313,11 @@ def _async_handles(rank, P):
     # The first call of a signature checks it across ranks, which synchronises the host with the
     # GPU: made here, so that no call in the loop waits for the GPU it is queued behind.
     allscan.scan(xs[rank].view(4, -1), gs[rank], inclusive=True, async_op=True).wait()
+    # made before the loop: the first stream a process makes can block the host until the GPU is idle
+    # (then the scan is done and its inputs' memory free to reuse, as seen on the H200)
+    s = torch.cuda.Stream()
     torch.cuda.synchronize()
+    probed = 0
     for it in range(20):
         x = xs[rank].clone().view(4, -1)
         g = gs[rank].clone()
@@ -325,15 +329,17 @@ def _async_handles(rank, P):
         junk = [torch.full((n,), 7.0, device=dev) for _ in range(3)]  # ... and memory handed out again
         assert all(j.data_ptr() != x_ptr for j in junk), f"iteration {it}: x's memory reused before the scan read it"
         if it % 3 == 0:
-            s = torch.cuda.Stream()
             s.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(s):
                 y = h.wait()
                 y2 = y.clone()
-            # the calling stream is not ordered after the scan: x's memory is still not its to reuse
-            probe = torch.empty(n, device=dev)
-            assert probe.data_ptr() != x_ptr, f"iteration {it}: x's memory reused after a wait on another stream"
-            del probe
+            # the calling stream is not ordered after the scan: while it runs, x's memory is still not
+            # that stream's to reuse
+            if not h.is_completed():
+                probe = torch.empty(n, device=dev)
+                assert probe.data_ptr() != x_ptr, f"iteration {it}: x's memory reused after a wait on another stream"
+                del probe
+                probed += 1
             torch.cuda.current_stream().wait_stream(s)
         else:
             y = h.wait()
@@ -353,6 +359,7 @@ def _async_handles(rank, P):
             f"iteration {it}: a dropped handle's input or result reused before the scan was done"
         del again
     torch.cuda.synchronize()
+    assert probed >= 4, f"the scan was done before the probe in {7 - probed} of 7 waits on another stream"
     return True
 
 

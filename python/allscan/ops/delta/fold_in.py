@@ -11,8 +11,8 @@ kernel does that and adds the incoming state ``S_in [B, HV, K, V]`` (fp32, the A
     backward:  dS_in = sum_t Q'_t^T dout_t  (fp32)                fold_state_grad (the sum over T split
                                                                   over CTAs, then summed)
 
-so neither ``o_local`` nor ``Q'`` makes a round trip through memory before the fold (fla's widened output,
-then a pass over it, moved twice the bytes). ``Q'`` needs no gradient: the layer's backward
+so neither ``o_local`` nor ``Q'`` makes a round trip through memory before the fold (fla's widened output
+kernel, then a pass over its result, wrote and read both once more). The kernel waits for the All-Scan. ``Q'`` needs no gradient: the layer's backward
 differentiates fla's forward from the whole incoming state (:mod:`allscan.ops.delta.shard`).
 
 Precision: the local outputs and ``Q'`` are fla's arithmetic (16-bit dots, fp32 sums; Triton's default
@@ -76,11 +76,12 @@ def _queries(q, g, t, kk, T, K, s_q, s_g, PER_KEY: tl.constexpr):
 @triton.jit
 def _head_outputs(q, k, v, h, g, A, s, o, qe, T, scale,
                   H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
-                  BK: tl.constexpr, BV: tl.constexpr, BC: tl.constexpr,
+                  BK: tl.constexpr, BV: tl.constexpr, BC: tl.constexpr, ONE_PASS: tl.constexpr,
                   PER_KEY: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr):
     """One chunk's ``[BT, BV]`` outputs: fla's output kernel over the V columns (``chunk_fwd_o``, or
     ``chunk_gla_fwd_o_gk`` with PER_KEY), then ``Q'`` over the K columns, BC at a time, each block
-    folded in at once (and stored by the first column block's programs)."""
+    folded in at once (and stored by the first column block's programs). ONE_PASS (BC covers K): ``Q'``'s
+    state term in the first loop, which reads each query tile once."""
     i_v, i_t, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_hv = (i_bh // HV).to(tl.int64), (i_bh % HV).to(tl.int64)  # offsets past 2^31 elements
     i_h = i_hv // (HV // H)
@@ -103,15 +104,19 @@ def _head_outputs(q, k, v, h, g, A, s, o, qe, T, scale,
     vv = i_v * BV + tl.arange(0, BV)
     cols = tl.arange(0, BT)
 
-    # the local outputs of this column block (and GDN's q k^T)
+    # the local outputs of this column block (and GDN's q k^T; with ONE_PASS, Q's state term too)
     b_o = tl.zeros([BT, BV], dtype=tl.float32)
     b_A = tl.zeros([BT, BT], dtype=tl.float32)
+    if ONE_PASS:
+        b_e = tl.zeros([BT, BC], dtype=tl.float32)
     for i_k in range(tl.cdiv(K, BK)):
         kk = i_k * BK + tl.arange(0, BK)
         b_q = _queries(q, g, t, kk, T, K, H * K, HV * K, PER_KEY)
         b_o = _dot(b_q, _tile(h, kk, vv, K, V, W, 1), b_o, IEEE)
         if not PER_KEY:
             b_A = _dot(b_q, _tile(k, kk, t, K, T, 1, H * K), b_A, IEEE)
+        if ONE_PASS:
+            b_e = _dot(b_q, _tile(h + V, kk, tl.arange(0, BC), K, K, W, 1), b_e, IEEE)
     causal = (t[:, None] >= t[None, :]) & (t[:, None] < T) & (t[None, :] < T)
     # fla's scalings: GDN scales both terms after its dots, KDA only the state term (Aqk holds it)
     if PER_KEY:
@@ -130,17 +135,18 @@ def _head_outputs(q, k, v, h, g, A, s, o, qe, T, scale,
     # Q' (the K columns: chunk transitions and their new values) and its fold, block by block
     for i_c in range(tl.cdiv(K, BC)):
         cc = i_c * BC + tl.arange(0, BC)
-        b_e = tl.zeros([BT, BC], dtype=tl.float32)
-        for i_k in range(tl.cdiv(K, BK)):
-            kk = i_k * BK + tl.arange(0, BK)
-            b_q = _queries(q, g, t, kk, T, K, H * K, HV * K, PER_KEY)
-            b_e = _dot(b_q, _tile(h + V, kk, cc, K, K, W, 1), b_e, IEEE)
+        if not ONE_PASS:
+            b_e = tl.zeros([BT, BC], dtype=tl.float32)
+            for i_k in range(tl.cdiv(K, BK)):
+                kk = i_k * BK + tl.arange(0, BK)
+                b_q = _queries(q, g, t, kk, T, K, H * K, HV * K, PER_KEY)
+                b_e = _dot(b_q, _tile(h + V, kk, cc, K, K, W, 1), b_e, IEEE)
         b_av = _dot(b_A, _tile(v + V, t, cc, T, K, HV * W, 1), tl.zeros([BT, BC], dtype=tl.float32), IEEE)
-        b_e = (b_e * q_scale[:, None] + b_av * a_scale).to(qe.dtype.element_ty)
+        b_qe = (b_e * q_scale[:, None] + b_av * a_scale).to(qe.dtype.element_ty)
         if i_v == 0:
             mask_e = (t[:, None] < T) & (cc[None, :] < K)
-            tl.store(qe + t.to(tl.int64)[:, None] * (HV * K) + cc[None, :], b_e, mask=mask_e)
-        b_o += _dot_state(b_e, _tile(s, cc, vv, K, V, V, 1), SPLIT)
+            tl.store(qe + t.to(tl.int64)[:, None] * (HV * K) + cc[None, :], b_qe, mask=mask_e)
+        b_o += _dot_state(b_qe, _tile(s, cc, vv, K, V, V, 1), SPLIT)
     mask = (t[:, None] < T) & (vv[None, :] < V)
     tl.store(o + t.to(tl.int64)[:, None] * (HV * V) + vv[None, :], b_o.to(o.dtype.element_ty), mask=mask)
 
@@ -190,11 +196,16 @@ def head_outputs(q, k, v_wide, h_wide, g, A, S_in, scale: float):
     S = S_in.to(torch.float32).contiguous()
     o = torch.empty(B, T, HV, V, dtype=v_wide.dtype, device=v_wide.device)
     q_eff = torch.empty(B, T, HV, K, dtype=v_wide.dtype, device=v_wide.device)
-    BK, BV, BC = min(_pow2(K), 64), min(_pow2(V), 64), min(_pow2(K), 64)
+    # Tiles of at least 64 columns: Q' (a dot's result) feeds the fold's dot, which went wrong on the GPU
+    # with narrower ones (Triton 3.6). 128 V columns per program for 16-bit inputs: each program computes
+    # the whole Q' tile of its chunk, so fewer programs compute it fewer times.
+    BK, BC = min(_pow2(K), 64), 64
+    BV = 64 if v_wide.element_size() > 2 or _pow2(V) <= 64 else 128
     split = v_wide.dtype == torch.bfloat16 and not _INTERPRETED
     grid = (triton.cdiv(V, BV), triton.cdiv(T, _BLOCK_T), B * HV)
     _head_outputs[grid](q, k, v_wide, h_wide, g, A, S, o, q_eff, T, scale, H=H, HV=HV, K=K, V=V, BT=_BLOCK_T,
-                        BK=BK, BV=BV, BC=BC, PER_KEY=per_key, SPLIT=split, IEEE=_INTERPRETED)
+                        BK=BK, BV=BV, BC=BC, ONE_PASS=BC >= K, PER_KEY=per_key, SPLIT=split, IEEE=_INTERPRETED,
+                        num_warps=4, num_stages=2)
     return o, q_eff
 
 
