@@ -518,7 +518,7 @@ def test_fla_backend_widened_forward_with_a_reference_kernel(monkeypatch):
     import allscan.ops.delta.fla as fla_backend
     from allscan.ops.delta.gates import DeltaOptions
 
-    widths = []
+    widths, steps = [], []
 
     def state_steps(q, k, v, g, beta, opts, scale, h0, width, cu=None, ci=None):
         widths.append(width)  # fla's steps widen the values to the state's columns
@@ -528,10 +528,12 @@ def test_fla_backend_widened_forward_with_a_reference_kernel(monkeypatch):
 
     def output_step(staged):
         o, T = staged
+        steps.append("outputs")
         return o, (torch.full((1, T), float(T)),)  # a per-token factor that says which call made it
 
     def head_output_step(staged, S_in):  # allscan's kernel (tests/test_fold_in.py): [o | Q'], then the fold
-        (o_wide, factors), V = output_step(staged), S_in.shape[-1]
+        steps.append("head outputs")
+        (o_wide, factors), V = (staged[0], (torch.full((1, staged[1]), float(staged[1])),)), S_in.shape[-1]
         o, q_eff = o_wide[..., :V], o_wide[..., V:]
         return (o + torch.einsum("bthk,bhkv->bthv", q_eff, S_in), q_eff), factors
 
@@ -562,8 +564,16 @@ def test_fla_backend_widened_forward_with_a_reference_kernel(monkeypatch):
         want_o, want_f = recurrent_delta_rule_reference(*args, scale, inits, torch.tensor(bounds))
         widths.clear()
         finals, M, staged = be.states(*args, opts, scale, bounds, h0s, True)
-        o_head, q_eff, o_tail, saved = be.outputs(staged, lambda: S_in)
+        steps.clear()
+
+        def incoming():  # the scan's wait
+            steps.append("wait")
+            return S_in
+
+        o_head, q_eff, o_tail, saved = be.outputs(staged, incoming)
         assert widths == [V + K, V], f"{layer}: the first segment widened, the others in one call: {widths}"
+        # the other segments' outputs are issued beside the scan, then its result is waited for once
+        assert steps == ["outputs", "wait", "head outputs"], f"{layer}: {steps}"
         assert _rel(o_head, want_o[:, :15]) < TOL, layer
         assert _rel(o_tail, want_o[:, 15:]) < TOL and len(finals) == 3, layer
         assert _rel(finals[0] + M @ S_in, want_f[:1]) < TOL, layer

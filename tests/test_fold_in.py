@@ -11,6 +11,7 @@ pytest.importorskip("triton")
 # (B, T, H, HV, K, V): T not a multiple of the 64-token chunk, K and V not powers of two, grouped value heads;
 # K up to 64 takes Q' in the first pass, more in a second
 SHAPES = [(1, 70, 2, 2, 16, 32), (2, 130, 1, 3, 24, 40), (1, 200, 1, 1, 32, 16), (1, 90, 1, 2, 16, 200),
+          (1, 70, 2, 4, 16, 32),  # value heads in groups over several q/k heads: head i_hv reads q/k head i_hv // 2
           (1, 70, 1, 1, 80, 16)]  # K over one 64-column block: Q' in two passes
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 C = 64

@@ -35,6 +35,7 @@ import triton.language as tl
 __all__ = ["head_outputs", "fold_state_grad"]
 
 _BLOCK_T = 64  # fla's chunk
+_MAX_GRID_YZ = 65535  # CUDA's limit on a grid's second and third dimensions
 _INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
@@ -203,6 +204,9 @@ def head_outputs(q, k, v_wide, h_wide, g, A, S_in, scale: float):
     BV = 64 if v_wide.element_size() > 2 or _pow2(V) <= 64 else 128
     split = v_wide.dtype == torch.bfloat16 and not _INTERPRETED
     grid = (triton.cdiv(V, BV), triton.cdiv(T, _BLOCK_T), B * HV)
+    if max(grid[1:]) > _MAX_GRID_YZ:
+        raise ValueError(f"head_outputs: at most {_MAX_GRID_YZ * _BLOCK_T} tokens and {_MAX_GRID_YZ} batch rows x "
+                         f"value heads per call, got T = {T} and B * HV = {B * HV}")
     _head_outputs[grid](q, k, v_wide, h_wide, g, A, S, o, q_eff, T, scale, H=H, HV=HV, K=K, V=V, BT=_BLOCK_T,
                         BK=BK, BV=BV, BC=BC, ONE_PASS=BC >= K, PER_KEY=per_key, SPLIT=split, IEEE=_INTERPRETED,
                         num_warps=4, num_stages=2)
