@@ -110,4 +110,5 @@ def test_fold_in_on_gpu():
 
 
 def check_fold_in_large(device: str):
-    check_fold_in(device, shapes=SHAPES + [(1, 4096, 4, 4, 128, 128), (2, 1000, 16, 16, 128, 128), (1, 700, 2, 2, 256, 512)])
+    check_fold_in(device, shapes=SHAPES + [(1, 4096, 4, 4, 128, 128), (2, 1000, 16, 16, 128, 128),
+                                           (1, 700, 2, 2, 256, 512)])

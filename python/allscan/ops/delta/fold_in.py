@@ -12,8 +12,9 @@ kernel does that and adds the incoming state ``S_in [B, HV, K, V]`` (fp32, the A
                                                                   over CTAs, then summed)
 
 so neither ``o_local`` nor ``Q'`` makes a round trip through memory before the fold (fla's widened output
-kernel, then a pass over its result, wrote and read both once more). The kernel waits for the All-Scan. ``Q'`` needs no gradient: the layer's backward
-differentiates fla's forward from the whole incoming state (:mod:`allscan.ops.delta.shard`).
+kernel, then a pass over its result, wrote and read both once more). The kernel waits for the All-Scan.
+``Q'`` needs no gradient: the layer's backward differentiates fla's forward from the whole incoming state
+(:mod:`allscan.ops.delta.shard`).
 
 Precision: the local outputs and ``Q'`` are fla's arithmetic (16-bit dots, fp32 sums; Triton's default
 for fp32 inputs, as fla's kernels); ``Q'`` is rounded to the values' dtype (what the backward keeps);
