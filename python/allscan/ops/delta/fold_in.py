@@ -36,7 +36,7 @@ import triton.language as tl
 __all__ = ["head_outputs", "fold_state_grad"]
 
 _BLOCK_T = 64  # fla's chunk
-_MAX_GRID_YZ = 65535  # CUDA's limit on a grid's second and third dimensions
+_MAX_GRID_Y = 65535  # CUDA's limit on a grid's second dimension
 _INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
@@ -84,7 +84,10 @@ def _head_outputs(q, k, v, h, g, A, s, o, qe, T, scale,
     ``chunk_gla_fwd_o_gk`` with PER_KEY), then ``Q'`` over the K columns, BC at a time, each block
     folded in at once (and stored by the first column block's programs). ONE_PASS (BC covers K): ``Q'``'s
     state term in the first loop, which reads each query tile once."""
-    i_v, i_t, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    # column block and chunk in the grid's first dimension (2^31 - 1 programs: no limit on T that one
+    # rank could reach alone), batch row and value head in the second
+    i_vt, i_bh = tl.program_id(0), tl.program_id(1)
+    i_v, i_t = i_vt % tl.cdiv(V, BV), i_vt // tl.cdiv(V, BV)
     i_b, i_hv = (i_bh // HV).to(tl.int64), (i_bh % HV).to(tl.int64)  # offsets past 2^31 elements
     i_h = i_hv // (HV // H)
     W = V + K
@@ -204,10 +207,9 @@ def head_outputs(q, k, v_wide, h_wide, g, A, S_in, scale: float):
     BK, BC = min(_pow2(K), 64), 64
     BV = 64 if v_wide.element_size() > 2 or _pow2(V) <= 64 else 128
     split = v_wide.dtype == torch.bfloat16 and not _INTERPRETED
-    grid = (triton.cdiv(V, BV), triton.cdiv(T, _BLOCK_T), B * HV)
-    if max(grid[1:]) > _MAX_GRID_YZ:
-        raise ValueError(f"head_outputs: at most {_MAX_GRID_YZ * _BLOCK_T} tokens and {_MAX_GRID_YZ} batch rows x "
-                         f"value heads per call, got T = {T} and B * HV = {B * HV}")
+    grid = (triton.cdiv(V, BV) * triton.cdiv(T, _BLOCK_T), B * HV)
+    if B * HV > _MAX_GRID_Y:  # B and HV are alike on every rank: each raises, none waits for another
+        raise ValueError(f"head_outputs: at most {_MAX_GRID_Y} batch rows x value heads, got B * HV = {B * HV}")
     _head_outputs[grid](q, k, v_wide, h_wide, g, A, S, o, q_eff, T, scale, H=H, HV=HV, K=K, V=V, BT=_BLOCK_T,
                         BK=BK, BV=BV, BC=BC, ONE_PASS=BC >= K, PER_KEY=per_key, SPLIT=split, IEEE=_INTERPRETED,
                         num_warps=4, num_stages=2)
