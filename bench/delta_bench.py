@@ -320,8 +320,9 @@ class _StageClock:
 def _host_split(fwd_bwd, tag, rank, outdir, calls=10, rounds=5):
     """``--host-profile``, second part: the host's issue time of ``ideal`` and ``zeco`` without a
     profiler: ``total``, ``backward (autograd.grad)`` and ``forward (all but backward)``, and for zeco
-    the stages inside them (nested: fla's steps as allscan calls them, the fold-in kernels, the
-    scans' issue forward and reverse together, the handle's wait). ms per fwd+bwd, the mean of
+    the stages inside them (nested: the backend's steps as allscan calls them, the outputs' step with
+    the folding kernel and the scan's wait inside it, ``Q'^T do``, the scans' issue forward and reverse
+    together, the handle's wait). ms per fwd+bwd, the mean of
     ``calls`` per round, the median of ``rounds`` rounds that alternate the two rows (this host's
     issue time drifts), into DIR/delta_host_split_*.json."""
     import torch

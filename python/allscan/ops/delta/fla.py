@@ -14,12 +14,14 @@ first segment, the one the All-Scan's state enters, runs:
       final' = [h_local | M]         h_local: the final state from h0;  M = A_T ... A_1 (the transition)
 
   all the matrix All-Scan needs (``h_local``, ``M``) and all folding the incoming state in needs
-  (``o += Q' S_in``, :mod:`.fold_in`; ``final = h_local + M S_in``), without a second pass over the
-  shard after the scan. The WY factors (fla's ``A``, which do not depend on v) are kept for the backward.
-  It runs in two halves (:meth:`FlaDelta.states`, :meth:`FlaDelta.outputs`): the final state and the
-  transition come out of fla's state kernel, so the All-Scan is in flight while the output kernel
-  runs; and the WY values ``u`` are computed on the V columns and widened with zeros (``u`` is linear
-  in v), not computed on ``[v | 0]``.
+  (``o = o_local + Q' S_in``; ``final = h_local + M S_in``), without a second pass over the shard after
+  the scan. The WY factors (fla's ``A``, which do not depend on v) are kept for the backward. It runs in
+  two halves (:meth:`FlaDelta.states`, :meth:`FlaDelta.outputs`): the final state and the transition
+  come out of fla's state kernel and go to the All-Scan; the outputs come from the chunk states by
+  allscan's kernel (:func:`.fold_in.head_outputs`: fla's output arithmetic over the V + K columns with
+  ``S_in`` folded in, so ``o'`` is never written), which waits for the scan; the other packed segments'
+  outputs are issued before that wait. The WY values ``u`` are computed on the V columns and widened
+  with zeros (``u`` is linear in v), not computed on ``[v | 0]``.
 - backward on the V value columns only: fla's backward from the whole incoming state, given the final
   state's gradient, exactly what fla runs for a sequence that starts from that state.
 
@@ -145,8 +147,8 @@ def local_varlen(bounds: Sequence[int], device):
 def _state_steps(q, k, v, g, beta, opts, scale, h0, width, cu=None, ci=None):
     """fla's forward of one sequence batch (q, k, beta activated; packed sequences with ``cu``, ``ci``)
     up to the final states, on the values ``[v | 0]`` with ``width`` columns (``h0``, None = zeros, as
-    wide): ``(final, staged)``; :func:`_output_step` finishes from ``staged`` (the split lets the
-    All-Scan run beside the output kernel). The calls and their order are those of fla's
+    wide): ``(final, staged)``; :func:`_output_step` (V columns) or :func:`_head_output_step` (widened,
+    after the All-Scan) finishes from ``staged``. The calls and their order are those of fla's
     ``chunk_gated_delta_rule_fwd`` / ``chunk_kda_fwd`` (chunk 64)."""
     fla = _fns()
     vl = dict(cu_seqlens=cu, chunk_indices=ci)
@@ -293,7 +295,7 @@ class FlaDelta:
 
     @staticmethod
     def q_eff_dtype(v: torch.Tensor) -> torch.dtype:
-        """The dtype of Q' (fla's widened output: the values' dtype)."""
+        """The dtype of Q' (:func:`.fold_in.head_outputs` writes it in the values' dtype)."""
         return v.dtype
 
     @staticmethod

@@ -4,12 +4,15 @@ autograd function around them (the custom ops of :mod:`.compiled` run the same t
 Forward, on each rank but the chain head (``be`` the local backend, :class:`~allscan.ops.delta.fla.FlaDelta`
 or :class:`~allscan.ops.delta.chunk.TorchDelta`; ``segments`` the shard cut at packed sequences)::
 
-    finals, M = be.states(...)                       every segment's final state from its own initial
+    finals, M, staged = be.states(...)               every segment's final state from its own initial
                                                      state; M the first segment's transition (its
-                                                     forward runs on [v | 0] from [h0 | I])
-    S_in = scan(x, transition=M_scan, init=init)     x the state crossing the shard's end; in flight
-                                                     while the other segments' outputs are issued
-    o_head, Q', o_tail = be.outputs(..., S_in)       o_head the first segment's outputs from h0 + S_in
+                                                     forward runs on [v | 0] from [h0 | I]); staged
+                                                     what the outputs are computed from
+    pending = scan(x, transition=M_scan, init=init,  x the state crossing the shard's end; in flight
+                   async_op=True)                    while the other segments' outputs are issued
+    o_head, Q', o_tail, saved = be.outputs(staged, incoming)
+                                                     incoming() waits for the scan and returns S_in;
+                                                     o_head the first segment's outputs from h0 + S_in
                                                      (its local outputs plus Q' S_in, one kernel on GPU),
                                                      Q' the map from a state added to its initial state
                                                      to its outputs; o_tail the other segments'

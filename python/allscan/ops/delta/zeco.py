@@ -9,10 +9,11 @@ diag(exp(g_t))``), so a shard is summarised by its transition ``M_p = A_T ... A_
 and its final state from a zero incoming state ``h_p``; the state entering rank p is the matrix
 All-Scan ``y_{p+1} = M_p y_p + h_p`` (only the ``[K, V]`` state crosses a boundary)::
 
-    local:    the shard's outputs and final state without an incoming state, Q' and M_p    (the first packed
-              segment's forward on V + K columns, the others' on V)
+    local:    the shard's chunk states and final state without an incoming state, and M_p   (the first
+              packed segment's forward on V + K columns, the others' on V)
     All-Scan: S_in = allscan.scan(h_p, transition=M_p, init=initial_state)
-    fold in:  o += Q' S_in, final = h_p + M_p S_in
+    outputs:  o = o_local + Q' S_in (the first segment's, computed once S_in is known; the other
+              segments' beside the scan), final = h_p + M_p S_in
 
 Rank 0, the chain's head, has its incoming state from the start (``initial_state`` or zeros): it runs
 the plain forward from it and joins the scan with its final state and a zero transition.
