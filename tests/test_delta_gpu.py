@@ -340,10 +340,14 @@ def _middle_rank(rank, world, layer, dtype_name):
             return dict(zip(names, [o.detach(), final.detach()] + list(grads)))
 
         mine, ref, exact = run(op, **kw), run(ref_fn), run(ex_fn, dtype=torch.float64)
+        margins = []
         for n in names:
             err, fla_err = _rms_ratio(mine[n], exact[n]), _rms_ratio(ref[n], exact[n])
+            margins.append(f"{n} {err:.2e}/{fla_err:.2e}")
             if not err <= max(TOL[dtype_name], RATIO * fla_err):
                 bad[f"{case}: {n}"] = f"{err:.2e} (fla {fla_err:.2e})"
+        # the errors beside fla's, for the record (run with -s): how close each is to its bound
+        print(f"[middle rank {layer} {dtype_name} {case}] error / fla's: " + ", ".join(margins), file=sys.stderr)
     assert not bad, f"{layer} as a middle rank on one GPU: errors above {RATIO}x fla's own: {bad}"
     dist.barrier()
     return True
