@@ -203,13 +203,14 @@ def head_outputs(q, k, v_wide, h_wide, g, A, S_in, scale: float):
     q_eff = torch.empty(B, T, HV, K, dtype=v_wide.dtype, device=v_wide.device)
     # Tiles of at least 64 columns: Q' (a dot's result) feeds the fold's dot, which went wrong on the GPU
     # with narrower ones (Triton 3.6). 128 V columns per program for 16-bit inputs: each program computes
-    # the whole Q' tile of its chunk, so fewer programs compute it fewer times. With 16-bit inputs KDA
-    # takes Q' in the first pass up to K = 128 (its gated queries, an fp32 gate, are read once, not once
-    # per block of Q') and Gated DeltaNet, whose queries are cheap to read again, pipelines deeper
-    # (bench/README.md); fp32, twice the shared memory per tile, keeps the first tiles.
+    # the whole Q' tile of its chunk, so fewer programs compute it fewer times. In bf16 (the dtype the
+    # tiles were swept in, bench/README.md) KDA takes Q' in the first pass up to K = 128 (its gated
+    # queries, an fp32 gate, are read once, not once per block of Q') and Gated DeltaNet, whose queries
+    # are cheap to read again, pipelines deeper; fp16 and fp32 (IEEE folds, fp32 tiles) keep the first tiles.
     bits16 = v_wide.element_size() == 2
+    swept = v_wide.dtype == torch.bfloat16
     BK = min(_pow2(K), 64)
-    BC = max(64, _pow2(K)) if per_key and bits16 and _pow2(K) <= 128 else 64
+    BC = max(64, _pow2(K)) if per_key and swept and _pow2(K) <= 128 else 64
     BV = 128 if bits16 and _pow2(V) > 64 else 64
     split = v_wide.dtype == torch.bfloat16 and not _INTERPRETED
     grid = (triton.cdiv(V, BV) * triton.cdiv(T, _BLOCK_T), B * HV)
@@ -217,7 +218,7 @@ def head_outputs(q, k, v_wide, h_wide, g, A, S_in, scale: float):
         raise ValueError(f"head_outputs: at most {_MAX_GRID_Y} batch rows x value heads, got B * HV = {B * HV}")
     _head_outputs[grid](q, k, v_wide, h_wide, g, A, S, o, q_eff, T, scale, H=H, HV=HV, K=K, V=V, BT=_BLOCK_T,
                         BK=BK, BV=BV, BC=BC, ONE_PASS=BC >= K, PER_KEY=per_key, SPLIT=split, IEEE=_INTERPRETED,
-                        num_warps=4, num_stages=3 if bits16 and not per_key else 2)
+                        num_warps=4, num_stages=3 if swept and not per_key else 2)
     return o, q_eff
 
 
