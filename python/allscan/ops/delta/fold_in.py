@@ -206,7 +206,8 @@ def head_outputs(q, k, v_wide, h_wide, g, A, S_in, scale: float):
     # the whole Q' tile of its chunk, so fewer programs compute it fewer times. In bf16 (the dtype the
     # tiles were swept in, bench/README.md) KDA takes Q' in the first pass up to K = 128 (its gated
     # queries, an fp32 gate, are read once, not once per block of Q') and Gated DeltaNet, whose queries
-    # are cheap to read again, pipelines deeper; fp16 and fp32 (IEEE folds, fp32 tiles) keep the first tiles.
+    # are cheap to read again, pipelines deeper; fp16 and fp32 (folded by IEEE fp32 dots, larger in shared
+    # memory) keep the first tiles.
     bits16 = v_wide.element_size() == 2
     swept = v_wide.dtype == torch.bfloat16
     BK = min(_pow2(K), 64)
