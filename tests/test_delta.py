@@ -30,6 +30,7 @@ from distributed import run_distributed  # noqa: E402
 from allscan.layers import zeco_gated_delta_rule, zeco_kda  # noqa: E402
 from allscan.ops.delta import chunk_delta_rule, recurrent_delta_rule_reference  # noqa: E402
 from allscan.ops.delta.chunk import chunk_outputs, incoming_map  # noqa: E402
+from allscan.ops.delta.shard import FinalGrads  # noqa: E402
 from allscan.ops.gla import LOCAL  # noqa: E402
 
 H, K, V = 2, 6, 4
@@ -300,8 +301,16 @@ def _q_eff_release(rank, world):
         return fold_state_grad(q_eff, do)
 
     def watched_backward(*args):
-        seen["alive at backward"] = "q_eff" in seen and seen["q_eff"]() is not None
-        return backward(*args)
+        *rest, finals = args
+        joined = finals.get
+
+        def watched_get():  # where the local backward takes the final states' gradients: the scan joined
+            out = joined()
+            seen["alive at backward"] = "q_eff" in seen and seen["q_eff"]() is not None
+            return out
+
+        finals.get = watched_get
+        return backward(*rest, finals)
 
     d, do = _data(11, "gdn", 1, 50 * world, H, 1, gated=False)  # 50: not a multiple of the chunk
     sl = slice(rank * 50, (rank + 1) * 50)
@@ -354,9 +363,10 @@ def _q_eff_release(rank, world):
 
 
 def test_backward_frees_q_eff_when_nothing_else_holds_it():
-    """The backward's memory: Q' (a tensor of q's size) is gone before the shard's local backward
-    allocates; a graph kept with ``retain_graph=True`` and a saved-tensor hook's buffers keep what they
-    hold, and every backward gives one answer; second-order gradients raise."""
+    """The backward's memory: Q' (a tensor of q's size) is gone once the reverse scan that reads it is
+    joined, where the shard's local backward takes its final states' gradients; a graph kept with
+    ``retain_graph=True`` and a saved-tensor hook's buffers keep what they hold, and every backward gives
+    one answer; second-order gradients raise."""
     run_distributed(_q_eff_release, 2)
 
 
@@ -614,7 +624,8 @@ def test_fla_backend_option_plumbing_with_reference_steps(monkeypatch):
         o, final = recurrent_delta_rule_reference(q, k, v_wide, g, beta, scale, h0)
         return final, (o, q)
 
-    def backward_steps(q, k, v, g, beta, factors, opts, scale, h0, do, dht, cu=None, ci=None):
+    def backward_steps(q, k, v, g, beta, factors, opts, scale, h0, do, finals, dt, cu=None, ci=None):
+        (dht,) = finals.get()
         xs = [t.detach().requires_grad_(True) for t in (q, k, v, g, beta, h0)]
         o, fin = recurrent_delta_rule_reference(*xs[:5], scale, xs[5])
         dq, dk, dv, dg, db, dh0 = torch.autograd.grad([o, fin], xs, [do, dht])
@@ -649,7 +660,7 @@ def test_fla_backend_option_plumbing_with_reference_steps(monkeypatch):
         assert _rel(o_head, want_o) < TOL, layer
         assert _rel(h + M @ S_in, want_f) < TOL, layer
         dq, dk, dv, dg, dbeta, (dh0,), _, _ = be.backward(saved, q, k, v, g, beta, opts, scale, [0, 40], [h0 + S_in],
-                                                          do, [dht])
+                                                          do, FinalGrads([dht]))
         for name, a, b in zip(("q", "k", "v", "g", "beta", "initial state"), (dq, dk, dv, dg, dbeta, dh0), want):
             assert a.dtype == b.dtype and _rel(a, b) < TOL, f"{layer}: d{name}: {_rel(a, b)}"
 

@@ -187,10 +187,11 @@ class TorchDelta:
 
     @staticmethod
     def backward(saved, q, k, v, g, beta, opts, scale: float, bounds: Sequence[int],
-                 h0s: List[Optional[torch.Tensor]], do: torch.Tensor, dhts: List[Optional[torch.Tensor]]):
-        """The gradients of the segments run from ``h0s``, given ``do`` and their final states' ``dhts``
-        (None: zero): ``(dq, dk, dv, dg, dbeta, [dh0 per segment], dA_log, ddt_bias)`` (None where not an
-        input)."""
+                 h0s: List[Optional[torch.Tensor]], do: torch.Tensor, finals):
+        """The gradients of the segments run from ``h0s``, given ``do`` and their final states' gradients
+        ``finals.get()`` (:class:`allscan.ops.delta.shard.FinalGrads`; None: zero): ``(dq, dk, dv, dg,
+        dbeta, [dh0 per segment], dA_log, ddt_bias)`` (None where not an input)."""
+        dhts = finals.get()  # nothing to run the reverse scan beside: the vjp below is one step
         # torch.func.vjp, not torch.autograd.grad: it also works inside a custom op's implementation
         # (below autograd: the layers under torch.compile)
         given = [j for j, h in enumerate(h0s) if h is not None]

@@ -21,7 +21,7 @@ from .._launch import absent, or_empty
 from .._shards import own_precision
 from .chunk import compute_dtype
 from .gates import DeltaOptions
-from .shard import outputs_state_grad, shard_backward, shard_forward, zero_if_absent
+from .shard import outputs_state_grad, reverse_scan, shard_backward, shard_forward, zero_if_absent
 from .zeco import prepared, select_backend, shard_cut, shard_plan
 
 _Tensors = Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, List[torch.Tensor]]
@@ -127,7 +127,8 @@ def zeco_delta_rule_backward_op(do: torch.Tensor, dfinal: Optional[torch.Tensor]
     opts = _options(per_key, A_log, dt_bias, l2norm, gate, beta_sigmoid, neg_eigval, safe_gate, lower_bound)
     run = shard_plan(segs, q, opts, scale, group, method, want_final, plain_head=False)
     with own_precision(do.device.type):
-        grads = shard_backward(run, q, k, v, g, beta, h0, dy_out, M, S_in, [absent(t) for t in saved], do, dfinal)
+        reverse = reverse_scan(run, q, v, M, dfinal, dy_out=dy_out)
+        grads = shard_backward(run, q, k, v, g, beta, h0, reverse, S_in, [absent(t) for t in saved], do, dfinal)
     dq, dk, dv, dg, dbeta, dA_log, ddt_bias, dh0 = grads
     like = (q, k, v, g, beta, A_log, dt_bias, h0)
     return tuple(or_empty(None if d is None else d.to(x.dtype), q) for d, x in zip(grads, like))

@@ -23,7 +23,10 @@ first segment, the one the All-Scan's state enters, runs:
   outputs are issued before that wait. The WY values ``u`` are computed on the V columns and widened
   with zeros (``u`` is linear in v), not computed on ``[v | 0]``.
 - backward on the V value columns only: fla's backward from the whole incoming state, given the final
-  state's gradient, exactly what fla runs for a sequence that starts from that state.
+  state's gradient, exactly what fla runs for a sequence that starts from that state. Its steps are
+  called one by one (:func:`_backward_steps`, in fla's order), so that the final state's gradient, to
+  which the reverse All-Scan adds, is needed only where fla's backward state kernel starts: the scan
+  runs beside the recomputation of the chunk states before it.
 
 Packed sequences after it (no incoming state reaches them) run in one varlen call of the same steps on
 the V columns; the backward is one varlen call over the whole shard, with fla's per-token factors of the
@@ -78,16 +81,18 @@ def _fns() -> SimpleNamespace:
     process (import statements on every call are host time on the critical path, issue 14). What it
     found is kept: to replace one of them (tests, benchmarks), replace ``_fns`` or clear its cache."""
     from fla.modules.norm.l2norm import l2norm_bwd, l2norm_fwd
-    from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_h
-    from fla.ops.common.chunk_o import chunk_fwd_o
+    from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_bwd_dhu, chunk_gated_delta_rule_fwd_h
+    from fla.ops.common.chunk_o import chunk_bwd_dqkwg, chunk_bwd_dv_local, chunk_fwd_o
     from fla.ops.common.gate import fused_beta_sigmoid_bwd, fused_beta_sigmoid_fwd
-    from fla.ops.gated_delta_rule.chunk import chunk_gated_delta_rule_bwd
     from fla.ops.gated_delta_rule.chunk_fwd import chunk_gated_delta_rule_fwd_intra
-    from fla.ops.gated_delta_rule.gate import gdn_gate_chunk_cumsum
+    from fla.ops.gated_delta_rule.gate import gdn_gate_bwd, gdn_gate_chunk_cumsum
+    from fla.ops.gated_delta_rule.wy_fast import prepare_wy_repr_bwd
+    from fla.ops.gated_delta_rule.wy_fast import recompute_w_u_fwd as gdn_recompute_w_u_fwd
     from fla.ops.gla.chunk import chunk_gla_fwd_o_gk
-    from fla.ops.kda.chunk_bwd import chunk_kda_bwd
-    from fla.ops.kda.chunk_intra import chunk_kda_fwd_intra
-    from fla.ops.kda.gate import kda_gate_chunk_cumsum
+    from fla.ops.kda.chunk_bwd import chunk_kda_bwd_dAv, chunk_kda_bwd_wy_dqkg_fused
+    from fla.ops.kda.chunk_intra import chunk_kda_bwd_intra, chunk_kda_fwd_intra
+    from fla.ops.kda.gate import kda_gate_bwd, kda_gate_chunk_cumsum
+    from fla.ops.kda.wy_fast import recompute_w_u_fwd as kda_recompute_w_u_fwd
     from fla.ops.utils import chunk_local_cumsum
     from fla.ops.utils.constant import RCP_LN2
     from fla.ops.utils.index import prepare_chunk_indices
@@ -106,8 +111,13 @@ def _fns() -> SimpleNamespace:
         gdn_gate_chunk_cumsum=gdn_gate_chunk_cumsum, chunk_gated_delta_rule_fwd_intra=chunk_gated_delta_rule_fwd_intra,
         kda_gate_chunk_cumsum=kda_gate_chunk_cumsum, chunk_kda_fwd_intra=chunk_kda_fwd_intra,
         chunk_gated_delta_rule_fwd_h=chunk_gated_delta_rule_fwd_h, chunk_fwd_o=chunk_fwd_o,
-        chunk_gla_fwd_o_gk=chunk_gla_fwd_o_gk, chunk_gated_delta_rule_bwd=chunk_gated_delta_rule_bwd,
-        chunk_kda_bwd=chunk_kda_bwd)
+        chunk_gla_fwd_o_gk=chunk_gla_fwd_o_gk,
+        # the backward's steps (fla's chunk_gated_delta_rule_bwd / chunk_kda_bwd)
+        gdn_recompute_w_u_fwd=gdn_recompute_w_u_fwd, kda_recompute_w_u_fwd=kda_recompute_w_u_fwd,
+        chunk_bwd_dv_local=chunk_bwd_dv_local, chunk_kda_bwd_dAv=chunk_kda_bwd_dAv,
+        chunk_gated_delta_rule_bwd_dhu=chunk_gated_delta_rule_bwd_dhu, chunk_bwd_dqkwg=chunk_bwd_dqkwg,
+        prepare_wy_repr_bwd=prepare_wy_repr_bwd, chunk_kda_bwd_wy_dqkg_fused=chunk_kda_bwd_wy_dqkg_fused,
+        chunk_kda_bwd_intra=chunk_kda_bwd_intra, gdn_gate_bwd=gdn_gate_bwd, kda_gate_bwd=kda_gate_bwd)
     return SimpleNamespace(
         **{name: direct(fn) for name, fn in fla.items()},  # past fla's dispatcher where it falls back anyway
         RCP_LN2=RCP_LN2, prepare_chunk_indices=prepare_chunk_indices,
@@ -199,19 +209,72 @@ def _head_output_step(staged, S_in):
     return _fns().head_outputs(q, k, v_new, h, g_cum, None, S_in, scale), factors
 
 
-def _backward_steps(q, k, v, g, beta, factors, opts, scale, h0, do, dht, cu=None, ci=None):
+def _backward_steps(q, k, v, g, beta, factors, opts, scale, h0, do, finals, dt, cu=None, ci=None):
     """fla's backward of the forward steps (:func:`_state_steps`, :func:`_output_step`) on ``v`` from
-    ``h0``: ``(dq, dk, dv, dbeta, dg, dh0, dA_log, ddt_bias)`` (q, k, beta activated; dg of the raw g)."""
-    gate = dict(use_gate_in_kernel=opts.use_gate_in_kernel, A_log=opts.A_log, dt_bias=opts.dt_bias,
-                cu_seqlens=cu, chunk_indices=ci)
+    ``h0``: ``(dq, dk, dv, dbeta, dg, dh0, dA_log, ddt_bias)`` (q, k, beta activated; dg of the raw g).
+    The calls and their order are those of fla's ``chunk_gated_delta_rule_bwd`` / ``chunk_kda_bwd``
+    (chunk 64), with the final states' gradients asked of ``finals`` (:class:`.shard.FinalGrads`) only
+    where fla's backward state kernel needs them: the reverse All-Scan that adds to them runs beside
+    the recomputation of the chunk states, a latency-bound kernel on a few dozen SMs."""
+    fla = _fns()
+    vl = dict(cu_seqlens=cu, chunk_indices=ci)
     if opts.per_key:
-        g_cum, Aqk, Akk = factors
-        return _fns().chunk_kda_bwd(q=q, k=k, v=v, beta=beta, Aqk=Aqk, Akk=Akk, scale=scale, initial_state=h0,
-                                    do=do, dht=dht, g=g_cum, g_org=g if opts.use_gate_in_kernel else None,
-                                    safe_gate=opts.safe_gate, lower_bound=opts.lower_bound, **gate)
+        return _kda_backward_steps(fla, q, k, v, g, beta, factors, opts, scale, h0, do, finals, dt, vl)
     g_cum, A = factors
-    return _fns().chunk_gated_delta_rule_bwd(q=q, k=k, v=v, g=g_cum, beta=beta, A=A, scale=scale, initial_state=h0,
-                                             do=do, dht=dht, g_input=g if opts.use_gate_in_kernel else None, **gate)
+    w, u = fla.gdn_recompute_w_u_fwd(k=k, v=v, beta=beta, A=A, g=g_cum, **vl)
+    finals.mark()
+    h, v_new, _ = fla.chunk_gated_delta_rule_fwd_h(k=k, w=w, u=u, g=g_cum, initial_state=h0, output_final_state=False,
+                                                   chunk_size=CHUNK, **vl)
+    finals.start()
+    del u
+    dv = fla.chunk_bwd_dv_local(q=q, k=k, g=g_cum, do=do, scale=scale, chunk_size=CHUNK, **vl)
+    dh, dh0, dv = fla.chunk_gated_delta_rule_bwd_dhu(q=q, k=k, w=w, g=g_cum, h0=h0, dht=_stacked(finals.get(), dt),
+                                                     do=do, dv=dv, scale=scale, chunk_size=CHUNK, **vl)
+    dq, dk, dw, dg = fla.chunk_bwd_dqkwg(q=q, k=k, v=v_new, w=w, g=g_cum, h=h, dv=dv, do=do, dh=dh, scale=scale,
+                                         chunk_size=CHUNK, **vl)
+    del h, v_new, dh, w
+    dk2, dv, db, dg2 = fla.prepare_wy_repr_bwd(k=k, v=v, beta=beta, g=g_cum, A=A, dw=dw, du=dv, **vl)
+    dk.add_(dk2)
+    dg.add_(dg2)
+    dg = fla.chunk_local_cumsum(dg, chunk_size=CHUNK, reverse=True, **vl)
+    dA_log = ddt_bias = None
+    if opts.use_gate_in_kernel:
+        dg, dA_log, ddt_bias = fla.gdn_gate_bwd(g=g, A_log=opts.A_log, dt_bias=opts.dt_bias, dyg=dg)
+    return dq, dk, dv, db, dg, dh0, dA_log, ddt_bias
+
+
+def _kda_backward_steps(fla, q, k, v, g, beta, factors, opts, scale, h0, do, finals, dt, vl):
+    """:func:`_backward_steps` for KDA (fla's ``chunk_kda_bwd``, recomputing)."""
+    g_cum, Aqk, Akk = factors
+    if opts.use_gate_in_kernel:  # the cumulative gate was not kept: fla recomputes it
+        g_cum = fla.kda_gate_chunk_cumsum(g=g, A_log=opts.A_log, dt_bias=opts.dt_bias, scale=fla.RCP_LN2,
+                                          chunk_size=CHUNK, lower_bound=opts.lower_bound, **vl)
+    w, u, qg, kg = fla.kda_recompute_w_u_fwd(q=q, k=k, v=v, beta=beta, A=Akk, gk=g_cum, **vl)
+    finals.mark()
+    h, v_new, _ = fla.chunk_gated_delta_rule_fwd_h(k=kg, w=w, u=u, gk=g_cum, initial_state=h0, output_final_state=False,
+                                                   chunk_size=CHUNK, **vl)
+    finals.start()
+    del u
+    dAqk, dv = fla.chunk_kda_bwd_dAv(q=q, k=k, v=v_new, do=do, A=Aqk, scale=scale, chunk_size=CHUNK, **vl)
+    dh, dh0, dv = fla.chunk_gated_delta_rule_bwd_dhu(q=qg, k=kg, w=w, gk=g_cum, h0=h0, dht=_stacked(finals.get(), dt),
+                                                     do=do, dv=dv, scale=scale, chunk_size=CHUNK, **vl)
+    del qg, kg, w
+    dq, dk, dv, db, dg, dAkk = fla.chunk_kda_bwd_wy_dqkg_fused(q=q, k=k, v=v, v_new=v_new, g=g_cum, beta=beta, A=Akk,
+                                                               h=h, do=do, dh=dh, dv=dv, scale=scale, chunk_size=CHUNK,
+                                                               **vl)
+    del h, v_new, dh
+    dq, dk, db, dg = fla.chunk_kda_bwd_intra(q=q, k=k, g=g_cum, beta=beta, dAqk=dAqk, dAkk=dAkk, dq=dq, dk=dk, db=db,
+                                             dg=dg, chunk_size=CHUNK, safe_gate=opts.safe_gate, **vl)
+    H, HV = q.shape[2], v.shape[2]
+    if HV > H:  # grouped value heads: dq and dk summed back over each group
+        dq = dq.view(*dq.shape[:2], H, HV // H, dq.shape[-1]).sum(dim=3)
+        dk = dk.view(*dk.shape[:2], H, HV // H, dk.shape[-1]).sum(dim=3)
+    dg = fla.chunk_local_cumsum(dg, chunk_size=CHUNK, reverse=True, **vl)
+    dA_log = ddt_bias = None
+    if opts.use_gate_in_kernel:
+        dg, dA_log, ddt_bias = fla.kda_gate_bwd(g=g, A_log=opts.A_log, dt_bias=opts.dt_bias, dyg=dg,
+                                                lower_bound=opts.lower_bound)
+    return dq, dk, dv, db, dg, dh0, dA_log, ddt_bias
 
 
 def _stacked(states: Sequence[Optional[torch.Tensor]], dtype: torch.dtype) -> Optional[torch.Tensor]:
@@ -304,7 +367,7 @@ class FlaDelta:
 
     @staticmethod
     def backward(saved, q, k, v, g, beta, opts, scale: float, bounds: Sequence[int],
-                 h0s: List[Optional[torch.Tensor]], do: torch.Tensor, dhts: List[Optional[torch.Tensor]]):
+                 h0s: List[Optional[torch.Tensor]], do: torch.Tensor, finals):
         qa, ka, ba, q_rstd, k_rstd, *factors = saved
         qa = q.contiguous() if qa is None else qa
         ka = k.contiguous() if ka is None else ka
@@ -314,7 +377,7 @@ class FlaDelta:
             cu, ci = local_varlen(bounds, q.device)
             dq, dk, dv, dbeta, dg, dh0, dA_log, ddt_bias = _backward_steps(
                 qa, ka, v.contiguous(), g.contiguous(), ba, factors, opts, scale, _stacked(h0s, dt), do.contiguous(),
-                _stacked(dhts, dt), cu, ci)
+                finals, dt, cu, ci)
             if opts.use_qk_l2norm_in_kernel:
                 dq, dk = _fns().l2norm_bwd(qa, q_rstd, dq), _fns().l2norm_bwd(ka, k_rstd, dk)
             if opts.use_beta_sigmoid_in_kernel:

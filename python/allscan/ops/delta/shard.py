@@ -32,13 +32,19 @@ first, but on the chain head), given ``do`` and the gradients of their final sta
 gets ``r``, the gradient arriving from later ranks: the reverse scan with the transposed transitions
 of each rank's direct gradient of its incoming state, ``dy = Q'^T do + M^T dfinal_0`` (zeros on the chain head)::
 
-    dy = Q'^T do + M^T dfinal_0                      be.fold_state_grad (outputs_state_grad), first:
-                                                     Q' is read once, and freed before the rest runs
-    r = scan(dy, transition=M_scan^T, reverse=True)  (exclusive: r_p = dy_{p+1} + M_{p+1}^T r_{p+1})
-    grads = be.backward(...)                         one backward over the shard, V columns only
+    reverse = reverse_scan(...)                      not issued yet:
+        dy = Q'^T do + M^T dfinal_0                  be.fold_state_grad (outputs_state_grad)
+        r = scan(dy, transition=M_scan^T,            (exclusive: r_p = dy_{p+1} + M_{p+1}^T r_{p+1})
+                 reverse=True)
+    grads = be.backward(..., FinalGrads(...))        one backward over the shard, V columns only; it
+                                                     issues ``reverse`` beside its recomputation of
+                                                     the chunk states (:class:`allscan.ops._beside.Beside`)
+                                                     and asks for r where its state kernel needs the
+                                                     final state's gradient; Q' is freed there
 
 So the backward never runs over the K extra columns the forward needs for Q' and M (nor their
-gradients), and the transitions never need a gradient of their own.
+gradients), the transitions never need a gradient of their own, and neither ``Q'^T do`` nor the wait
+for the next rank's gradient is on the local backward's path.
 
 What crosses the shard's end (``cross``): ``"own"``, the first segment's final state (one segment in
 the shard); ``"ext"``, the final state of the shard's last packed segment (its gradient gets ``r``;
@@ -53,6 +59,7 @@ from typing import Any, NamedTuple, Optional, Tuple
 import torch
 from torch.autograd.function import once_differentiable
 
+from .._beside import Beside
 from .._shards import own_precision, world_and_rank
 from .chunk import compute_dtype
 
@@ -176,8 +183,7 @@ def _zero_transition(state: torch.Tensor) -> torch.Tensor:
 
 def outputs_state_grad(backend, q_eff, do):
     """``Q'^T do``: the gradient the state entering the shard gets through its outputs (None without
-    Q': one rank, or the chain head). The backward's first step, so that Q' (a tensor of q's size)
-    can be freed before the local backward allocates."""
+    Q': one rank, or the chain head)."""
     if q_eff is None:
         return None
     return backend.fold_state_grad(q_eff, do[:, :q_eff.shape[1]])
@@ -188,37 +194,90 @@ def zero_if_absent(do, v):
     return torch.zeros(*v.shape, dtype=v.dtype, device=v.device) if do is None else do
 
 
-def shard_backward(run: ShardRun, q, k, v, g, beta, h0, dy_out, M, S_in, saved, do, dfinal):
+def _final_grads(run: ShardRun, dfinal, dt):
+    """Per segment, its final state's gradient from the caller's ``dfinal`` (None: zero)."""
+    dhts = [None] * len(run.own)
+    if dfinal is not None:
+        for j in range(len(run.own)):
+            if run.ends[j]:
+                dhts[j] = _rows(dfinal, run.rows[j]).to(dt)
+    return dhts
+
+
+def reverse_scan(run: ShardRun, q, v, M, dfinal, q_eff=None, do=None, dy_out=None) -> Optional[Beside]:
+    """The reverse All-Scan of the gradients of the states entering the shards, to be issued beside the
+    local backward (None with one rank): ``r = scan(dy, transition=M^T, reverse=True)`` with ``dy = Q'^T
+    do + M^T dfinal_0`` (``Q'^T do`` from ``q_eff`` and ``do``, or given as ``dy_out``), zeros on the
+    chain head. It holds Q' until the backward joins it."""
+    if run.world == 1:
+        return None
+
+    def work():
+        from allscan import scan
+
+        dt = compute_dtype(v)
+        if run.wide:
+            dy = dy_out if q_eff is None else outputs_state_grad(run.backend, q_eff, do)
+            dht0 = _final_grads(run, dfinal, dt)[0]
+            if dht0 is not None:
+                dy = dy + M.transpose(-1, -2) @ dht0
+            MT = M.transpose(-1, -2).contiguous() if run.cross == "own" else _zero_transition(dy)
+        else:  # the chain head: what it would send reaches no one
+            dy = v.new_zeros(v.shape[0], v.shape[2], q.shape[-1], v.shape[-1], dtype=dt)
+            MT = _zero_transition(dy)
+        # every rank issues the reverse scan, whatever it does with r
+        return scan(dy.contiguous(), group=run.group, transition=MT, reverse=True, method=run.method)
+
+    return Beside(v.device, work, keep=(q_eff, do, dy_out, M, dfinal))
+
+
+class FinalGrads:
+    """The gradients of a shard's segments' final states as the local backward takes them: the caller's,
+    and on the segment crossing the shard's end also ``r``, the reverse All-Scan's result. The backward
+    calls :meth:`mark` before the step the scan is to run beside, :meth:`start` right after issuing
+    that step, and :meth:`get` (the list, None = zero) where it needs the gradients."""
+
+    def __init__(self, dhts, crossing: Optional[int] = None, reverse: Optional[Beside] = None):
+        self._dhts = dhts
+        self._crossing = crossing
+        self._reverse = reverse
+
+    def mark(self) -> None:
+        if self._reverse is not None:
+            self._reverse.mark()
+
+    def start(self) -> None:
+        if self._reverse is not None:
+            self._reverse.issue()
+
+    def get(self):
+        reverse, self._reverse = self._reverse, None
+        if reverse is not None:
+            r = reverse.result()
+            c = self._crossing
+            if c is not None:
+                self._dhts[c] = r if self._dhts[c] is None else self._dhts[c] + r
+        return self._dhts
+
+
+def shard_backward(run: ShardRun, q, k, v, g, beta, h0, reverse: Optional[Beside], S_in, saved, do, dfinal):
     """The gradients ``(dq, dk, dv, dg, dbeta, dA_log, dt_bias, dh0)`` (None where not an input) from
     ``do`` (not None: :func:`zero_if_absent`) and ``dfinal`` (None: zeros), given :func:`shard_forward`'s
-    ``M, S_in, saved`` and ``dy_out`` (:func:`outputs_state_grad`)."""
-    from allscan import scan
-
+    ``S_in, saved`` and the reverse scan (:func:`reverse_scan`), which the local backward issues and
+    joins."""
     be = run.backend
     n = len(run.own)
     dt = compute_dtype(v)
-    dhts = [None] * n
-    if dfinal is not None:
-        for j in range(n):
-            if run.ends[j]:
-                dhts[j] = _rows(dfinal, run.rows[j]).to(dt)
     h0s = _initial_states(run, h0)
-    if run.world > 1:
-        if run.wide:
-            dy = dy_out if dhts[0] is None else dy_out + M.transpose(-1, -2) @ dhts[0]
-            MT = M.transpose(-1, -2).contiguous() if run.cross == "own" else _zero_transition(dy)
-        else:  # the chain head: what it would send reaches no one
-            dy = q.new_zeros(v.shape[0], v.shape[2], q.shape[-1], v.shape[-1], dtype=dt)
-            MT = _zero_transition(dy)
-        # every rank issues the reverse scan, whatever it does with r
-        r = scan(dy.contiguous(), group=run.group, transition=MT, reverse=True, method=run.method)
-        c = _crossing(run)
-        if c is not None:
-            dhts[c] = r if dhts[c] is None else dhts[c] + r
     if run.wide:
         h0s[0] = S_in if h0s[0] is None else S_in + h0s[0].to(S_in.dtype)
-    dq, dk, dv, dg, dbeta, dh0s, dA_log, ddt_bias = be.backward(saved, q, k, v, g, beta, run.opts, run.scale,
-                                                                 run.bounds, h0s, do, dhts)
+    finals = FinalGrads(_final_grads(run, dfinal, dt), _crossing(run), reverse)
+    try:
+        dq, dk, dv, dg, dbeta, dh0s, dA_log, ddt_bias = be.backward(saved, q, k, v, g, beta, run.opts, run.scale,
+                                                                     run.bounds, h0s, do, finals)
+    finally:
+        if reverse is not None:  # issued and joined whatever happened: the peers wait for this rank's part
+            reverse.result()
     dh0 = None
     if h0 is not None:
         dh0 = torch.zeros_like(h0)
@@ -232,7 +291,8 @@ def shard_backward(run: ShardRun, q, k, v, g, beta, h0, dy_out, M, S_in, saved, 
 
 def _drop_saved(ctx):
     """Drop autograd's references to the saved tensors (unless the graph is kept for another
-    backward), so that each is freed once the backward drops its own: Q' right after its one read.
+    backward), so that each is freed once the backward drops its own: Q' once the reverse scan that
+    reads it is joined.
     Nothing is freed that anything else still holds (a gradient graph of the backward, a hook's
     buffer)."""
     clear = getattr(ctx, "maybe_clear_saved_tensors", None)  # torch's own compiled backward does the same
@@ -263,8 +323,8 @@ class ShardFunction(torch.autograd.Function):
         do = zero_if_absent(do, v)
         # the forward's arithmetic, whatever the caller's autocast
         with own_precision(ctx.device_type):
-            dy_out = outputs_state_grad(ctx.run.backend, q_eff, do)
-            del q_eff  # the backward's own reference: Q' is freed here unless something else holds it
-            dq, dk, dv, dg, dbeta, dA_log, ddt_bias, dh0 = shard_backward(ctx.run, q, k, v, g, beta, h0, dy_out, M,
+            reverse = reverse_scan(ctx.run, q, v, M, dfinal, q_eff=q_eff, do=do)
+            del q_eff, M  # held by the scan until the local backward joins it: Q' is freed there
+            dq, dk, dv, dg, dbeta, dA_log, ddt_bias, dh0 = shard_backward(ctx.run, q, k, v, g, beta, h0, reverse,
                                                                           S_in, saved, do, dfinal)
         return dq, dk, dv, dg, dbeta, dA_log, ddt_bias, dh0, None

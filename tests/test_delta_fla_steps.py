@@ -1,0 +1,181 @@
+"""The delta layers' backward on fla's kernels calls fla's backward steps one by one
+(``allscan.ops.delta.fla._backward_steps``), so that the reverse All-Scan runs beside fla's
+recomputation of the chunk states. fla's own ``chunk_gated_delta_rule_bwd`` / ``chunk_kda_bwd`` are the
+specification: with every step replaced by a recorder (no GPU needed), both must make the same calls,
+with the same arguments, in the same order, and return the same results, for every gate option."""
+import inspect
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+pytest.importorskip("fla.ops.gated_delta_rule")
+pytest.importorskip("fla.ops.kda")
+
+import fla.ops.gated_delta_rule.chunk as fla_gdn  # noqa: E402
+import fla.ops.kda.chunk_bwd as fla_kda  # noqa: E402
+
+from allscan.ops.delta import fla as allscan_fla  # noqa: E402
+from allscan.ops.delta.gates import DeltaOptions  # noqa: E402
+from allscan.ops.delta.shard import FinalGrads  # noqa: E402
+
+# the steps each backward calls: fla's name in its module -> the name in allscan's _fns()
+GDN_STEPS = {"recompute_w_u_fwd": "gdn_recompute_w_u_fwd", "chunk_gated_delta_rule_fwd_h": None,
+             "chunk_bwd_dv_local": None, "chunk_gated_delta_rule_bwd_dhu": None, "chunk_bwd_dqkwg": None,
+             "prepare_wy_repr_bwd": None, "chunk_local_cumsum": None, "gdn_gate_bwd": None}
+KDA_STEPS = {"kda_gate_chunk_cumsum": None, "recompute_w_u_fwd": "kda_recompute_w_u_fwd",
+             "chunk_gated_delta_rule_fwd_h": None, "chunk_kda_bwd_dAv": None, "chunk_gated_delta_rule_bwd_dhu": None,
+             "chunk_kda_bwd_wy_dqkg_fused": None, "chunk_kda_bwd_intra": None, "chunk_local_cumsum": None,
+             "kda_gate_bwd": None}
+
+
+class Recorder:
+    """Stand-ins for fla's steps: each call is recorded with its arguments bound to the real step's
+    parameters (defaults filled in), tensors by name; each result is a fresh named tensor."""
+
+    def __init__(self, names):
+        self.names = dict(names)  # id(tensor) -> name
+        self.calls = []
+        self.made = []
+
+    def name(self, x):
+        if isinstance(x, torch.Tensor):
+            return self.names.get(id(x), "<unnamed tensor>")
+        return x
+
+    def step(self, label, real):
+        sig = inspect.signature(inspect.unwrap(real))
+
+        def fake(*args, **kwargs):
+            bound = sig.bind(*args, **kwargs)
+            bound.apply_defaults()
+            self.calls.append((label, {k: self.name(v) for k, v in bound.arguments.items()}))
+            outs = tuple(torch.zeros(1) for _ in range(_RESULTS[label]))
+            for i, t in enumerate(outs):
+                self.names[id(t)] = f"{label}[{i}]"
+            self.made.extend(outs)  # kept alive: every id stays one tensor's
+            return outs if len(outs) > 1 else outs[0]
+
+        return fake
+
+
+# how many results each step returns (fla-core 0.6.0)
+_RESULTS = {"gdn_recompute_w_u_fwd": 2, "chunk_gated_delta_rule_fwd_h": 3, "chunk_bwd_dv_local": 1,
+            "chunk_gated_delta_rule_bwd_dhu": 3, "chunk_bwd_dqkwg": 4, "prepare_wy_repr_bwd": 4,
+            "chunk_local_cumsum": 1, "gdn_gate_bwd": 3, "kda_gate_chunk_cumsum": 1, "kda_recompute_w_u_fwd": 4,
+            "chunk_kda_bwd_dAv": 2, "chunk_kda_bwd_wy_dqkg_fused": 6, "chunk_kda_bwd_intra": 4, "kda_gate_bwd": 3}
+
+
+def _record(module, steps, fla_call, allscan_call, names, monkeypatch):
+    """Both backwards on the same named inputs, every step recorded: (fla's calls, result names),
+    (allscan's calls, result names)."""
+    runs = []
+    for side in ("fla", "allscan"):
+        rec = Recorder(names)
+        # each step recorded under allscan's name for it, on both sides
+        fakes = {(fla_name if side == "fla" else ours or fla_name): rec.step(ours or fla_name, getattr(module, fla_name))
+                 for fla_name, ours in steps.items()}
+        with monkeypatch.context() as m:
+            if side == "fla":
+                for fla_name, fake in fakes.items():
+                    m.setattr(module, fla_name, fake)
+                out = fla_call()
+            else:
+                m.setattr(allscan_fla, "_fns", lambda: SimpleNamespace(**fakes, RCP_LN2=fla_gdn.RCP_LN2))
+                out = allscan_call()
+        runs.append((rec.calls, [rec.name(t) for t in out]))
+    return runs
+
+
+def _inputs(names):
+    ts = {n: torch.zeros(1, 1, 1, 1) for n in names}  # [B, T, H, .]: one head, no grouped values
+    return ts, {id(t): n for n, t in ts.items()}
+
+
+@pytest.mark.parametrize("gate_in_kernel", [False, True])
+@pytest.mark.parametrize("varlen", [False, True])
+def test_gated_deltanet_backward_steps_are_fla_s(gate_in_kernel, varlen, monkeypatch):
+    t, names = _inputs(["q", "k", "v", "g_cum", "g", "beta", "A", "h0", "do", "dht", "cu", "ci", "A_log", "dt_bias"])
+    cu, ci = (t["cu"], t["ci"]) if varlen else (None, None)
+    opts = DeltaOptions(per_key=False, use_qk_l2norm_in_kernel=False, use_gate_in_kernel=gate_in_kernel,
+                        A_log=t["A_log"] if gate_in_kernel else None, dt_bias=t["dt_bias"] if gate_in_kernel else None)
+
+    def fla_call():
+        return inspect.unwrap(fla_gdn.chunk_gated_delta_rule_bwd)(
+            q=t["q"], k=t["k"], v=t["v"], g=t["g_cum"], beta=t["beta"], A=t["A"], scale=0.25, initial_state=t["h0"],
+            do=t["do"], dht=t["dht"], cu_seqlens=cu, chunk_indices=ci, use_gate_in_kernel=gate_in_kernel,
+            g_input=t["g"] if gate_in_kernel else None, A_log=opts.A_log, dt_bias=opts.dt_bias)
+
+    def allscan_call():
+        return allscan_fla._backward_steps(t["q"], t["k"], t["v"], t["g"], t["beta"], (t["g_cum"], t["A"]), opts, 0.25,
+                                           t["h0"], t["do"], FinalGrads([t["dht"]]), torch.float32, cu, ci)
+
+    (fla_calls, fla_out), (our_calls, our_out) = _record(fla_gdn, GDN_STEPS, fla_call, allscan_call, names, monkeypatch)
+    assert [c[0] for c in our_calls] == [c[0] for c in fla_calls]
+    for (label, theirs), (_, ours) in zip(fla_calls, our_calls):
+        assert ours == theirs, label
+    assert our_out == fla_out
+
+
+@pytest.mark.parametrize("gate_in_kernel", [False, True])
+@pytest.mark.parametrize("varlen", [False, True])
+def test_kda_backward_steps_are_fla_s(gate_in_kernel, varlen, monkeypatch):
+    t, names = _inputs(["q", "k", "v", "g_cum", "g", "beta", "Aqk", "Akk", "h0", "do", "dht", "cu", "ci", "A_log",
+                        "dt_bias"])
+    cu, ci = (t["cu"], t["ci"]) if varlen else (None, None)
+    opts = DeltaOptions(per_key=True, use_qk_l2norm_in_kernel=False, use_gate_in_kernel=gate_in_kernel,
+                        A_log=t["A_log"] if gate_in_kernel else None, dt_bias=t["dt_bias"] if gate_in_kernel else None,
+                        safe_gate=True, lower_bound=-5.0)
+    g_cum = None if gate_in_kernel else t["g_cum"]  # what the forward keeps (fla recomputes it with its gate)
+
+    def fla_call():
+        return fla_kda.chunk_kda_bwd(
+            q=t["q"], k=t["k"], v=t["v"], beta=t["beta"], Aqk=t["Aqk"], Akk=t["Akk"], scale=0.25,
+            initial_state=t["h0"], do=t["do"], dht=t["dht"], g=g_cum, g_org=t["g"] if gate_in_kernel else None,
+            cu_seqlens=cu, chunk_indices=ci, safe_gate=True, lower_bound=-5.0, use_gate_in_kernel=gate_in_kernel,
+            A_log=opts.A_log, dt_bias=opts.dt_bias)
+
+    def allscan_call():
+        return allscan_fla._backward_steps(t["q"], t["k"], t["v"], t["g"], t["beta"], (g_cum, t["Aqk"], t["Akk"]), opts,
+                                           0.25, t["h0"], t["do"], FinalGrads([t["dht"]]), torch.float32, cu, ci)
+
+    (fla_calls, fla_out), (our_calls, our_out) = _record(fla_kda, KDA_STEPS, fla_call, allscan_call, names, monkeypatch)
+    assert [c[0] for c in our_calls] == [c[0] for c in fla_calls]
+    for (label, theirs), (_, ours) in zip(fla_calls, our_calls):
+        assert ours == theirs, label
+    assert our_out == fla_out
+
+
+def test_the_reverse_scan_is_asked_for_where_fla_s_backward_state_kernel_starts(monkeypatch):
+    """The final state's gradient is taken after the chunk states' recomputation is issued (the scan
+    runs beside it) and before the backward state kernel that reads it."""
+    t, names = _inputs(["q", "k", "v", "g_cum", "g", "beta", "A", "h0", "do", "dht"])
+    order = []
+
+    class Watched(FinalGrads):
+        def mark(self):
+            order.append("mark")
+
+        def start(self):
+            order.append("start")
+
+        def get(self):
+            order.append("get")
+            return super().get()
+
+    rec = Recorder(names)
+    fakes = {(ours or name): rec.step(ours or name, getattr(fla_gdn, name)) for name, ours in GDN_STEPS.items()}
+
+    def logged(label):
+        def call(*a, **kw):
+            order.append(label)
+            return fakes[label](*a, **kw)
+        return call
+
+    monkeypatch.setattr(allscan_fla, "_fns", lambda: SimpleNamespace(**{k: logged(k) for k in fakes}))
+    opts = DeltaOptions(per_key=False)
+    allscan_fla._backward_steps(t["q"], t["k"], t["v"], t["g"], t["beta"], (t["g_cum"], t["A"]), opts, 0.25, t["h0"],
+                                t["do"], Watched([t["dht"]]), torch.float32)
+    assert order[:6] == ["gdn_recompute_w_u_fwd", "mark", "chunk_gated_delta_rule_fwd_h", "start",
+                         "chunk_bwd_dv_local", "get"]
+    assert order[6] == "chunk_gated_delta_rule_bwd_dhu"
