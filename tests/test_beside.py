@@ -46,7 +46,7 @@ def test_the_inputs_are_held_until_joined_and_not_after():
     assert ref() is None, "an input still held after the join"
 
 
-def test_a_failing_work_raises_once_and_is_joined():
+def test_a_failing_work_raises_once():
     def fail():
         raise ValueError("peer error")
 
@@ -142,3 +142,41 @@ def test_on_cuda_an_input_dropped_by_the_caller_is_not_reused_before_the_join():
     assert y.data_ptr() != ptr, "the input's memory was reused while the work still read it"
     y.fill_(-1.0)
     assert b.result().item() == 5.0 * (1 << 20)
+
+
+@pytest.mark.gpu
+def test_on_cuda_a_failing_work_is_joined_before_it_raises():
+    """What a failing work issued before it raised is ordered before the caller's next work (the
+    inputs it read are let go only then)."""
+    dev = torch.device("cuda", torch.cuda.current_device())
+    x = torch.zeros(1 << 20, device=dev)
+    Beside(dev, lambda: x + 0).result()  # the second stream made, the kernels loaded
+    torch.cuda.synchronize(dev)
+
+    def fail():
+        torch.cuda._sleep(200_000_000)
+        x.fill_(3.0)
+        raise ValueError("after issuing")
+
+    with pytest.raises(ValueError, match="after issuing"):
+        Beside(dev, fail, keep=(x,)).issue()
+    assert x.sum().item() == 3.0 * x.numel(), "the caller's next kernel ran before the failed work's"
+
+
+@pytest.mark.gpu
+def test_on_cuda_the_result_is_not_reused_by_the_second_stream_while_the_caller_reads_it():
+    """The result belongs to the second stream's memory pool: once the caller drops it, the second
+    stream's next allocation must not get its memory while the caller's kernels still read it."""
+    dev = torch.device("cuda", torch.cuda.current_device())
+    n = 1 << 20
+    Beside(dev, lambda: torch.ones(n, device=dev)).result()  # the second stream made, the kernels loaded
+    torch.cuda.synchronize(dev)
+    r = Beside(dev, lambda: torch.ones(n, device=dev)).result()
+    later = Beside(dev, lambda: torch.full((n,), 5.0, device=dev))
+    later.mark()  # it starts after what the caller issued so far, not after the reads below
+    torch.cuda._sleep(200_000_000)
+    total = r.sum()
+    del r
+    later.issue()
+    assert total.item() == n, "the caller read the second stream's next result in place of its own"
+    assert later.result().sum().item() == 5.0 * n

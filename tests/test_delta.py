@@ -285,8 +285,8 @@ def test_partial_losses_and_gradients_three_ranks():
 
 
 def _q_eff_release(rank, world):
-    """Watches Q' through the backend: read once by the backward's first step, then freed before the
-    local backward runs; kept when the caller retains the graph for a second backward, and never
+    """Watches Q' through the backend: read once by the reverse scan's work, then freed where the local
+    backward takes its final states' gradients (the scan joined); kept when the caller retains the graph for a second backward, and never
     freed under what still holds it (a saved-tensor hook's buffer). A backward that builds a graph
     gives the same gradients, which cannot be differentiated again (a clear error on every rank)."""
     import weakref
@@ -326,7 +326,7 @@ def _q_eff_release(rank, world):
         # the chain head starts from its initial state: it makes no Q' at all
         assert seen["alive at backward"] == (rank > 0), "freed although the graph is kept"
         last = torch.autograd.grad(o, mine, do[:, sl])
-        assert not seen["alive at backward"], "Q' still alive when the local backward ran"
+        assert not seen["alive at backward"], "Q' still alive after the reverse scan was joined"
         assert ("q_eff" in seen) == (rank > 0)
         for grads in (kept[1], last):
             assert all(torch.equal(a, b) for a, b in zip(kept[0], grads)), "one backward, one answer"
@@ -368,6 +368,40 @@ def test_backward_frees_q_eff_when_nothing_else_holds_it():
     ``retain_graph=True`` and a saved-tensor hook's buffers keep what they hold, and every backward gives
     one answer; second-order gradients raise."""
     run_distributed(_q_eff_release, 2)
+
+
+def _part_fails(rank, world, where):
+    """Rank 1 of 3 fails in its part of the backward (``where``: computing ``Q'^T do`` beside the local
+    backward, or the local backward before it takes the scan's result): it still issues the reverse
+    scan (zeros for its part), so no peer is left waiting in it, and raises; the others finish."""
+    from allscan.ops.delta.chunk import TorchDelta
+
+    d, do = _data(11, "gdn", 1, 40 * world, H, 1, gated=False)
+    sl = slice(rank * 40, (rank + 1) * 40)
+    mine = [d[n][:, sl].clone().requires_grad_(True) for n in ("q", "k", "v", "g", "beta")]
+    o, _ = zeco_gated_delta_rule(*mine, dist.group.WORLD)
+    name = {"fold": "fold_state_grad", "local": "backward"}[where]
+    real = getattr(TorchDelta, name)
+
+    def failing(*args):
+        if rank == 1:
+            raise RuntimeError(f"injected failure in {name}")
+        return real(*args)
+
+    setattr(TorchDelta, name, staticmethod(failing))
+    try:
+        torch.autograd.grad(o, mine, do[:, sl])
+    except RuntimeError as e:
+        assert rank == 1 and "injected" in str(e), (rank, e)
+        return "raised"
+    finally:
+        setattr(TorchDelta, name, staticmethod(real))
+    return "done"
+
+
+@pytest.mark.parametrize("where", ["fold", "local"])
+def test_a_rank_failing_in_its_backward_leaves_no_peer_waiting(where):
+    assert run_distributed(_part_fails, 3, where, timeout=120) == ["done", "raised", "done"]
 
 
 def test_chunked_matches_recurrent_single_process():

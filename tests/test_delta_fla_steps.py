@@ -33,7 +33,8 @@ class Recorder:
     """Stand-ins for fla's steps: each call is recorded with its arguments bound to the real step's
     parameters (defaults filled in), tensors by name; each result is a fresh named tensor."""
 
-    def __init__(self, names):
+    def __init__(self, names, heads=1):
+        self.heads = heads
         self.names = dict(names)  # id(tensor) -> name
         self.calls = []
         self.made = []
@@ -50,7 +51,9 @@ class Recorder:
             bound = sig.bind(*args, **kwargs)
             bound.apply_defaults()
             self.calls.append((label, {k: self.name(v) for k, v in bound.arguments.items()}))
-            outs = tuple(torch.zeros(1) for _ in range(_RESULTS[label]))
+            # [B, T, value heads, 1], each with a value of its own (results reshaped by the backward,
+            # such as dq and dk summed over grouped value heads, are compared by value)
+            outs = tuple(torch.full((1, 1, self.heads, 1), float(len(self.made) + i)) for i in range(_RESULTS[label]))
             for i, t in enumerate(outs):
                 self.names[id(t)] = f"{label}[{i}]"
             self.made.extend(outs)  # kept alive: every id stays one tensor's
@@ -66,12 +69,12 @@ _RESULTS = {"gdn_recompute_w_u_fwd": 2, "chunk_gated_delta_rule_fwd_h": 3, "chun
             "chunk_kda_bwd_dAv": 2, "chunk_kda_bwd_wy_dqkg_fused": 6, "chunk_kda_bwd_intra": 4, "kda_gate_bwd": 3}
 
 
-def _record(module, steps, fla_call, allscan_call, names, monkeypatch):
-    """Both backwards on the same named inputs, every step recorded: (fla's calls, result names),
-    (allscan's calls, result names)."""
+def _record(module, steps, fla_call, allscan_call, names, monkeypatch, heads=1):
+    """Both backwards on the same named inputs, every step recorded: (fla's calls, results), (allscan's
+    calls, results); a result is its name, or the tensor where the backward made it of the steps'."""
     runs = []
     for side in ("fla", "allscan"):
-        rec = Recorder(names)
+        rec = Recorder(names, heads)
         # each step recorded under allscan's name for it, on both sides
         fakes = {(fla_name if side == "fla" else ours or fla_name): rec.step(ours or fla_name, getattr(module, fla_name))
                  for fla_name, ours in steps.items()}
@@ -83,12 +86,22 @@ def _record(module, steps, fla_call, allscan_call, names, monkeypatch):
             else:
                 m.setattr(allscan_fla, "_fns", lambda: SimpleNamespace(**fakes, RCP_LN2=fla_gdn.RCP_LN2))
                 out = allscan_call()
-        runs.append((rec.calls, [rec.name(t) for t in out]))
+        runs.append((rec.calls, [rec.names.get(id(t), t) if isinstance(t, torch.Tensor) else t for t in out]))
     return runs
 
 
-def _inputs(names):
-    ts = {n: torch.zeros(1, 1, 1, 1) for n in names}  # [B, T, H, .]: one head, no grouped values
+def _same_results(ours, theirs):
+    assert len(ours) == len(theirs)
+    for a, b in zip(ours, theirs):
+        if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+            assert isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and torch.equal(a, b), (a, b)
+        else:
+            assert a == b
+
+
+def _inputs(names, value_heads=1):
+    """Named stand-in inputs ``[B, T, heads, 1]``: one head of q and k, ``value_heads`` of v and do."""
+    ts = {n: torch.zeros(1, 1, value_heads if n in ("v", "do") else 1, 1) for n in names}
     return ts, {id(t): n for n, t in ts.items()}
 
 
@@ -114,14 +127,15 @@ def test_gated_deltanet_backward_steps_are_fla_s(gate_in_kernel, varlen, monkeyp
     assert [c[0] for c in our_calls] == [c[0] for c in fla_calls]
     for (label, theirs), (_, ours) in zip(fla_calls, our_calls):
         assert ours == theirs, label
-    assert our_out == fla_out
+    _same_results(our_out, fla_out)
 
 
+@pytest.mark.parametrize("value_heads", [1, 2])  # 2: grouped value heads, dq and dk summed over each group
 @pytest.mark.parametrize("gate_in_kernel", [False, True])
 @pytest.mark.parametrize("varlen", [False, True])
-def test_kda_backward_steps_are_fla_s(gate_in_kernel, varlen, monkeypatch):
+def test_kda_backward_steps_are_fla_s(gate_in_kernel, varlen, value_heads, monkeypatch):
     t, names = _inputs(["q", "k", "v", "g_cum", "g", "beta", "Aqk", "Akk", "h0", "do", "dht", "cu", "ci", "A_log",
-                        "dt_bias"])
+                        "dt_bias"], value_heads)
     cu, ci = (t["cu"], t["ci"]) if varlen else (None, None)
     opts = DeltaOptions(per_key=True, use_qk_l2norm_in_kernel=False, use_gate_in_kernel=gate_in_kernel,
                         A_log=t["A_log"] if gate_in_kernel else None, dt_bias=t["dt_bias"] if gate_in_kernel else None,
@@ -139,17 +153,19 @@ def test_kda_backward_steps_are_fla_s(gate_in_kernel, varlen, monkeypatch):
         return allscan_fla._backward_steps(t["q"], t["k"], t["v"], t["g"], t["beta"], (g_cum, t["Aqk"], t["Akk"]), opts,
                                            0.25, t["h0"], t["do"], FinalGrads([t["dht"]]), torch.float32, cu, ci)
 
-    (fla_calls, fla_out), (our_calls, our_out) = _record(fla_kda, KDA_STEPS, fla_call, allscan_call, names, monkeypatch)
+    (fla_calls, fla_out), (our_calls, our_out) = _record(fla_kda, KDA_STEPS, fla_call, allscan_call, names, monkeypatch,
+                                                         heads=value_heads)
     assert [c[0] for c in our_calls] == [c[0] for c in fla_calls]
     for (label, theirs), (_, ours) in zip(fla_calls, our_calls):
         assert ours == theirs, label
-    assert our_out == fla_out
+    _same_results(our_out, fla_out)
 
 
-def test_the_reverse_scan_is_asked_for_where_fla_s_backward_state_kernel_starts(monkeypatch):
+@pytest.mark.parametrize("layer", ["gdn", "kda"])
+def test_the_reverse_scan_is_asked_for_where_fla_s_backward_state_kernel_starts(layer, monkeypatch):
     """The final state's gradient is taken after the chunk states' recomputation is issued (the scan
     runs beside it) and before the backward state kernel that reads it."""
-    t, names = _inputs(["q", "k", "v", "g_cum", "g", "beta", "A", "h0", "do", "dht"])
+    t, names = _inputs(["q", "k", "v", "g_cum", "g", "beta", "A", "Akk", "h0", "do", "dht"])
     order = []
 
     class Watched(FinalGrads):
@@ -163,8 +179,9 @@ def test_the_reverse_scan_is_asked_for_where_fla_s_backward_state_kernel_starts(
             order.append("get")
             return super().get()
 
+    module, steps = (fla_kda, KDA_STEPS) if layer == "kda" else (fla_gdn, GDN_STEPS)
     rec = Recorder(names)
-    fakes = {(ours or name): rec.step(ours or name, getattr(fla_gdn, name)) for name, ours in GDN_STEPS.items()}
+    fakes = {(ours or name): rec.step(ours or name, getattr(module, name)) for name, ours in steps.items()}
 
     def logged(label):
         def call(*a, **kw):
@@ -173,9 +190,11 @@ def test_the_reverse_scan_is_asked_for_where_fla_s_backward_state_kernel_starts(
         return call
 
     monkeypatch.setattr(allscan_fla, "_fns", lambda: SimpleNamespace(**{k: logged(k) for k in fakes}))
-    opts = DeltaOptions(per_key=False)
-    allscan_fla._backward_steps(t["q"], t["k"], t["v"], t["g"], t["beta"], (t["g_cum"], t["A"]), opts, 0.25, t["h0"],
-                                t["do"], Watched([t["dht"]]), torch.float32)
-    assert order[:6] == ["gdn_recompute_w_u_fwd", "mark", "chunk_gated_delta_rule_fwd_h", "start",
-                         "chunk_bwd_dv_local", "get"]
-    assert order[6] == "chunk_gated_delta_rule_bwd_dhu"
+    opts = DeltaOptions(per_key=layer == "kda")
+    factors = (t["g_cum"], t["A"], t["Akk"]) if layer == "kda" else (t["g_cum"], t["A"])
+    allscan_fla._backward_steps(t["q"], t["k"], t["v"], t["g"], t["beta"], factors, opts, 0.25, t["h0"], t["do"],
+                                Watched([t["dht"]]), torch.float32)
+    recompute = "kda_recompute_w_u_fwd" if layer == "kda" else "gdn_recompute_w_u_fwd"
+    local_dv = "chunk_kda_bwd_dAv" if layer == "kda" else "chunk_bwd_dv_local"
+    assert order[:7] == [recompute, "mark", "chunk_gated_delta_rule_fwd_h", "start", local_dv, "get",
+                         "chunk_gated_delta_rule_bwd_dhu"]

@@ -12,6 +12,8 @@ when :meth:`Beside.mark` (or else :meth:`Beside.issue`) was called; :meth:`Besid
 calling stream wait for it. The tensors the work reads (``keep``) are held until then, so that the
 caching allocator cannot give their memory to the calling stream while the work still reads it; a
 result the work allocated is recorded on the calling stream (it belongs to the second stream's pool).
+That holding is enough only for tensors in use on the calling stream: one made on a third stream must
+be recorded on the calling stream first, as torch requires of any use across streams.
 Off CUDA the work runs at once, on the host's order. CUDA graphs capture the fork and the join.
 """
 from __future__ import annotations

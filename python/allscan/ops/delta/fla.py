@@ -215,7 +215,11 @@ def _backward_steps(q, k, v, g, beta, factors, opts, scale, h0, do, finals, dt, 
     The calls and their order are those of fla's ``chunk_gated_delta_rule_bwd`` / ``chunk_kda_bwd``
     (chunk 64), with the final states' gradients asked of ``finals`` (:class:`.shard.FinalGrads`) only
     where fla's backward state kernel needs them: the reverse All-Scan that adds to them runs beside
-    the recomputation of the chunk states, a latency-bound kernel on a few dozen SMs."""
+    the recomputation of the chunk states, a latency-bound kernel on a few dozen SMs. (``zeco_gla``
+    does the opposite, recomputing before it issues its scan, which overlaps its intra-chunk backward
+    instead: here the recomputation is the only long step before the one that needs the scan's result,
+    and it slows down beside the scan's work by less than the work takes; bench/README.md,
+    twenty-sixth run.)"""
     fla = _fns()
     vl = dict(cu_seqlens=cu, chunk_indices=ci)
     if opts.per_key:

@@ -43,8 +43,10 @@ of each rank's direct gradient of its incoming state, ``dy = Q'^T do + M^T dfina
                                                      final state's gradient; Q' is freed there
 
 So the backward never runs over the K extra columns the forward needs for Q' and M (nor their
-gradients), the transitions never need a gradient of their own, and neither ``Q'^T do`` nor the wait
-for the next rank's gradient is on the local backward's path.
+gradients), the transitions never need a gradient of their own, and on fla's kernels ``Q'^T do`` and
+the wait for the next rank's gradient overlap the recomputation of the chunk states, the longest step
+before the one that needs ``r``. (Under torch.compile ``Q'^T do`` is an op of its own before the
+backward's, and only the scan overlaps; the torch backend asks for ``r`` first.)
 
 What crosses the shard's end (``cross``): ``"own"``, the first segment's final state (one segment in
 the shard); ``"ext"``, the final state of the shard's last packed segment (its gradient gets ``r``;
@@ -216,17 +218,28 @@ def reverse_scan(run: ShardRun, q, v, M, dfinal, q_eff=None, do=None, dy_out=Non
         from allscan import scan
 
         dt = compute_dtype(v)
-        if run.wide:
-            dy = dy_out if q_eff is None else outputs_state_grad(run.backend, q_eff, do)
-            dht0 = _final_grads(run, dfinal, dt)[0]
-            if dht0 is not None:
-                dy = dy + M.transpose(-1, -2) @ dht0
-            MT = M.transpose(-1, -2).contiguous() if run.cross == "own" else _zero_transition(dy)
-        else:  # the chain head: what it would send reaches no one
-            dy = v.new_zeros(v.shape[0], v.shape[2], q.shape[-1], v.shape[-1], dtype=dt)
-            MT = _zero_transition(dy)
-        # every rank issues the reverse scan, whatever it does with r
-        return scan(dy.contiguous(), group=run.group, transition=MT, reverse=True, method=run.method)
+
+        def zeros():
+            return v.new_zeros(v.shape[0], v.shape[2], q.shape[-1], v.shape[-1], dtype=dt)
+
+        # every rank issues the reverse scan, whatever it does with r: zeros from the chain head (they
+        # reach no one), and from a rank that failed to compute its part (then it raises)
+        dy = MT = None
+        try:
+            if run.wide:
+                dy = dy_out if q_eff is None else outputs_state_grad(run.backend, q_eff, do)
+                dht0 = _final_grads(run, dfinal, dt)[0]
+                if dht0 is not None:
+                    dy = dy + M.transpose(-1, -2) @ dht0
+                if run.cross == "own":
+                    MT = M.transpose(-1, -2).contiguous()
+        except BaseException:
+            z = zeros()
+            scan(z, group=run.group, transition=_zero_transition(z), reverse=True, method=run.method)
+            raise
+        dy = zeros() if dy is None else dy.contiguous()
+        return scan(dy, group=run.group, transition=_zero_transition(dy) if MT is None else MT, reverse=True,
+                    method=run.method)
 
     return Beside(v.device, work, keep=(q_eff, do, dy_out, M, dfinal))
 
@@ -268,15 +281,15 @@ def shard_backward(run: ShardRun, q, k, v, g, beta, h0, reverse: Optional[Beside
     be = run.backend
     n = len(run.own)
     dt = compute_dtype(v)
-    h0s = _initial_states(run, h0)
-    if run.wide:
-        h0s[0] = S_in if h0s[0] is None else S_in + h0s[0].to(S_in.dtype)
-    finals = FinalGrads(_final_grads(run, dfinal, dt), _crossing(run), reverse)
     try:
+        h0s = _initial_states(run, h0)
+        if run.wide:
+            h0s[0] = S_in if h0s[0] is None else S_in + h0s[0].to(S_in.dtype)
+        finals = FinalGrads(_final_grads(run, dfinal, dt), _crossing(run), reverse)
         dq, dk, dv, dg, dbeta, dh0s, dA_log, ddt_bias = be.backward(saved, q, k, v, g, beta, run.opts, run.scale,
                                                                      run.bounds, h0s, do, finals)
     finally:
-        if reverse is not None:  # issued and joined whatever happened: the peers wait for this rank's part
+        if reverse is not None:  # issued (zeros if this rank's part failed) and joined, whatever happened
             reverse.result()
     dh0 = None
     if h0 is not None:

@@ -276,7 +276,9 @@ def _backward(be, do, dfinal, q, k, v, g, h0, S_in, gamma, saved, scale, segs: S
     h0s = _segment_states(segs, h0, S_in)  # as the local forward saw them, with the true S_in
     # The chunk states are recomputed before the reverse scan is issued: that kernel runs few,
     # long, sequential CTAs, and beside the scan's kernels (the side stream, most of all inside a
-    # CUDA graph) it ran up to 1.7x slower; the scan overlaps the intra-chunk backward instead.
+    # CUDA graph) it ran up to 1.7x slower; the scan overlaps the intra-chunk backward instead. (The
+    # delta layers' backward has no such step before the scan's result is needed, and issues its scan
+    # beside the recomputation: ops/delta/fla.py.)
     prep = be.bwd_begin(q, k, v, gf, segs.bounds, h0s)
 
     smethod = _SCAN_METHOD[method]
