@@ -61,7 +61,11 @@ from typing import Any, NamedTuple, Optional, Tuple
 import torch
 from torch.autograd.function import once_differentiable
 
+from allscan._contract import announce_invalid
+
 from .._beside import Beside
+from .._launch import announce_device
+from ..matrix_scan import _OP as MATRIX_SCAN_OP
 from .._shards import own_precision, world_and_rank
 from .chunk import compute_dtype
 
@@ -219,11 +223,8 @@ def reverse_scan(run: ShardRun, q, v, M, dfinal, q_eff=None, do=None, dy_out=Non
 
         dt = compute_dtype(v)
 
-        def zeros():
-            return v.new_zeros(v.shape[0], v.shape[2], q.shape[-1], v.shape[-1], dtype=dt)
-
-        # every rank issues the reverse scan, whatever it does with r: zeros from the chain head (they
-        # reach no one), and from a rank that failed to compute its part (then it raises)
+        # every rank issues the reverse scan, whatever it does with r (zeros from the chain head: they
+        # reach no one); a rank that fails to compute its part tells its peers, which raise too
         dy = MT = None
         try:
             if run.wide:
@@ -233,13 +234,14 @@ def reverse_scan(run: ShardRun, q, v, M, dfinal, q_eff=None, do=None, dy_out=Non
                     dy = dy + M.transpose(-1, -2) @ dht0
                 if run.cross == "own":
                     MT = M.transpose(-1, -2).contiguous()
-        except BaseException:
-            z = zeros()
-            scan(z, group=run.group, transition=_zero_transition(z), reverse=True, method=run.method)
+        except Exception as e:
+            announce_invalid(run.group, announce_device(run.group), MATRIX_SCAN_OP,
+                             f"its backward failed before the reverse scan: {e}")
             raise
-        dy = zeros() if dy is None else dy.contiguous()
-        return scan(dy, group=run.group, transition=_zero_transition(dy) if MT is None else MT, reverse=True,
-                    method=run.method)
+        if dy is None:
+            dy = v.new_zeros(v.shape[0], v.shape[2], q.shape[-1], v.shape[-1], dtype=dt)
+        return scan(dy.contiguous(), group=run.group, transition=_zero_transition(dy) if MT is None else MT,
+                    reverse=True, method=run.method)
 
     return Beside(v.device, work, keep=(q_eff, do, dy_out, M, dfinal))
 
@@ -289,7 +291,7 @@ def shard_backward(run: ShardRun, q, k, v, g, beta, h0, reverse: Optional[Beside
         dq, dk, dv, dg, dbeta, dh0s, dA_log, ddt_bias = be.backward(saved, q, k, v, g, beta, run.opts, run.scale,
                                                                      run.bounds, h0s, do, finals)
     finally:
-        if reverse is not None:  # issued (zeros if this rank's part failed) and joined, whatever happened
+        if reverse is not None:  # issued (or its failure told to the peers) and joined, whatever happened
             reverse.result()
     dh0 = None
     if h0 is not None:
