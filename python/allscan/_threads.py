@@ -18,32 +18,43 @@ _busy: Dict[int, List] = {}  # id(group) -> [thread ident, depth, op]; one entry
 _get_ident = threading.get_ident
 
 
-class one_thread:
-    """``with one_thread(group, op):`` around a collective's issue on ``group`` (None: the default).
+def enter(group, op: str) -> list:
+    """Mark ``group`` (a ProcessGroup, already normalised) busy in ``op`` on this thread; returns the
+    entry for :func:`leave`. Raises ``RuntimeError`` when another thread is in a collective on it.
 
     No lock: ``dict.setdefault`` is atomic under the GIL, so of two threads entering at once exactly
-    one owns the entry and the other sees it (about 1 us per call)."""
+    one owns the entry and the other sees it."""
+    me = _get_ident()
+    entry = _busy.setdefault(id(group), [me, 0, op])
+    if entry[0] != me:
+        raise RuntimeError(
+            f"allscan.{op}: group {group.group_name!r} is in allscan.{entry[2]} on another host thread of "
+            "this process; the collectives of one group must be issued from one thread at a time (the "
+            "ranks pair calls by issue order, so two threads would mix their data)")
+    entry[1] += 1
+    return entry
 
-    __slots__ = ("key", "entry", "group")
+
+def leave(group, entry: list) -> None:
+    """The end of :func:`enter`'s call (the group is free once its outermost call leaves)."""
+    entry[1] -= 1
+    if entry[1] == 0:
+        _busy.pop(id(group), None)
+
+
+class one_thread:
+    """``with one_thread(group, op):`` around a collective's issue on ``group`` (None: the default);
+    :func:`enter` and :func:`leave` where a context manager costs too much (``scan``'s fast path)."""
+
+    __slots__ = ("entry", "group")
 
     def __init__(self, group, op: str):
-        group = _comm.normalize_group(group)
-        me = _get_ident()
-        entry = _busy.setdefault(id(group), [me, 0, op])
-        if entry[0] != me:
-            raise RuntimeError(
-                f"allscan.{op}: group {group.group_name!r} is in allscan.{entry[2]} on another host thread of "
-                "this process; the collectives of one group must be issued from one thread at a time (the "
-                "ranks pair calls by issue order, so two threads would mix their data)")
-        entry[1] += 1
-        self.key, self.entry, self.group = id(group), entry, group  # group: normalised, for the caller
+        self.group = _comm.normalize_group(group)  # normalised, for the caller
+        self.entry = enter(self.group, op)
 
     def __enter__(self):
         return self
 
     def __exit__(self, *exc):
-        entry = self.entry
-        entry[1] -= 1
-        if entry[1] == 0:
-            _busy.pop(self.key, None)
+        leave(self.group, self.entry)
         return False

@@ -141,9 +141,9 @@ class PlanCache(OrderedDict):
             self.popitem(last=False)
 
 
-def plan_cache() -> PlanCache:
-    """A collective's cache of plans, emptied by :func:`forget_plans`."""
-    cache = PlanCache()
+def plan_cache(kind=PlanCache) -> PlanCache:
+    """A collective's cache of plans (a :class:`PlanCache` or a subclass), emptied by :func:`forget_plans`."""
+    cache = kind()
     _plan_caches.append(cache)
     return cache
 

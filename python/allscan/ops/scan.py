@@ -15,13 +15,13 @@ import torch
 import torch.distributed as dist
 
 from .. import _C, _comm
-from .._threads import one_thread
+from .. import _threads
 from .._contract import (DTYPE_CODES, check_across_ranks, clear_checked_signatures, dtype_code, settings,
                          signature_hash)
 from ..reference import acc_dtype, expand_decay
 from . import _scan_dist
-from ._launch import (_raw_stream, check_num_blocks, forget_plans, nccl_preflight, plan_cache, plan_is_current,
-                      stream_ptr, traced_refusal, validated_group)
+from ._launch import (PlanCache, _raw_stream, check_num_blocks, forget_plans, nccl_preflight, plan_cache,
+                      plan_is_current, stream_ptr, traced_refusal, validated_group)
 
 __all__ = ["scan", "ScanHandle", "set_check_every_call", "destroy_communicators", "ScanLaunchPlan", "plan_for",
            "launch", "run", "METHODS", "device_path"]
@@ -510,29 +510,41 @@ def scan(
     """
     if torch.compiler.is_compiling():  # traced into a graph: no host-thread bookkeeping there
         return _scan(tensor, gamma, group, transition, reverse, inclusive, init, num_blocks, method, async_op)
-    with one_thread(group, _OP) as busy:
+    grp = dist.group.WORLD if group is None else group  # WORLD is None before init_process_group
+    if not isinstance(grp, dist.ProcessGroup):
+        grp = _comm.normalize_group(group)  # a name, or an error naming what is wrong
+    entry = _threads.enter(grp, _OP)
+    try:
         other = gamma if transition is None else transition
-        key = _fast_key(tensor, gamma, transition, busy.group, reverse, inclusive, init, num_blocks, method,
-                        async_op)
-        if key is not None:
+        key = _fast_key(grp, tensor, gamma, transition, init, reverse, inclusive, num_blocks, method, async_op)
+        try:
             hit = _eager.get(key)
-            if hit is not None and _eager_ready(hit.plan, busy.group, tensor, other, init, async_op) and hit.touch():
-                return hit(tensor, other, init)
-        y = _scan(tensor, gamma, busy.group, transition, reverse, inclusive, init, num_blocks, method, async_op)
-        if key is not None and _eager_ready(None, busy.group, tensor, other, init, async_op):
-            call = _fast_call(tensor, other, transition is not None, init, busy.group, reverse, inclusive,
+        except TypeError:  # an unhashable option: the full path names it
+            hit = None
+        if hit is not None and hit.serves(grp, tensor, other, init):
+            return hit(tensor, other, init)
+        y = _scan(tensor, gamma, grp, transition, reverse, inclusive, init, num_blocks, method, async_op)
+        if key is not None and _eager_ready(grp, tensor, other, init, async_op):
+            call = _fast_call(tensor, other, transition is not None, init, grp, reverse, inclusive,
                               0 if num_blocks is None else num_blocks, method, async_op)
             if call is not None:
                 _eager[key] = call
         return y
+    finally:
+        _threads.leave(grp, entry)
 
 
 # ------------------------------------------------------------------------------------------------
 # The eager fast path: a call whose arguments (shapes, dtypes, devices, options) have an NCCL plan
 # passed every check of the first call made with them, so it goes straight to the core (issue 14:
 # the host's time per call), synchronous or async, diagonal or matrix. Everything else takes the
-# full path, which fills this cache.
+# full path, which fills this cache. Each check below is a few hundred nanoseconds of the call's
+# budget: the key is one tuple, the cache a plain dict lookup.
 # ------------------------------------------------------------------------------------------------
+# The current CUDA device without torch.cuda's lazy-init check (a hit means CUDA is initialised).
+_current_device = getattr(torch._C, "_cuda_getDevice", None) or torch.cuda.current_device
+
+
 class _FastCall:
     """A signature the full path checked and planned: its plan, where the plan is cached (so a hit
     keeps it recent there, as the full path would) and the core's launch with the call's options."""
@@ -542,10 +554,16 @@ class _FastCall:
     def __init__(self, plan, plans, pkey, launch, async_op):
         self.plan, self.plans, self.pkey, self.launch, self.async_op = plan, plans, pkey, launch, async_op
 
-    def touch(self) -> bool:
-        """Keep the plan recent in its cache, so every rank evicts the same signatures (an eviction
-        means a new, collective, check); False when it was evicted (then the full path prepares it
-        again, as on every rank)."""
+    def serves(self, group, tensor, other, init) -> bool:
+        """Whether this call of the entry's key may go straight to the core: the plan still current
+        for ``group`` (checks run every call with ``ALLSCAN_CHECK=always``: never), nothing to
+        differentiate, contiguous tensors on the current device (the key holds shapes, dtypes and
+        devices), and the plan still cached (kept recent there, so every rank evicts the same
+        signatures: an eviction means a new, collective, check, which the full path makes)."""
+        if self.plan.group_ref() is not group or settings.check == "always":
+            return False
+        if not _as_given(tensor, other, init) or tensor.get_device() != _current_device():
+            return False
         try:
             self.plans.move_to_end(self.pkey)
         except KeyError:
@@ -558,28 +576,43 @@ class _FastCall:
         return self.launch(x, other, init, None)
 
 
-_eager: Dict[tuple, _FastCall] = plan_cache()
+class _EagerCache(PlanCache):
+    """The fast path's entries, bounded as every plan cache, looked up with plain ``dict.get``: a hit
+    does not reorder them (an entry evicted while in use costs one full-path call); each hit keeps its
+    plan recent in the plan's own cache instead, which is what every rank must agree on."""
+
+    get = dict.get
 
 
-def _fast_key(tensor, gamma, transition, group, reverse, inclusive, init, num_blocks, method, async_op):
-    """The fast path's key of a call, or None for arguments of types it does not key on (the full
-    path's checks name what is wrong with them)."""
-    if not (isinstance(tensor, torch.Tensor) and (init is None or isinstance(init, torch.Tensor))
-            and type(reverse) is bool and type(inclusive) is bool and type(async_op) is bool
-            and (num_blocks is None or type(num_blocks) is int) and type(method) is str):
+_eager: Dict[tuple, _FastCall] = plan_cache(_EagerCache)
+
+
+def _fast_key(group, tensor, gamma, transition, init, reverse, inclusive, num_blocks, method, async_op):
+    """The fast path's key of a call (None: not keyed; the full path's checks name what is wrong).
+    Only ``torch.Tensor`` itself is keyed (a subclass may override what the core would read); flags
+    are keyed by value, as the full path reads them (truthiness), ``num_blocks`` only as an int."""
+    if tensor.__class__ is not torch.Tensor or not (num_blocks is None or num_blocks.__class__ is int):
         return None
     if transition is None:
-        if gamma is not None and not isinstance(gamma, torch.Tensor):
-            return None
         other = gamma
-    elif gamma is None and isinstance(transition, torch.Tensor):
+    elif gamma is None:
         other = transition
     else:
         return None
-    return (id(group), tensor.shape, tensor.dtype, tensor.device, transition is not None,
-            None if other is None else (other.shape, other.dtype, other.device),
-            None if init is None else (init.shape, init.dtype, init.device), reverse, inclusive, num_blocks, method,
-            async_op)
+    if other is None:
+        okey = None
+    elif other.__class__ is torch.Tensor:
+        okey = (other.shape, other.dtype, other.device)
+    else:
+        return None
+    if init is None:
+        ikey = None
+    elif init.__class__ is torch.Tensor:
+        ikey = (init.shape, init.dtype, init.device)
+    else:
+        return None
+    return (id(group), tensor.shape, tensor.dtype, tensor.device, transition is not None, okey, ikey,
+            reverse, inclusive, num_blocks, method, async_op)
 
 
 def _fast_call(x, other, matrix, init, group, reverse, inclusive, k, method, async_op) -> Optional[_FastCall]:
@@ -603,22 +636,23 @@ def _fast_call(x, other, matrix, init, group, reverse, inclusive, k, method, asy
     return _FastCall(plan, plans, pkey, go, async_op)
 
 
-def _eager_ready(plan, group, tensor, other, init, async_op) -> bool:
-    """Whether this call may take the fast path with ``plan`` (None: whether it could with any):
-    eager, nothing to differentiate, contiguous tensors on the current device, an NCCL plan still
-    current for this group (checks run every call with ``ALLSCAN_CHECK=always``: never ready), and
-    for an async call the side stream by handle (:func:`by_handle_ok`)."""
-    if plan is not None and not plan_is_current(plan, group):
-        return False
+def _eager_ready(group, tensor, other, init, async_op) -> bool:
+    """Whether a call the full path just ran may be served by the fast path next time (then
+    :meth:`_FastCall.serves` checks what may change from call to call): a non-empty CUDA tensor,
+    the side stream by handle for an async call (:func:`by_handle_ok`), and what ``serves`` checks."""
     if not tensor.is_cuda or tensor.numel() == 0 or (async_op and _raw_stream is None):
         return False
+    return _as_given(tensor, other, init) and tensor.device.index == torch.cuda.current_device()
+
+
+def _as_given(tensor, other, init) -> bool:
+    """Whether the core can take the call's tensors as they are: nothing to differentiate (no
+    autograd node to record) and every tensor contiguous (the full path would copy)."""
     if torch.is_grad_enabled() and (tensor.requires_grad or (other is not None and other.requires_grad)
                                     or (init is not None and init.requires_grad)):
         return False
-    if not (tensor.is_contiguous() and (other is None or other.is_contiguous())
-            and (init is None or init.is_contiguous())):
-        return False
-    return tensor.device.index == torch.cuda.current_device()
+    return (tensor.is_contiguous() and (other is None or other.is_contiguous())
+            and (init is None or init.is_contiguous()))
 
 
 def device_path(group=None, device=None) -> str:
