@@ -33,12 +33,13 @@ def _install(group, x, g, async_op=False, num_blocks=None):
     plans = L.plan_cache()
     plans["plan"] = _Plan(group)
 
-    def core(x, g, init, stream):
-        calls.append((x, g, init, stream))
+    def core(plan, x, g, init, *options):
+        assert plan is plans["plan"] and options == (False, False, 0)
+        calls.append((x, g, init))
         return x * 7
 
     key = S._fast_key(group, x, g, None, None, False, False, num_blocks, "pipelined", async_op)
-    S._eager[key] = S._FastCall(plans["plan"], plans, "plan", core, async_op)
+    S._eager[key] = S._FastCall(plans["plan"], plans, "plan", core, (False, False, 0), async_op)
     return calls, plans
 
 

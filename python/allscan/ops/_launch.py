@@ -108,10 +108,11 @@ def nccl_preflight(group, x: torch.Tensor, op: str) -> bool:
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 
-def stream_ptr(device: torch.device) -> int:
+def stream_ptr(device_index: int) -> int:
+    """The current stream of CUDA device ``device_index`` (``tensor.get_device()``), as a raw handle."""
     if _raw_stream is not None:
-        return _raw_stream(device.index)
-    return torch.cuda.current_stream(device).cuda_stream
+        return _raw_stream(device_index)
+    return torch.cuda.current_stream(device_index).cuda_stream
 
 
 # ------------------------------------------------------------------------------------------------

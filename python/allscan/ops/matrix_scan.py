@@ -143,7 +143,7 @@ def launch(plan: ScanLaunchPlan, x, m, init, reverse, inclusive, transpose, num_
     _C.matrix_scan(plan.comm.handle, x.data_ptr(), y.data_ptr(), batch, K, V, plan.dt, m.data_ptr(), plan.gdt,
                    transpose, 0 if init is None else init.data_ptr(), reverse, inclusive, num_blocks, plan.midx,
                    0 if ws is None else ws.data_ptr(), plan.ws_bytes,
-                   stream_ptr(x.device) if stream is None else stream.cuda_stream, plan.signature)
+                   stream_ptr(x.get_device()) if stream is None else stream.cuda_stream, plan.signature)
     if ws is not None and stream is not None:
         ws.record_stream(stream)  # allocated on the current stream, used on `stream`
     return y

@@ -175,7 +175,7 @@ def launch(plan: ScanLaunchPlan, x, g, init, reverse, inclusive, num_blocks, str
         plan.comm.handle, x.data_ptr(), y.data_ptr(), x.numel(), plan.dt, 0 if g is None else g.data_ptr(),
         0 if g is None else g.numel(), plan.gdt, 0 if init is None else init.data_ptr(), reverse, inclusive,
         num_blocks, plan.midx, 0 if ws is None else ws.data_ptr(), plan.ws_bytes,
-        stream_ptr(x.device) if stream is None else stream.cuda_stream, plan.signature,
+        stream_ptr(x.get_device()) if stream is None else stream.cuda_stream, plan.signature,
     )
     if ws is not None and stream is not None:
         ws.record_stream(stream)  # allocated on the current stream, used on `stream`: freed after it
@@ -281,6 +281,8 @@ class ScanHandle:
     current stream wait for the side stream the scan ran on (the host does not block). Until then the
     handle holds the tensors the scan reads, so the caller may drop its own references at once."""
 
+    __slots__ = ("_result", "_event", "_raw", "_caller", "_side", "_keep")
+
     def __init__(self, result: torch.Tensor, event: Optional["torch.cuda.Event"] = None, raw=None,
                  caller_stream: int = 0, side=None, keep=()):
         self._result = result
@@ -304,12 +306,11 @@ class ScanHandle:
 
     def wait(self) -> torch.Tensor:
         if self._raw is not None:
-            dev = self._result.device
-            cur = stream_ptr(dev)
+            cur = stream_ptr(self._result.get_device())
             _C.event_wait(cur, self._raw[1])
             if cur != self._caller:
                 # The result was allocated on the calling stream; it is now used on this one too.
-                self._result.record_stream(torch.cuda.current_stream(dev))
+                self._result.record_stream(torch.cuda.current_stream(self._result.device))
             self._release(ordered=cur == self._caller)
             return self._result
         if self._event is not None:
@@ -405,8 +406,9 @@ def side_stream_handle(x: torch.Tensor, inputs, launch) -> ScanHandle:
     the current stream's work, without switching torch's current stream (tens of microseconds of
     Python per call otherwise); ``inputs`` (None allowed) and the output stay valid until the side
     stream is done with them."""
-    side = _side_stream(x.device)
-    caller = _raw_stream(x.device.index)
+    idx = x.get_device()
+    side = _side_streams.get(idx) or _side_stream(x.device)
+    caller = _raw_stream(idx)
     _C.stream_wait(side.cuda_stream, caller)
     out = launch(side)
     raw = _C.event_record(side.cuda_stream)
@@ -547,12 +549,14 @@ _current_device = getattr(torch._C, "_cuda_getDevice", None) or torch.cuda.curre
 
 class _FastCall:
     """A signature the full path checked and planned: its plan, where the plan is cached (so a hit
-    keeps it recent there, as the full path would) and the core's launch with the call's options."""
+    keeps it recent there, as the full path would), and the core's launch (``launch`` of this module
+    or of the matrix scan's) with the call's options after the tensors."""
 
-    __slots__ = ("plan", "plans", "pkey", "launch", "async_op")
+    __slots__ = ("plan", "plans", "pkey", "core", "options", "async_op")
 
-    def __init__(self, plan, plans, pkey, launch, async_op):
-        self.plan, self.plans, self.pkey, self.launch, self.async_op = plan, plans, pkey, launch, async_op
+    def __init__(self, plan, plans, pkey, core, options, async_op):
+        self.plan, self.plans, self.pkey, self.core, self.options, self.async_op = (plan, plans, pkey, core,
+                                                                                   options, async_op)
 
     def serves(self, group, tensor, other, init) -> bool:
         """Whether this call of the entry's key may go straight to the core: the plan still current
@@ -572,8 +576,9 @@ class _FastCall:
 
     def __call__(self, x, other, init):
         if self.async_op:
-            return side_stream_handle(x, (x, other, init), lambda side: self.launch(x, other, init, side))
-        return self.launch(x, other, init, None)
+            return side_stream_handle(x, (x, other, init),
+                                      lambda side: self.core(self.plan, x, other, init, *self.options, side))
+        return self.core(self.plan, x, other, init, *self.options)
 
 
 class _EagerCache(PlanCache):
@@ -628,12 +633,8 @@ def _fast_call(x, other, matrix, init, group, reverse, inclusive, k, method, asy
     if plan is None or not plan_is_current(plan, group):
         return None
     if matrix:
-        def go(x, m, i0, stream):
-            return M.launch(plan, x, m, i0, reverse, inclusive, False, k, stream)
-    else:
-        def go(x, g, i0, stream):
-            return launch(plan, x, g, i0, reverse, inclusive, k, stream)
-    return _FastCall(plan, plans, pkey, go, async_op)
+        return _FastCall(plan, plans, pkey, M.launch, (reverse, inclusive, False, k), async_op)
+    return _FastCall(plan, plans, pkey, launch, (reverse, inclusive, k), async_op)
 
 
 def _eager_ready(group, tensor, other, init, async_op) -> bool:
