@@ -407,7 +407,9 @@ def side_stream_handle(x: torch.Tensor, inputs, launch) -> ScanHandle:
     Python per call otherwise); ``inputs`` (None allowed) and the output stay valid until the side
     stream is done with them."""
     idx = x.get_device()
-    side = _side_streams.get(idx) or _side_stream(x.device)
+    side = _side_streams.get(idx)
+    if side is None:
+        side = _side_stream(x.device)
     caller = _raw_stream(idx)
     _C.stream_wait(side.cuda_stream, caller)
     out = launch(side)
