@@ -26,19 +26,20 @@ class _Plan:
         self.comm = object()
 
 
-def _install(group, x, g, async_op=False, num_blocks=None):
+def _install(group, x, g, async_op=False, num_blocks=None, plan_group=None, init=None):
     """A fast-path entry for ``scan(x, g, group, num_blocks=)`` whose core records its calls and
-    returns ``x * 7``; returns (calls, the plan cache holding its plan)."""
+    returns ``x * 7`` (its plan made for ``plan_group``, default ``group``); returns (calls, the plan
+    cache holding its plan)."""
     calls = []
     plans = L.plan_cache()
-    plans["plan"] = _Plan(group)
+    plans["plan"] = _Plan(group if plan_group is None else plan_group)
 
     def core(plan, x, g, init, *options):
         assert plan is plans["plan"] and options == (False, False, 0)
         calls.append((x, g, init))
         return x * 7
 
-    key = S._fast_key(group, x, g, None, None, False, False, num_blocks, "pipelined", async_op)
+    key = S._fast_key(group, x, g, None, init, False, False, num_blocks, "pipelined", async_op)
     S._eager[key] = S._FastCall(plans["plan"], plans, "plan", core, (False, False, 0), async_op)
     return calls, plans
 
@@ -77,10 +78,16 @@ def _fast_path_routes(rank, P):
     # (but a tensor that requires grad under no_grad is served)
     with torch.no_grad():
         assert torch.equal(allscan.scan(xr, g), x * 7)
-    # a non-contiguous tensor of the keyed shape,
+    gr = g.clone().requires_grad_(True)
+    y = reaches_full_path(lambda: allscan.scan(x, gr), "gamma requires_grad")
+    assert y.grad_fn is not None
+    # a non-contiguous tensor or gamma of the keyed shape,
     xt = torch.arange(6.0).reshape(3, 2).t()
     assert xt.shape == x.shape and not xt.is_contiguous()
     reaches_full_path(lambda: allscan.scan(xt, g), "non-contiguous")
+    gt = torch.full((2, 2), 0.5).t()[0]
+    assert gt.shape == g.shape and not gt.is_contiguous()
+    reaches_full_path(lambda: allscan.scan(x, gt), "non-contiguous gamma")
     # another dtype, shape or device index than the key's,
     reaches_full_path(lambda: allscan.scan(x.double(), g.double()), "dtype")
     reaches_full_path(lambda: allscan.scan(x[:1], g[:1]), "shape")
@@ -99,15 +106,40 @@ def _fast_path_routes(rank, P):
     plans["plan"] = plan
     # a tensor subclass, options the full path reads otherwise, an unhashable option,
     reaches_full_path(lambda: allscan.scan(torch.nn.Parameter(x, requires_grad=False), g), "subclass")
+    reaches_full_path(lambda: allscan.scan(x, torch.nn.Parameter(g, requires_grad=False)), "gamma subclass")
     reaches_full_path(lambda: allscan.scan(x, g, init=torch.zeros_like(x)), "init")
     reaches_full_path(lambda: allscan.scan(x, g, reverse=True), "reverse")
     with pytest.raises(ValueError, match="method must be one of"):
         allscan.scan(x, g, method=["pipelined"])
+    # flags keyed only as bools: another type (here a list, unhashable) takes the full path and adds
+    # no entry
+    n = len(S._eager)
+    h = reaches_full_path(lambda: allscan.scan(x, g, async_op=[True]), "async_op as a list")
+    assert torch.equal(h.wait(), torch.zeros_like(x)) and len(S._eager) == n
+    reaches_full_path(lambda: allscan.scan(x, g, reverse=0), "reverse as an int")
+    # a plan made for another group object under this group's id (a freed group's id reused, a
+    # default group destroyed and made again)
+    S._eager.clear()
+    other_calls, _ = _install(group, x, g, plan_group=dist.new_group([0], backend="gloo"))
+    reaches_full_path(lambda: allscan.scan(x, g), "another group's plan")
+    assert other_calls == []
+    calls, plans = _install(group, x, g)
     # num_blocks keyed as an int only: True equals 1 as a key, but the full path refuses a bool
     _install(group, x, g, num_blocks=1)
     assert torch.equal(allscan.scan(x, g, num_blocks=1), x * 7)
     with pytest.raises(ValueError, match="num_blocks must be None"):
         allscan.scan(x, g, num_blocks=True)
+    # an init of the keyed shape that needs a gradient, is not contiguous or is a subclass
+    init = torch.ones_like(x)
+    init_calls, _ = _install(group, x, g, init=init)
+    assert torch.equal(allscan.scan(x, g, init=init.clone()), x * 7) and len(init_calls) == 1
+    y = reaches_full_path(lambda: allscan.scan(x, g, init=init.clone().requires_grad_(True)), "init requires_grad")
+    assert y.grad_fn is not None
+    it = torch.ones(3, 2).t()
+    assert it.shape == x.shape and not it.is_contiguous()
+    reaches_full_path(lambda: allscan.scan(x, g, init=it), "non-contiguous init")
+    reaches_full_path(lambda: allscan.scan(x, g, init=torch.nn.Parameter(init, requires_grad=False)), "init subclass")
+    assert len(init_calls) == 1
     # gamma and transition both given: the full path's error
     with pytest.raises((TypeError, ValueError), match="transition"):
         allscan.scan(x, g, transition=torch.eye(2))
@@ -131,12 +163,12 @@ def _fast_path_routes(rank, P):
     finally:
         release.set()
         t.join(30)
-    assert torch.equal(allscan.scan(x, g), x * 7)  # and the group is free again after the refusal
+    assert torch.equal(allscan.scan(x, g), x * 7) and len(calls) == n + 1  # the group free again after the refusal
     assert not allscan._threads._busy
     S._scan = full
     S._eager.clear()
-    return len(calls)
+    return "ok"
 
 
 def test_fast_path_serves_only_calls_the_core_can_take_as_given():
-    assert run_distributed(_fast_path_routes, 1) == [4]
+    assert run_distributed(_fast_path_routes, 1) == ["ok"]

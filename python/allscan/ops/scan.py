@@ -28,6 +28,7 @@ __all__ = ["scan", "ScanHandle", "set_check_every_call", "destroy_communicators"
 
 METHODS = ("pipelined", "serial", "allgather", "device")
 _OP = "scan"
+_HAS_DIST = dist.is_available()  # a torch built without it: normalize_group raises the error that says so
 _MAX_DIMS = 8  # dimensions of the state compared one by one; further ones by a hash
 
 
@@ -281,7 +282,7 @@ class ScanHandle:
     current stream wait for the side stream the scan ran on (the host does not block). Until then the
     handle holds the tensors the scan reads, so the caller may drop its own references at once."""
 
-    __slots__ = ("_result", "_event", "_raw", "_caller", "_side", "_keep")
+    __slots__ = ("_result", "_event", "_raw", "_caller", "_side", "_keep", "__weakref__")
 
     def __init__(self, result: torch.Tensor, event: Optional["torch.cuda.Event"] = None, raw=None,
                  caller_stream: int = 0, side=None, keep=()):
@@ -514,17 +515,14 @@ def scan(
     """
     if torch.compiler.is_compiling():  # traced into a graph: no host-thread bookkeeping there
         return _scan(tensor, gamma, group, transition, reverse, inclusive, init, num_blocks, method, async_op)
-    grp = dist.group.WORLD if group is None else group  # WORLD is None before init_process_group
-    if not isinstance(grp, dist.ProcessGroup):
+    grp = dist.group.WORLD if group is None and _HAS_DIST else group  # WORLD: None before init_process_group
+    if not (_HAS_DIST and isinstance(grp, dist.ProcessGroup)):
         grp = _comm.normalize_group(group)  # a name, or an error naming what is wrong
     entry = _threads.enter(grp, _OP)
     try:
         other = gamma if transition is None else transition
         key = _fast_key(grp, tensor, gamma, transition, init, reverse, inclusive, num_blocks, method, async_op)
-        try:
-            hit = _eager.get(key)
-        except TypeError:  # an unhashable option: the full path names it
-            hit = None
+        hit = _eager.get(key)
         if hit is not None and hit.serves(grp, tensor, other, init):
             return hit(tensor, other, init)
         y = _scan(tensor, gamma, grp, transition, reverse, inclusive, init, num_blocks, method, async_op)
@@ -596,9 +594,13 @@ _eager: Dict[tuple, _FastCall] = plan_cache(_EagerCache)
 
 def _fast_key(group, tensor, gamma, transition, init, reverse, inclusive, num_blocks, method, async_op):
     """The fast path's key of a call (None: not keyed; the full path's checks name what is wrong).
-    Only ``torch.Tensor`` itself is keyed (a subclass may override what the core would read); flags
-    are keyed by value, as the full path reads them (truthiness), ``num_blocks`` only as an int."""
-    if tensor.__class__ is not torch.Tensor or not (num_blocks is None or num_blocks.__class__ is int):
+    Only ``torch.Tensor`` itself is keyed (a subclass may override what the core would read), flags
+    only as ``bool``, ``num_blocks`` only as an int, ``method`` only as a str: every key is hashable,
+    and a flag given as another type (a tensor, an array) never fills the cache with keys no later
+    call can match."""
+    if (tensor.__class__ is not torch.Tensor or reverse.__class__ is not bool or inclusive.__class__ is not bool
+            or async_op.__class__ is not bool or method.__class__ is not str
+            or not (num_blocks is None or num_blocks.__class__ is int)):
         return None
     if transition is None:
         other = gamma
