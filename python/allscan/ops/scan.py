@@ -540,8 +540,8 @@ def scan(
 # The eager fast path: a call whose arguments (shapes, dtypes, devices, options) have an NCCL plan
 # passed every check of the first call made with them, so it goes straight to the core (issue 14:
 # the host's time per call), synchronous or async, diagonal or matrix. Everything else takes the
-# full path, which fills this cache. Each check below is a few hundred nanoseconds of the call's
-# budget: the key is one tuple, the cache a plain dict lookup.
+# full path, which fills this cache. What is below runs on every call, so it is kept to one key
+# tuple, one plain dict lookup and the checks the key cannot hold.
 # ------------------------------------------------------------------------------------------------
 # The current CUDA device without torch.cuda's lazy-init check (a hit means CUDA is initialised).
 _current_device = getattr(torch._C, "_cuda_getDevice", None) or torch.cuda.current_device
