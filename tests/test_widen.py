@@ -1,6 +1,8 @@
-"""``allscan.ops.delta.widen.widened``: fla's WY values widened with zero columns, against torch's cat.
-On CPU through Triton's interpreter (in a subprocess: the interpreter is chosen when the kernel is
-defined); on GPU the compiled kernel."""
+"""``allscan.ops.delta.widen``: fla's WY values widened with zero columns (``widened``, against torch's
+cat) and Gated DeltaNet's ``w`` and ``[u | 0]`` in one pass (``gdn_wy_widened``, against a float64
+reference on the same rounded operands; on GPU also bitwise against fla's ``recompute_w_u_fwd`` then
+``widened``). On CPU through Triton's interpreter (in a subprocess: the interpreter is chosen when the
+kernel is defined); on GPU the compiled kernel."""
 import pytest
 import torch
 from triton_interpreted import assert_passes_interpreted
@@ -35,8 +37,100 @@ def test_widened_interpreted_on_cpu():
     assert_passes_interpreted("test_widen", "check_widened")
 
 
+# (B, T, H, HV, K, V, width): chunks cut short, K and V below a 64-wide tile and not powers of two, value
+# heads grouped over the key heads, zero columns fewer and more than a tile
+WY_SHAPES = [(1, 70, 2, 2, 32, 32, 64), (2, 33, 1, 3, 64, 40, 104), (1, 128, 2, 4, 64, 64, 128),
+             (1, 5, 1, 1, 16, 16, 32), (1, 65, 1, 2, 96, 48, 200)]
+_WY_TOL = {torch.bfloat16: 2e-2, torch.float16: 4e-3, torch.float32: 4e-3}  # fp32's w: TF32 dots on GPU
+
+
+def wy_reference(k, v, beta, A, g, width):
+    """float64 ``(w, [u | 0])`` chunk by chunk, from the operands the kernel rounds as fla's does: ``v *
+    beta`` and ``k * beta * exp2(g)`` in the values' dtype, ``k * beta`` in it first when beta has it."""
+    B, T, H, K = k.shape
+    HV, V = v.shape[2], v.shape[3]
+    w = torch.zeros(B, T, HV, K, dtype=torch.float64)
+    u = torch.zeros(B, T, HV, width, dtype=torch.float64)
+    kh = k.float().repeat_interleave(HV // H, dim=2)
+    vb = (v.float() * beta.float()[..., None]).to(v.dtype).double()
+    kb = kh * beta.float()[..., None]
+    if beta.dtype == k.dtype:
+        kb = kb.to(k.dtype).float()
+    kb = (kb * torch.exp2(g.float())[..., None]).to(k.dtype).double()
+    for t0 in range(0, T, 64):
+        n = min(64, T - t0)
+        a = A[:, t0:t0 + n, :, :n].double().permute(0, 2, 1, 3)  # [B, HV, n, n]
+        u[:, t0:t0 + n, :, :V] = (a @ vb[:, t0:t0 + n].permute(0, 2, 1, 3)).permute(0, 2, 1, 3)
+        w[:, t0:t0 + n] = (a @ kb[:, t0:t0 + n].permute(0, 2, 1, 3)).permute(0, 2, 1, 3)
+    return w, u
+
+
+def wy_inputs(B, T, H, HV, K, V, dtype, gen, beta_dtype=None):
+    k = torch.nn.functional.normalize(torch.randn(B, T, H, K, generator=gen), dim=-1).to(dtype)
+    v = torch.randn(B, T, HV, V, generator=gen).to(dtype)
+    beta = torch.rand(B, T, HV, generator=gen).to(beta_dtype or dtype)
+    A = (torch.randn(B, T, HV, 64, generator=gen) / 8).to(dtype)
+    g = -torch.rand(B, T, HV, generator=gen).cumsum(1) / 16  # a cumulative log2 decay, fp32 as fla's
+    return k, v, beta, A, g
+
+
+def check_gdn_wy_widened(device: str, shapes=WY_SHAPES):
+    from allscan.ops.delta.widen import gdn_wy_widened
+
+    gen = torch.Generator().manual_seed(1)
+    junk = None
+    # beta in the values' dtype, or fp32 (fla's sigmoid in the kernel makes it fp32)
+    for dtype, beta_dtype in ((torch.bfloat16, None), (torch.float16, None), (torch.float32, None),
+                              (torch.bfloat16, torch.float32)):
+        for B, T, H, HV, K, V, W in shapes:
+            k, v, beta, A, g = wy_inputs(B, T, H, HV, K, V, dtype, gen, beta_dtype)
+            del junk  # freed memory the outputs are likely to reuse: the zero columns must be written
+            w, u = gdn_wy_widened(*(t.to(device) for t in (k, v, beta, A, g)), W)
+            junk = torch.full((2 * u.numel(),), float("nan"), dtype=dtype, device=device)
+            assert w.dtype == dtype and u.dtype == dtype and w.shape == (B, T, HV, K) and u.shape == (B, T, HV, W)
+            want_w, want_u = wy_reference(k, v, beta, A, g, W)
+            for name, got, want in (("w", w, want_w), ("u", u, want_u)):
+                err = (got.cpu().double() - want).abs().max().item()
+                assert err <= _WY_TOL[dtype] * want.abs().max().item(), (name, dtype, (B, T, H, HV, K, V, W), err)
+            assert not u[..., V:].any(), "the widened columns are zeros"
+    w, u = gdn_wy_widened(*(t.to(device) for t in wy_inputs(1, 0, 1, 1, 16, 16, torch.float32, gen)), 32)
+    assert w.shape == (1, 0, 1, 16) and u.shape == (1, 0, 1, 32)
+    with pytest.raises(ValueError, match="width must be at least"):
+        gdn_wy_widened(*(t.to(device) for t in wy_inputs(1, 3, 1, 1, 16, 16, torch.float32, gen)), 8)
+
+
+def test_gdn_wy_widened_interpreted_on_cpu():
+    assert_passes_interpreted("test_widen", "check_gdn_wy_widened")
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_widened_on_gpu():
     # the layers' sizes: K = V = 128 (the benchmarks), K = 256, V = 512 (GatedDeltaNet's defaults)
     check_widened("cuda", shapes=SHAPES + [(1, 4096, 16, 128, 256), (1, 700, 4, 512, 768)])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_gdn_wy_widened_on_gpu_equals_fla():
+    """The compiled kernel against the reference, and bitwise against what it replaces: fla's intra-chunk
+    function's factors (its solve kernel as the layer launches it) and WY values, then ``widened``."""
+    # (every shape and dtype compiles a kernel: a few of each, the benchmarks' shape among them)
+    check_gdn_wy_widened("cuda", shapes=WY_SHAPES[1:3] + [(1, 4096, 16, 16, 128, 128, 256)])
+    pytest.importorskip("fla.ops.gated_delta_rule")
+    from fla.ops.gated_delta_rule.chunk_fwd import chunk_gated_delta_rule_fwd_intra
+    from fla.ops.gated_delta_rule.wy_fast import recompute_w_u_fwd
+
+    from allscan.ops.delta.fla import _gdn_solved_factors
+    from allscan.ops.delta.widen import gdn_wy_widened, widened
+
+    gen = torch.Generator().manual_seed(2)
+    for dtype, beta_dtype in ((torch.bfloat16, None), (torch.float16, None), (torch.float32, None),
+                              (torch.bfloat16, torch.float32)):
+        for B, T, H, HV, K, V in ((1, 4096, 16, 16, 128, 128),):
+            k, v, beta, A, g = (t.cuda() for t in wy_inputs(B, T, H, HV, K, V, dtype, gen, beta_dtype))
+            w_fla, u_fla, A_fla = chunk_gated_delta_rule_fwd_intra(k=k, v=v, g=g, beta=beta, chunk_size=64)
+            assert torch.equal(_gdn_solved_factors(k, g, beta), A_fla), (dtype, beta_dtype, T)
+            w, u = gdn_wy_widened(k, v, beta, A, g, V + K)
+            w_ref, u_ref = recompute_w_u_fwd(k=k, v=v, beta=beta, A=A, g=g)
+            assert torch.equal(w, w_ref) and torch.equal(u, widened(u_ref, V + K)), (dtype, beta_dtype, T)

@@ -20,8 +20,9 @@ first segment, the one the All-Scan's state enters, runs:
   come out of fla's state kernel and go to the All-Scan; the outputs come from the chunk states by
   allscan's kernel (:func:`.fold_in.head_outputs`: fla's output arithmetic over the V + K columns with
   ``S_in`` folded in, so ``o'`` is never written), which waits for the scan; the other packed segments'
-  outputs are issued before that wait. The WY values ``u`` are computed on the V columns and widened
-  with zeros (``u`` is linear in v), not computed on ``[v | 0]``.
+  outputs are issued before that wait. The WY values ``u`` are computed on the V columns, not on ``[v |
+  0]``, and widened with zeros (``u`` is linear in v): Gated DeltaNet's written widened by allscan's WY
+  kernel after fla's solve kernel, KDA's widened after fla's intra-chunk function (:mod:`.widen`).
 - backward on the V value columns only: fla's backward from the whole incoming state, given the final
   state's gradient, exactly what fla runs for a sequence that starts from that state. Its steps are
   called one by one (:func:`_backward_steps`, in fla's order), so that the final state's gradient, to
@@ -84,7 +85,8 @@ def _fns() -> SimpleNamespace:
     from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_bwd_dhu, chunk_gated_delta_rule_fwd_h
     from fla.ops.common.chunk_o import chunk_bwd_dqkwg, chunk_bwd_dv_local, chunk_fwd_o
     from fla.ops.common.gate import fused_beta_sigmoid_bwd, fused_beta_sigmoid_fwd
-    from fla.ops.gated_delta_rule.chunk_fwd import chunk_gated_delta_rule_fwd_intra
+    from fla.ops.gated_delta_rule.chunk_fwd import (chunk_gated_delta_rule_fwd_intra,
+                                                    chunk_gated_delta_rule_fwd_kkt_solve_kernel)
     from fla.ops.gated_delta_rule.gate import gdn_gate_bwd, gdn_gate_chunk_cumsum
     from fla.ops.gated_delta_rule.wy_fast import prepare_wy_repr_bwd
     from fla.ops.gated_delta_rule.wy_fast import recompute_w_u_fwd as gdn_recompute_w_u_fwd
@@ -100,7 +102,7 @@ def _fns() -> SimpleNamespace:
     from allscan.ops.gla.fla import apply_autotune_setting
 
     from .fold_in import fold_state_grad, head_outputs
-    from .widen import widened
+    from .widen import gdn_wy_widened, widened
 
     from ..fla_dispatch import direct
 
@@ -121,6 +123,7 @@ def _fns() -> SimpleNamespace:
     return SimpleNamespace(
         **{name: direct(fn) for name, fn in fla.items()},  # past fla's dispatcher where it falls back anyway
         RCP_LN2=RCP_LN2, prepare_chunk_indices=prepare_chunk_indices,
+        gdn_kkt_solve_kernel=chunk_gated_delta_rule_fwd_kkt_solve_kernel, gdn_wy_widened=gdn_wy_widened,
         widened=widened, head_outputs=head_outputs, fold_state_grad=fold_state_grad)
 
 
@@ -170,9 +173,10 @@ def _state_steps(q, k, v, g, beta, opts, scale, h0, width, cu=None, ci=None):
             g_cum = fla.chunk_local_cumsum(g=g, scale=fla.RCP_LN2, chunk_size=CHUNK, **vl)
         w, u, _, kg, Aqk, Akk = fla.chunk_kda_fwd_intra(q=q, k=k, v=v, gk=g_cum, beta=beta, scale=scale,
                                                         chunk_size=CHUNK, safe_gate=opts.safe_gate, **vl)
-        h, v_new, final = fla.chunk_gated_delta_rule_fwd_h(k=kg, w=w, u=fla.widened(u, width), gk=g_cum,
-                                                           initial_state=h0, output_final_state=True,
-                                                           chunk_size=CHUNK, **vl)
+        if width > v.shape[-1]:
+            u = fla.widened(u, width)
+        h, v_new, final = fla.chunk_gated_delta_rule_fwd_h(k=kg, w=w, u=u, gk=g_cum, initial_state=h0,
+                                                           output_final_state=True, chunk_size=CHUNK, **vl)
         # fla recomputes the cumulative gate in the backward when it applies the gate itself
         factors = (None if opts.use_gate_in_kernel else g_cum, Aqk, Akk)
         return final, ("kda", q, v_new, g_cum, Aqk, h, scale, vl, factors)
@@ -181,10 +185,27 @@ def _state_steps(q, k, v, g, beta, opts, scale, h0, width, cu=None, ci=None):
                                           dt_bias=opts.dt_bias, **vl)
     else:
         g_cum = fla.chunk_local_cumsum(g, chunk_size=CHUNK, scale=fla.RCP_LN2, **vl)
-    w, u, A = fla.chunk_gated_delta_rule_fwd_intra(k=k, v=v, g=g_cum, beta=beta, chunk_size=CHUNK, **vl)
-    h, v_new, final = fla.chunk_gated_delta_rule_fwd_h(k=k, w=w, u=fla.widened(u, width), g=g_cum, initial_state=h0,
+    if width == v.shape[-1]:
+        w, u, A = fla.chunk_gated_delta_rule_fwd_intra(k=k, v=v, g=g_cum, beta=beta, chunk_size=CHUNK, **vl)
+    else:  # the first segment (one sequence batch): w and [u | 0] in one pass after fla's factors
+        A = _gdn_solved_factors(k, g_cum, beta)
+        w, u = fla.gdn_wy_widened(k, v, beta, A, g_cum, width)
+    h, v_new, final = fla.chunk_gated_delta_rule_fwd_h(k=k, w=w, u=u, g=g_cum, initial_state=h0,
                                                        output_final_state=True, chunk_size=CHUNK, **vl)
     return final, ("gdn", q, k, v_new, h, g_cum, scale, vl, (g_cum, A))
+
+
+def _gdn_solved_factors(k, g_cum, beta):
+    """Gated DeltaNet's solved WY factors ``A [B, T, HV, 64]`` of one sequence batch: the first step of
+    fla's ``chunk_gated_delta_rule_fwd_intra`` (its fused kkt + solve kernel, launched as it launches
+    it for chunk 64), without the WY values it computes next (:func:`.widen.gdn_wy_widened` does,
+    widened)."""
+    B, T, H, K = k.shape
+    HV = beta.shape[2]
+    A = torch.zeros(B, T, HV, CHUNK, device=k.device, dtype=k.dtype)
+    _fns().gdn_kkt_solve_kernel[(-(-T // CHUNK), B * HV)](
+        k=k, g=g_cum, beta=beta, A=A, cu_seqlens=None, chunk_indices=None, T=T, H=H, HV=HV, K=K, BT=CHUNK, BC=16)
+    return A
 
 
 def _output_step(staged):
