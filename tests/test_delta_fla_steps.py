@@ -198,3 +198,42 @@ def test_the_reverse_scan_is_asked_for_where_fla_s_backward_state_kernel_starts(
     local_dv = "chunk_kda_bwd_dAv" if layer == "kda" else "chunk_bwd_dv_local"
     assert order[:7] == [recompute, "mark", "chunk_gated_delta_rule_fwd_h", "start", local_dv, "get",
                          "chunk_gated_delta_rule_bwd_dhu"]
+
+
+class LaunchRecorder:
+    """A stand-in for a Triton kernel: ``kernel[grid](**kwargs)`` is recorded, tensors by name (the
+    output ``A`` by its shape, dtype and contents: each side allocates its own)."""
+
+    def __init__(self, names):
+        self.names, self.launches = names, []
+
+    def __getitem__(self, grid):
+        def launch(**kwargs):
+            args = {k: (("A", tuple(v.shape), v.dtype, bool(v.any())) if k == "A" else self.names.get(id(v), "?"))
+                    if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
+            self.launches.append((tuple(grid), args, kwargs.get("A")))
+        return launch
+
+
+@pytest.mark.parametrize("value_heads", [1, 2])
+def test_gdn_solve_kernel_is_launched_as_fla_s_intra_function_launches_it(value_heads, monkeypatch):
+    """The widened Gated DeltaNet forward runs fla's fused kkt + solve kernel itself (then allscan's WY
+    kernel, not fla's): it must launch it as fla's ``chunk_gated_delta_rule_fwd_intra`` does for chunk 64
+    (grid, arguments, a zeroed ``A`` of k's dtype) and return what it wrote."""
+    import fla.ops.gated_delta_rule.chunk_fwd as fla_intra
+
+    T, H, K = 130, 2, 16  # a chunk cut short
+    k = torch.randn(1, T, H, K, dtype=torch.bfloat16)
+    g, beta = torch.randn(1, T, H * value_heads), torch.rand(1, T, H * value_heads, dtype=torch.bfloat16)
+    names = {id(k): "k", id(g): "g", id(beta): "beta"}
+    theirs, ours = LaunchRecorder(names), LaunchRecorder(names)
+    monkeypatch.setattr(fla_intra, "chunk_gated_delta_rule_fwd_kkt_solve_kernel", theirs)
+    monkeypatch.setattr(fla_intra, "IS_INTEL", False)  # fla's fused path, as on NVIDIA GPUs
+    monkeypatch.setattr(fla_intra, "recompute_w_u_fwd", lambda **kw: (None, None))
+    fla_intra.chunk_gated_delta_rule_fwd_intra(k=k, v=torch.zeros(1, T, H * value_heads, 8), g=g, beta=beta,
+                                               chunk_size=64)
+    monkeypatch.setattr(allscan_fla, "_fns", lambda: SimpleNamespace(gdn_kkt_solve_kernel=ours))
+    A = allscan_fla._gdn_solved_factors(k, g, beta)
+    assert len(theirs.launches) == 1 and len(ours.launches) == 1
+    assert ours.launches[0][:2] == theirs.launches[0][:2]
+    assert A is ours.launches[0][2]

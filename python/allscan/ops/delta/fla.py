@@ -188,6 +188,7 @@ def _state_steps(q, k, v, g, beta, opts, scale, h0, width, cu=None, ci=None):
     if width == v.shape[-1]:
         w, u, A = fla.chunk_gated_delta_rule_fwd_intra(k=k, v=v, g=g_cum, beta=beta, chunk_size=CHUNK, **vl)
     else:  # the first segment (one sequence batch): w and [u | 0] in one pass after fla's factors
+        assert cu is None, "the widened segment is one sequence batch (FlaDelta.states)"
         A = _gdn_solved_factors(k, g_cum, beta)
         w, u = fla.gdn_wy_widened(k, v, beta, A, g_cum, width)
     h, v_new, final = fla.chunk_gated_delta_rule_fwd_h(k=k, w=w, u=u, g=g_cum, initial_state=h0,

@@ -3,8 +3,9 @@ widened forward of :class:`allscan.ops.delta.fla.FlaDelta` (``u`` is linear in t
 values of ``[v | 0]`` are ``[u | 0]``). Two ways, each writing the widened rows once:
 
 - :func:`gdn_wy_widened` (Gated DeltaNet): fla's ``recompute_w_u_fwd`` arithmetic (``w = A (k beta
-  exp2(g))``, ``u = A (v beta)`` per chunk of 64, from fla's solved factors ``A``), storing ``u``
-  straight into the widened rows, so ``u`` is never written and read back;
+  exp2(g))``, ``u = A (v beta)`` per chunk of 64, from fla's solved factors ``A``; the same tiles and
+  roundings, bitwise equal to fla's where ``tests/test_widen.py`` compares them on the GPU), storing
+  ``u`` straight into the widened rows, so ``u`` is never written and read back;
 - :func:`widened` (KDA, whose WY values come out of fla's intra-chunk function): ``u`` read once, each
   row written whole (torch would copy into the left columns, then fill the right ones).
 """
@@ -114,6 +115,12 @@ def gdn_wy_widened(k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, A: torc
     HV, V = v.shape[2], v.shape[3]
     if width < V:
         raise ValueError(f"gdn_wy_widened: width must be at least v's last dimension {V}, got {width}")
+    if HV % H or v.shape[:2] != k.shape[:2]:
+        raise ValueError(f"gdn_wy_widened: v must be [B, T, HV, V] with k's [B, T] and HV a multiple of k's heads, "
+                         f"got k {list(k.shape)}, v {list(v.shape)}")
+    for name, t, shape in (("beta", beta, (B, T, HV)), ("g_cum", g_cum, (B, T, HV)), ("A", A, (B, T, HV, _BLOCK_T))):
+        if tuple(t.shape) != shape:
+            raise ValueError(f"gdn_wy_widened: {name} must be {list(shape)}, got {list(t.shape)}")
     k, v, beta, A, g_cum = (t.contiguous() for t in (k, v, beta, A, g_cum))
     w = k.new_empty(B, T, HV, K)
     u = v.new_empty(B, T, HV, width)
