@@ -564,7 +564,7 @@ class _FastCall:
         differentiate, contiguous tensors on the current device (the key holds shapes, dtypes and
         devices), and the plan still cached (kept recent there, so every rank evicts the same
         signatures: an eviction means a new, collective, check, which the full path makes)."""
-        if self.plan.group_ref() is not group or settings.check == "always":
+        if not plan_is_current(self.plan, group):
             return False
         if not _as_given(tensor, other, init) or tensor.get_device() != _current_device():
             return False
