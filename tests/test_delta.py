@@ -26,6 +26,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(__file__))
 from distributed import run_distributed  # noqa: E402
+from failing_rank import outcome_when_rank_1_fails  # noqa: E402
 
 from allscan.layers import zeco_gated_delta_rule, zeco_kda  # noqa: E402
 from allscan.ops.delta import chunk_delta_rule, recurrent_delta_rule_reference  # noqa: E402
@@ -371,40 +372,32 @@ def test_backward_frees_q_eff_when_nothing_else_holds_it():
 
 
 def _part_fails(rank, world, where):
-    """Rank 1 of 3 fails in its part of the backward and raises, and no peer is left waiting in the
-    reverse scan: failing to compute ``Q'^T do`` (beside the local backward), it tells its peers, which
-    raise naming it; failing in the local backward before it takes the scan's result, it still issues
-    the scan with its part, and the peers finish."""
+    """Rank 1 of 3 fails in its own work and raises, and no peer is left waiting in a scan: failing in its
+    forward before the scan (the shard's states) or in computing ``Q'^T do`` (the reverse scan's part,
+    beside the local backward), it tells its peers, which raise naming it; failing in the local backward
+    before it takes the scan's result, it still issues the scan with its part, and the peers finish.
+    Then every rank's next call gives the gradients of a call before the failure (the group stays usable)."""
     from allscan.ops.delta.chunk import TorchDelta
 
     d, do = _data(11, "gdn", 1, 40 * world, H, 1, gated=False)
     sl = slice(rank * 40, (rank + 1) * 40)
-    mine = [d[n][:, sl].clone().requires_grad_(True) for n in ("q", "k", "v", "g", "beta")]
-    o, _ = zeco_gated_delta_rule(*mine, dist.group.WORLD)
-    name = {"fold": "fold_state_grad", "local": "backward"}[where]
-    real = getattr(TorchDelta, name)
 
-    def failing(*args):
-        if rank == 1:
-            raise RuntimeError(f"injected failure in {name}")
-        return real(*args)
+    def grads():
+        mine = [d[n][:, sl].clone().requires_grad_(True) for n in ("q", "k", "v", "g", "beta")]
+        o, _ = zeco_gated_delta_rule(*mine, dist.group.WORLD)
+        return torch.autograd.grad(o, mine, do[:, sl])
 
-    setattr(TorchDelta, name, staticmethod(failing))
-    try:
-        torch.autograd.grad(o, mine, do[:, sl])
-    except RuntimeError as e:
-        assert rank == 1 and "injected" in str(e), (rank, e)
-        return "raised"
-    except ValueError as e:
-        assert rank != 1 and "rank(s) [1]" in str(e), (rank, e)
-        return "told"
-    finally:
-        setattr(TorchDelta, name, staticmethod(real))
-    return "done"
+    expected = grads()
+    name = {"states": "states", "fold": "fold_state_grad", "local": "backward"}[where]
+    outcome = outcome_when_rank_1_fails(TorchDelta, name, grads)
+    assert all(torch.equal(a, b) for a, b in zip(grads(), expected)), (rank, where)
+    return outcome
 
 
-@pytest.mark.parametrize("where, outcome", [("fold", ["told", "raised", "told"]), ("local", ["done", "raised", "done"])])
-def test_a_rank_failing_in_its_backward_leaves_no_peer_waiting(where, outcome):
+@pytest.mark.parametrize("where, outcome", [("states", ["told", "raised", "told"]),
+                                            ("fold", ["told", "raised", "told"]),
+                                            ("local", ["done", "raised", "done"])])
+def test_a_rank_failing_in_its_own_work_leaves_no_peer_waiting(where, outcome):
     assert run_distributed(_part_fails, 3, where, timeout=120) == outcome
 
 

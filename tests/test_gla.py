@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(__file__))
 from distributed import run_distributed  # noqa: E402
+from failing_rank import outcome_when_rank_1_fails  # noqa: E402
 
 import allscan.ops.gla as G  # noqa: E402
 from allscan._contract import settings  # noqa: E402
@@ -512,6 +513,32 @@ def test_last_rank_state_backward_failure_leaves_no_peer_waiting(times):
         assert out == [1, 1, 2]  # the last rank's state backward ran twice: before the scan, failing, and after
     else:
         assert out == [1, 1, "raised"]
+
+
+def _run_part_fails(rank, world, where):
+    """Rank 1 of 3 fails in its own work before one of its scans (out of memory, say) and raises: in its
+    forward's states, or in its backward's first step or its part of the reverse scan (``X``). It tells
+    its peers, which raise naming it instead of waiting in the scan; then every rank's next call gives
+    the gradients of a call before the failure (the group stays usable)."""
+    from allscan.ops.gla.chunk import TorchGLA
+
+    q, k, v, g, _, do = _data(17, 1, 32 * world, "gla", 1)
+    sl = slice(rank * 32, (rank + 1) * 32)
+
+    def grads():
+        ins = [x[:, sl].clone().requires_grad_(True) for x in (q, k, v, g)]
+        o, _ = zeco_gla(*ins)
+        return torch.autograd.grad(o, ins, do[:, sl])
+
+    expected = grads()
+    outcome = outcome_when_rank_1_fails(TorchGLA, where, grads)
+    assert all(torch.equal(a, b) for a, b in zip(grads(), expected)), (rank, where)
+    return outcome
+
+
+@pytest.mark.parametrize("where", ["fwd_states", "bwd_begin", "xgrad"])
+def test_a_rank_failing_before_its_scan_leaves_no_peer_waiting(where):
+    assert run_distributed(_run_part_fails, 3, where, timeout=120) == ["told", "raised", "told"]
 
 
 def test_fla_autotune_one_config_choice():

@@ -334,3 +334,73 @@ def test_pipeline_sequential_order():
                     lambda c, r, s: log.append(("g", c, r, s)), None)
     assert log == [("s", 0, None), ("a", 0), ("g", 0, 0, None), ("s", 1, None), ("a", 1), ("g", 1, 1, None),
                    ("s", 2, None), ("a", 2), ("g", 2, 2, None)]
+
+
+@pytest.mark.parametrize("failing", [0, 2])
+def test_pipeline_failure_reports_and_still_joins_the_streams(failing):
+    """attend(c) raising: ``failed(c, error)`` runs, the error propagates, nothing after it is issued,
+    and (two streams) main has waited for everything the comm stream was given."""
+    sync, log, told = _FakeSync(), [], []
+
+    def attend(c):
+        sync.main.op(log, ("attend", c))
+        if c == failing:
+            raise RuntimeError("injected out of memory")
+        return c
+
+    with pytest.raises(RuntimeError, match="injected"):
+        U._run_pipeline(4, lambda c, stream: stream.op(log, ("scatter", c)), attend,
+                        lambda c, res, stream: stream.op(log, ("gather", c)), None, sync=sync,
+                        failed=lambda c, e: told.append((c, str(e))))
+    assert told == [(failing, "injected out of memory")]
+    issued = [entry[0] for entry in log]
+    assert ("gather", failing) not in issued and ("attend", failing + 1) not in issued
+    assert sync.main.clock["comm"] == sync.comm.clock["comm"], "main did not wait for the comm stream"
+
+    told.clear()
+    with pytest.raises(RuntimeError, match="injected"):
+        U._run_pipeline(4, lambda c, s: None, lambda c: attend(c) if c == failing else c, lambda c, r, s: None,
+                        None, failed=lambda c, e: told.append(c))
+    assert told == [failing]
+
+
+def _attention_fails(rank, world, where):
+    """Every rank's attention (forward, or its backward) raises at a head chunk: each reports the
+    failure between its all-to-alls (the fault board's call on NCCL, recorded here: on gloo it is
+    a no-op) naming the chunk and the error, and raises it."""
+    from allscan import _comm
+
+    q, k, v, w = _inputs(1, 4 * world, 4, 4, 8, torch.float64)
+    sl = slice(rank * 4, (rank + 1) * 4)
+    ql, kl, vl = (t[:, sl].clone().requires_grad_(True) for t in (q, k, v))
+    reports, real_report, real_sdpa = [], _comm.report_local_error, U.F.scaled_dot_product_attention
+    calls = []
+
+    def failing_sdpa(*args, **kwargs):
+        calls.append(1)
+        if where == "forward" and len(calls) == 2:
+            raise RuntimeError("injected out of memory")
+        out = real_sdpa(*args, **kwargs)
+        if where == "backward":
+            out.register_hook(lambda g: (_ for _ in ()).throw(RuntimeError("injected out of memory")))
+        return out
+
+    _comm.report_local_error = lambda group, device, reason: reports.append((group, device, reason))
+    U.F.scaled_dot_product_attention = failing_sdpa
+    try:
+        with pytest.raises(RuntimeError, match="injected out of memory"):
+            out = U.ulysses_attention(ql, kl, vl, num_chunks=2)
+            (out * w[:, sl]).sum().backward()
+    finally:
+        _comm.report_local_error, U.F.scaled_dot_product_attention = real_report, real_sdpa
+    (group, device, reason), = reports
+    step = "attention" if where == "forward" else "attention backward"
+    assert group is torch.distributed.group.WORLD and device == ql.device
+    assert f"UlyssesAttention: its {step} of head chunk {1 if where == 'forward' else 0} failed" in reason, reason
+    assert "RuntimeError: injected out of memory" in reason, reason
+    return True
+
+
+@pytest.mark.parametrize("where", ["forward", "backward"])
+def test_attention_failing_between_all_to_alls_is_reported(where):
+    assert run_distributed(_attention_fails, 2, where, timeout=120) == [True, True]

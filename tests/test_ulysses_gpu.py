@@ -336,3 +336,43 @@ def _compiled(rank, world):
 @pytest.mark.parametrize("world", [pytest.param(1, marks=_gpus(1)), pytest.param(2, marks=two_gpus)])
 def test_compiled_equals_eager(world):
     assert run_distributed(_compiled, world, timeout=300, backend="nccl") == [True] * world
+
+
+@_gpus(1)
+def test_pipeline_on_two_streams_waits_for_the_comm_stream_after_a_failure():
+    """The two-stream pipeline driver on one GPU, copies standing in for the all-to-alls: the result
+    equals twice the input; with attend raising at chunk 1 the error propagates and work enqueued
+    on the main stream afterwards sees chunk 0's gather complete (the driver joined the streams)."""
+    from allscan.ops import ulysses as U
+
+    dev = torch.device("cuda", 0)
+    torch.cuda.set_device(dev)
+    n, size = 3, 1 << 20
+    x = torch.randn(n, size, device=dev)
+    for failing in (None, 1):
+        mid, out = torch.empty_like(x), torch.zeros_like(x)
+
+        def scatter(c, stream):
+            with torch.cuda.stream(stream):
+                mid[c].copy_(x[c])
+
+        def attend(c):
+            if c == failing:
+                raise RuntimeError("injected out of memory")
+            return mid[c] * 2
+
+        def gather(c, res, stream):
+            with torch.cuda.stream(stream):
+                torch.cuda._sleep(100_000_000)  # tens of ms: a main stream not joined to comm reads zeros
+                out[c].copy_(res)
+
+        told = []
+        if failing is None:
+            U._run_pipeline(n, scatter, attend, gather, dev, failed=lambda c, e: told.append(c))
+            assert torch.equal(out, 2 * x) and not told
+        else:
+            with pytest.raises(RuntimeError, match="injected"):
+                U._run_pipeline(n, scatter, attend, gather, dev, failed=lambda c, e: told.append(c))
+            seen = out[0].clone()  # on the main stream
+            torch.cuda.synchronize()
+            assert told == [1] and torch.equal(seen, 2 * x[0])

@@ -226,8 +226,9 @@ def _put_on_board(comm: Communicator, key: str) -> None:
 
 
 def report_local_error(group, device: torch.device, reason: str) -> None:
-    """This rank raised on its own arguments where its peers do not exchange (NCCL, ``first``): if
-    the group's communicator exists, report the skipped call on the fault board (its thread posts it)."""
+    """This rank raised where its peers do not exchange with it first (its own arguments on NCCL in
+    ``first`` mode, or its own work between the collectives of one layer call): if the group's
+    communicator exists, report the skipped call on the fault board (its thread posts it)."""
     if device.type != "cuda":
         return
     index = device.index if device.index is not None else torch.cuda.current_device()

@@ -400,8 +400,8 @@ def _hash_fields(op: str, fields: Tuple[Tuple[str, int], ...]) -> int:
 def _raise_on_difference(op: str, fields, rows, me: int) -> None:
     bad = [q for q, row in enumerate(rows) if row[0] == _INVALID]
     if bad:
-        raise ValueError(f"allscan.{op}: rank(s) {bad} rejected their own arguments (see the error raised there); "
-                         f"this is rank {me}")
+        raise ValueError(f"allscan.{op}: rank(s) {bad} rejected their own arguments or failed before this call "
+                         f"(see the error raised there); this is rank {me}")
     others = [q for q, row in enumerate(rows) if row[1] != rows[me][1]]
     if others:
         raise ValueError(f"allscan.{op}: rank(s) {others} are in a different collective at the same time "

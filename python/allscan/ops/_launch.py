@@ -12,7 +12,7 @@ import torch
 from .. import _comm
 from .._contract import announce_invalid, settings
 
-__all__ = ["validated_group", "traced_refusal", "or_empty", "absent", "nccl_preflight", "announce_device", "stream_ptr", "plan_cache", "plan_is_current",
+__all__ = ["validated_group", "traced_refusal", "or_empty", "absent", "nccl_preflight", "announce_device", "tell_peers_of_failure", "stream_ptr", "plan_cache", "plan_is_current",
            "forget_plans", "PlanCache", "MAX_PLANS", "check_num_blocks", "MAX_NUM_BLOCKS"]
 
 
@@ -86,6 +86,13 @@ def announce_device(group) -> torch.device:
     if "nccl" in _comm.backend_name(group) and torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+def tell_peers_of_failure(group, op: str, step: str, error: BaseException) -> None:
+    """A rank whose own work before its part of ``op`` raised (out of memory, a failed kernel) tells its
+    peers as a rank with bad arguments does (:func:`allscan._contract.announce_invalid`), so that they
+    raise instead of waiting in ``op`` until the timeout; the caller re-raises ``error``."""
+    announce_invalid(group, announce_device(group), op, f"{step} failed: {type(error).__name__}: {error}")
 
 
 def nccl_preflight(group, x: torch.Tensor, op: str) -> bool:

@@ -31,6 +31,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from .._contract import DTYPE_CODES, announce_invalid, check_across_ranks, dtype_code, settings
+from .. import _comm
 from .._comm import normalize_group
 from ._launch import PlanCache
 from .a2a import GATHER, SCATTER, a2a_multi, chunk_head_ranges, kv_head_ranges, split_heads
@@ -190,7 +191,7 @@ class _CudaSync:
         return torch.cuda.Event()
 
 
-def _run_pipeline(n: int, scatter, attend, gather, cuda_device: Optional[torch.device], sync=None):
+def _run_pipeline(n: int, scatter, attend, gather, cuda_device: Optional[torch.device], sync=None, failed=None):
     """scatter(c, stream) issues chunk c's input all-to-all, attend(c) its computation on the current
     (main) stream (returns what gather needs), gather(c, result, stream) its output all-to-all.
 
@@ -207,14 +208,27 @@ def _run_pipeline(n: int, scatter, attend, gather, cuda_device: Optional[torch.d
          until then (they were allocated on main; the caching allocator could otherwise hand their
          memory to main-stream work while comm still reads it).
     Without a CUDA device (or with ``ALLSCAN_ULYSSES_STREAMS=0``) it runs the same steps sequentially
-    on the current stream."""
+    on the current stream.
+
+    If attend(c) raises (out of memory, say), ``failed(c, error)`` runs before the error propagates:
+    the peers are waiting in chunk c's gather for this rank. (4) is made whatever raised, so no buffer
+    the comm stream may still write is handed to other work."""
     if n == 0:
         return
+
+    def attend_or_fail(c):
+        try:
+            return attend(c)
+        except Exception as e:
+            if failed is not None:
+                failed(c, e)
+            raise
+
     if sync is None:
         if cuda_device is None:
             for c in range(n):
                 scatter(c, None)
-                gather(c, attend(c), None)
+                gather(c, attend_or_fail(c), None)
             return
         sync = _CudaSync(cuda_device)
     main, comm = sync.main, sync.comm
@@ -228,19 +242,34 @@ def _run_pipeline(n: int, scatter, attend, gather, cuda_device: Optional[torch.d
         ev.record(comm)
         in_ev[c] = ev
 
-    issue(0)
-    for c in range(n):
-        if c + 1 < n:
-            issue(c + 1)
-        main.wait_event(in_ev[c])               # (2)
-        res = attend(c)
-        ev = sync.event()
-        ev.record(main)
-        keep.append(res)
-        comm.wait_event(ev)                     # (3)
-        gather(c, res, comm)
-    main.wait_stream(comm)                      # (4)
-    del keep
+    try:
+        issue(0)
+        for c in range(n):
+            if c + 1 < n:
+                issue(c + 1)
+            main.wait_event(in_ev[c])           # (2)
+            res = attend_or_fail(c)
+            ev = sync.event()
+            ev.record(main)
+            keep.append(res)
+            comm.wait_event(ev)                 # (3)
+            gather(c, res, comm)
+    finally:
+        main.wait_stream(comm)                  # (4)
+        del keep
+
+
+def _report_failure(plan: "_ChunkPlan", device: torch.device, step: str):
+    """The pipeline's ``failed``: a rank whose ``step`` of a chunk raised stopped between its all-to-alls,
+    where its peers wait for it. On NCCL it reports the call it skips on the fault board (its peers'
+    communicators fail within seconds, unless every rank skipped that same call: then the group carries
+    on); elsewhere (gloo, torch's all-to-all) the peers wait until their timeout."""
+    def failed(c: int, error: BaseException) -> None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return  # nothing runs before the graph is replayed
+        _comm.report_local_error(plan.group, device, f"{_OP}: its {step} of head chunk {c} failed between its "
+                                                     f"all-to-alls: {type(error).__name__}: {error}")
+    return failed
 
 
 class _UlyssesFn(torch.autograd.Function):
@@ -309,7 +338,7 @@ def _forward(plan: _ChunkPlan, q, k, v, keep_graph: bool, streams: Optional[bool
         a2a_multi(GATHER, [oc], [ch.q_map], [plan.Hq], group, outs=[out], stream=stream, check=False,
                        names=["attention output"])
 
-    _run_pipeline(len(chunks), scatter, attend, gather, cuda)
+    _run_pipeline(len(chunks), scatter, attend, gather, cuda, failed=_report_failure(plan, q.device, "attention"))
     del ins
     if cuda is not None and settings.check == "always":
         with torch.no_grad():
@@ -381,7 +410,8 @@ def _backward(plan: _ChunkPlan, graphs, dout, needs):
             a2a_multi(GATHER, list(res[1:]), [ch.done_map, ch.done_map], [plan.Hkv, plan.Hkv], group,
                            outs=[dk, dv], accumulate=[True, True], stream=stream, check=False, names=["dk", "dv"])
 
-    _run_pipeline(len(chunks), scatter, attend, gather, cuda)
+    _run_pipeline(len(chunks), scatter, attend, gather, cuda,
+                  failed=_report_failure(plan, dout.device, "attention backward"))
     if plan.kv_accumulate:
         dk, dv = dk.to(dout.dtype), dv.to(dout.dtype)
     return (dq if needs[0] else None, dk if needs[1] else None, dv if needs[2] else None)

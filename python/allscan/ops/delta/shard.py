@@ -61,10 +61,8 @@ from typing import Any, NamedTuple, Optional, Tuple
 import torch
 from torch.autograd.function import once_differentiable
 
-from allscan._contract import announce_invalid
-
 from .._beside import Beside
-from .._launch import announce_device
+from .._launch import tell_peers_of_failure
 from ..matrix_scan import _OP as MATRIX_SCAN_OP
 from .._shards import own_precision, world_and_rank
 from .chunk import compute_dtype
@@ -144,15 +142,21 @@ def shard_forward(run: ShardRun, q, k, v, g, beta, h0):
     from allscan import scan
 
     be = run.backend
-    finals, M, staged = be.states(q, k, v, g, beta, run.opts, run.scale, run.bounds, _initial_states(run, h0),
-                                  run.wide)
+    try:
+        finals, M, staged = be.states(q, k, v, g, beta, run.opts, run.scale, run.bounds,
+                                      _initial_states(run, h0), run.wide)
+        if run.world > 1:
+            c = _crossing(run)
+            x = (torch.zeros_like(finals[0]) if c is None else finals[c]).contiguous()
+            M_scan = M if run.wide and run.cross == "own" else _zero_transition(x)
+    except Exception as e:
+        if run.world > 1:  # the peers are waiting in the scan for this rank's part
+            tell_peers_of_failure(run.group, MATRIX_SCAN_OP, "its forward before the scan", e)
+        raise
     S_in = None
     if run.world > 1:
-        c = _crossing(run)
-        x = torch.zeros_like(finals[0]) if c is None else finals[c]
-        M_scan = M if run.wide and run.cross == "own" else _zero_transition(x)
-        pending = scan(x.contiguous(), group=run.group, transition=M_scan, init=_scan_init(run, h0),
-                       method=run.method, async_op=True)
+        pending = scan(x, group=run.group, transition=M_scan, init=_scan_init(run, h0), method=run.method,
+                       async_op=True)
 
     def incoming():
         nonlocal S_in
@@ -235,8 +239,7 @@ def reverse_scan(run: ShardRun, q, v, M, dfinal, q_eff=None, do=None, dy_out=Non
                 if run.cross == "own":
                     MT = M.transpose(-1, -2).contiguous()
         except Exception as e:
-            announce_invalid(run.group, announce_device(run.group), MATRIX_SCAN_OP,
-                             f"its backward failed before the reverse scan: {e}")
+            tell_peers_of_failure(run.group, MATRIX_SCAN_OP, "its backward before the reverse scan", e)
             raise
         if dy is None:
             dy = v.new_zeros(v.shape[0], v.shape[2], q.shape[-1], v.shape[-1], dtype=dt)

@@ -68,7 +68,8 @@ from allscan._contract import DTYPE_CODES, check_across_ranks, settings
 
 from allscan._comm import resolve_group
 
-from .._launch import absent, or_empty, validated_group
+from .._launch import absent, or_empty, tell_peers_of_failure, validated_group
+from ..scan import _OP as SCAN_OP
 from .._shards import (LOCAL, ShardSegments, checked_cut, inputs_need_grad, on_device, own_precision,
                        sequence_parallel_group, world_and_rank)
 from .chunk import TorchGLA
@@ -191,16 +192,21 @@ def _forward(be, q, k, v, g, h0, scale, segs: ShardSegments, method: str, want_f
 
     h0s = _segment_states(segs, h0, None)  # a continued first segment starts from 0
 
-    st = be.fwd_states(q, k, v, gf, scale, segs.bounds, h0s)
     gamma = None
-    if sp:
-        gamma = _gamma_fixed(segs, g, B, q.device, share_zeros)
-        if gamma is None and g is not None:
-            gamma = be.shard_gamma(st, g)
+    try:
+        st = be.fwd_states(q, k, v, gf, scale, segs.bounds, h0s)
+        if sp:
+            gamma = _gamma_fixed(segs, g, B, q.device, share_zeros)
+            if gamma is None and g is not None:
+                gamma = be.shard_gamma(st, g)
+            x = st.finals[-1].float().contiguous()
+    except Exception as e:
+        if sp:  # the peers are waiting in the scan for this rank's part
+            tell_peers_of_failure(segs.group, SCAN_OP, "its forward before the scan", e)
+        raise
     handle = None
     S_in = None
     if sp:
-        x = st.finals[-1].float().contiguous()
         if method == "lasp1":
             S_in = _scan(x, gamma, segs.group, method=smethod)
         else:
@@ -279,7 +285,12 @@ def _backward(be, do, dfinal, q, k, v, g, h0, S_in, gamma, saved, scale, segs: S
     # CUDA graph) it ran up to 1.7x slower; the scan overlaps the intra-chunk backward instead. (The
     # delta layers' backward has no such step before the scan's result is needed, and issues its scan
     # beside the recomputation: ops/delta/fla.py.)
-    prep = be.bwd_begin(q, k, v, gf, segs.bounds, h0s)
+    try:
+        prep = be.bwd_begin(q, k, v, gf, segs.bounds, h0s)
+    except Exception as e:
+        if sp:  # the peers are waiting in the reverse scan for this rank's part
+            tell_peers_of_failure(segs.group, SCAN_OP, "its backward before the reverse scan", e)
+        raise
 
     smethod = _SCAN_METHOD[method]
     handle = y = x = None
@@ -296,12 +307,16 @@ def _backward(be, do, dfinal, q, k, v, g, h0, S_in, gamma, saved, scale, segs: S
         except Exception:  # noqa: BLE001 - issue the scan from X, so the peers are not left waiting in it;
             last = False   # the state backward runs again after it (and raises there if it fails again)
     if sp and x is None:  # the part of dS_in this rank contributes (needs only q, g, do): start the scan on it
-        if segs.continued:
-            x, evec = be.xgrad(prep, saved, q, g, do, scale, segs.bounds[1])
-            if dfin[0] is not None:
-                x = x + _scale_state(dfin[0], evec)
-        else:  # nothing of this rank's output depends on the incoming state
-            x = _zeros((B, H, K, V), q.device, share_zeros)
+        try:
+            if segs.continued:
+                x, evec = be.xgrad(prep, saved, q, g, do, scale, segs.bounds[1])
+                if dfin[0] is not None:
+                    x = x + _scale_state(dfin[0], evec)
+            else:  # nothing of this rank's output depends on the incoming state
+                x = _zeros((B, H, K, V), q.device, share_zeros)
+        except Exception as e:
+            tell_peers_of_failure(segs.group, SCAN_OP, "its backward before the reverse scan", e)
+            raise
     if sp:
         if method == "lasp1":
             y = _scan(x.contiguous(), gamma, segs.group, reverse=True, method=smethod)
