@@ -10,7 +10,10 @@ documented in ``allscan.ops.scan``: the C++ core alone (``launch`` through the c
 layers' matrix scan), and the full path of each (``_scan``: every check and lookup, what a call
 costs when the eager fast path cannot serve it); each with the GPU idle and with the GPU busy (a long
 matmul queued first, so the host runs ahead of the device, as inside a model). Baselines: ``torch.empty_like``
-and an elementwise op on this host. Then cProfile of 100 async calls. Prints a table; JSON to --out.
+and an elementwise op on this host. Then what each API adds over the core, paired: the core and the
+call alternated in one loop, the median of the per-pair differences (the host's speed drifts between
+rows measured one after another by more than the difference itself). Then cProfile of 100 async calls.
+Prints a table; JSON to --out.
 """
 from __future__ import annotations
 
@@ -95,6 +98,34 @@ def main():
                 ts.append(time.perf_counter() - t0)
             torch.cuda.synchronize()
             res[f"{label} [{'busy' if busy else 'idle'} GPU]"] = statistics.median(ts) * 1e6
+    core, mcore = pieces["core (_C.scan via the plan)"], pieces["matrix core (launch via the plan)"]
+    pairs = {
+        "scan() - core": (pieces["scan()"], core),
+        "scan(async_op=True).wait() - core": (pieces["scan(async_op=True).wait()"], core),
+        "scan(transition=) - matrix core": (pieces["scan(transition=)"], mcore),
+        "scan(transition=, async_op=True).wait() - matrix core": (pieces["scan(transition=, async_op=True).wait()"],
+                                                                   mcore),
+    }
+    paired = {}
+    for busy in (False, True):
+        for label, (fn, base) in pairs.items():
+            dist.barrier()
+            torch.cuda.synchronize()
+            if busy:
+                for _ in range(6):
+                    big @ big
+            diffs = []
+            for i in range(args.calls):
+                first, second = (base, fn) if i % 2 == 0 else (fn, base)  # either order, half the pairs each
+                t0 = time.perf_counter()
+                first()
+                t1 = time.perf_counter()
+                second()
+                t2 = time.perf_counter()
+                diffs.append((t2 - t1) - (t1 - t0) if i % 2 == 0 else (t1 - t0) - (t2 - t1))
+            torch.cuda.synchronize()
+            q1, q2, q3 = statistics.quantiles(diffs, n=4)
+            paired[f"{label} [{'busy' if busy else 'idle'} GPU]"] = [q2 * 1e6, q1 * 1e6, q3 * 1e6]
     dist.barrier()
     pr = cProfile.Profile()
     pr.enable()
@@ -108,12 +139,15 @@ def main():
         print("host time per call, median of %d calls (us):" % args.calls)
         for k, v in res.items():
             print(f"  {k:52s} {v:8.1f}")
+        print("added over the core, paired (calls alternated; median and quartiles of the differences, us):")
+        for k, (med, lo, hi) in paired.items():
+            print(f"  {k:64s} {med:6.1f}  [{lo:5.1f}, {hi:5.1f}]")
         print(buf.getvalue())
         if args.out:
             os.makedirs(args.out, exist_ok=True)
             with open(os.path.join(args.out, "scan_host.json"), "w") as f:
                 json.dump(dict(bench="scan_host", device=torch.cuda.get_device_name(dev), calls=args.calls,
-                               host_us=res, allscan_timeout=str(allscan.settings.timeout),
+                               host_us=res, paired_over_core_us=paired, allscan_timeout=str(allscan.settings.timeout),
                                command="torchrun --nproc-per-node %d bench/scan_host.py" % dist.get_world_size()),
                           f, indent=1)
     dist.barrier()
