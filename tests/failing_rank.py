@@ -3,7 +3,8 @@ import torch.distributed as dist
 
 
 def outcome_when_rank_1_fails(owner, name: str, call) -> str:
-    """Run ``call()`` with ``owner.name`` (a static method) raising on rank 1, then restore it: what
+    """Run ``call()`` with ``owner.name`` (a static method, or a module's function) raising on rank 1,
+    then restore it: what
     this rank saw: "raised" (rank 1, its own error), "told" (a peer, told that rank 1 failed before
     the collective it waited in), "done" (the call finished)."""
     rank = dist.get_rank()
@@ -14,7 +15,7 @@ def outcome_when_rank_1_fails(owner, name: str, call) -> str:
             raise RuntimeError(f"injected failure in {name}")
         return real(*args, **kwargs)
 
-    setattr(owner, name, staticmethod(failing))
+    setattr(owner, name, staticmethod(failing) if isinstance(owner, type) else failing)
     try:
         call()
         return "done"
@@ -25,4 +26,4 @@ def outcome_when_rank_1_fails(owner, name: str, call) -> str:
         assert rank != 1 and "rank(s) [1]" in str(e) and "failed before this call" in str(e), (rank, e)
         return "told"
     finally:
-        setattr(owner, name, staticmethod(real))
+        setattr(owner, name, real)

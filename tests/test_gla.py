@@ -517,7 +517,8 @@ def test_last_rank_state_backward_failure_leaves_no_peer_waiting(times):
 
 def _run_part_fails(rank, world, where):
     """Rank 1 of 3 fails in its own work before one of its scans (out of memory, say) and raises: in its
-    forward's states, or in its backward's first step or its part of the reverse scan (``X``). It tells
+    forward's first allocation (the full decay) or its states, or in its backward's first step or its
+    part of the reverse scan (``X``). It tells
     its peers, which raise naming it instead of waiting in the scan; then every rank's next call gives
     the gradients of a call before the failure (the group stays usable)."""
     from allscan.ops.gla.chunk import TorchGLA
@@ -531,12 +532,12 @@ def _run_part_fails(rank, world, where):
         return torch.autograd.grad(o, ins, do[:, sl])
 
     expected = grads()
-    outcome = outcome_when_rank_1_fails(TorchGLA, where, grads)
+    outcome = outcome_when_rank_1_fails(G.zeco if where == "_full_decay" else TorchGLA, where, grads)
     assert all(torch.equal(a, b) for a, b in zip(grads(), expected)), (rank, where)
     return outcome
 
 
-@pytest.mark.parametrize("where", ["fwd_states", "bwd_begin", "xgrad"])
+@pytest.mark.parametrize("where", ["_full_decay", "fwd_states", "bwd_begin", "xgrad"])
 def test_a_rank_failing_before_its_scan_leaves_no_peer_waiting(where):
     assert run_distributed(_run_part_fails, 3, where, timeout=120) == ["told", "raised", "told"]
 

@@ -336,45 +336,43 @@ def test_pipeline_sequential_order():
                    ("s", 2, None), ("a", 2), ("g", 2, 2, None)]
 
 
-@pytest.mark.parametrize("failing", [0, 2])
-def test_pipeline_failure_reports_and_still_joins_the_streams(failing):
-    """attend(c) raising: ``failed(c, error)`` runs, the error propagates, nothing after it is issued,
-    and (two streams) main has waited for everything the comm stream was given."""
-    sync, log, told = _FakeSync(), [], []
+@pytest.mark.parametrize("step, failing", [("attend", 0), ("attend", 3), ("scatter", 0), ("scatter", 2),
+                                           ("gather", 1)])
+def test_pipeline_failure_reports_and_still_joins_the_streams(step, failing):
+    """A step of chunk ``failing`` raising: ``failed(chunk, error)`` runs once, the error propagates,
+    nothing after it is issued, and (two streams) main has waited for everything the comm stream was
+    given; the same on one stream."""
+    for two_streams in (True, False):
+        sync, log, told = _FakeSync(), [], []
 
-    def attend(c):
-        sync.main.op(log, ("attend", c))
-        if c == failing:
-            raise RuntimeError("injected out of memory")
-        return c
+        def run(name, c, stream):
+            (stream or sync.main).op(log, (name, c))
+            if (name, c) == (step, failing):
+                raise RuntimeError("injected out of memory")
 
-    with pytest.raises(RuntimeError, match="injected"):
-        U._run_pipeline(4, lambda c, stream: stream.op(log, ("scatter", c)), attend,
-                        lambda c, res, stream: stream.op(log, ("gather", c)), None, sync=sync,
-                        failed=lambda c, e: told.append((c, str(e))))
-    assert told == [(failing, "injected out of memory")]
-    issued = [entry[0] for entry in log]
-    assert ("gather", failing) not in issued and ("attend", failing + 1) not in issued
-    assert sync.main.clock["comm"] == sync.comm.clock["comm"], "main did not wait for the comm stream"
-
-    told.clear()
-    with pytest.raises(RuntimeError, match="injected"):
-        U._run_pipeline(4, lambda c, s: None, lambda c: attend(c) if c == failing else c, lambda c, r, s: None,
-                        None, failed=lambda c, e: told.append(c))
-    assert told == [failing]
+        with pytest.raises(RuntimeError, match="injected"):
+            U._run_pipeline(4, lambda c, s: run("scatter", c, s), lambda c: run("attend", c, None) or c,
+                            lambda c, res, s: run("gather", c, s), None, sync=sync if two_streams else None,
+                            failed=lambda c, e: told.append((c, str(e))))
+        assert told == [(failing, "injected out of memory")], (two_streams, told)
+        issued = [entry[0] for entry in log]
+        assert issued[-1] == (step, failing), (two_streams, issued)
+        if two_streams:
+            assert sync.main.clock["comm"] == sync.comm.clock["comm"], "main did not wait for the comm stream"
 
 
 def _attention_fails(rank, world, where):
-    """Every rank's attention (forward, or its backward) raises at a head chunk: each reports the
-    failure between its all-to-alls (the fault board's call on NCCL, recorded here: on gloo it is
-    a no-op) naming the chunk and the error, and raises it."""
+    """Every rank's attention raises (its buffers, or at a head chunk, forward or backward): each
+    reports the failure on the fault board (recorded here: on gloo the report is for the core's
+    all-to-all only) naming the step, where it stopped and the error, and raises it."""
     from allscan import _comm
 
     q, k, v, w = _inputs(1, 4 * world, 4, 4, 8, torch.float64)
     sl = slice(rank * 4, (rank + 1) * 4)
     ql, kl, vl = (t[:, sl].clone().requires_grad_(True) for t in (q, k, v))
-    reports, real_report, real_sdpa = [], _comm.report_local_error, U.F.scaled_dot_product_attention
-    calls = []
+    reports, calls = [], []
+    saved = _comm.report_local_error, U._use_cpp, U.F.scaled_dot_product_attention, U._forward_buffers
+    real_sdpa, real_buffers = U.F.scaled_dot_product_attention, U._forward_buffers
 
     def failing_sdpa(*args, **kwargs):
         calls.append(1)
@@ -385,22 +383,51 @@ def _attention_fails(rank, world, where):
             out.register_hook(lambda g: (_ for _ in ()).throw(RuntimeError("injected out of memory")))
         return out
 
+    def failing_buffers(*args):
+        raise RuntimeError("injected out of memory")
+
     _comm.report_local_error = lambda group, device, reason: reports.append((group, device, reason))
+    U._use_cpp = lambda group, x: True  # as on NCCL with the core's all-to-all
     U.F.scaled_dot_product_attention = failing_sdpa
+    if where == "buffers":
+        U._forward_buffers = failing_buffers
     try:
         with pytest.raises(RuntimeError, match="injected out of memory"):
             out = U.ulysses_attention(ql, kl, vl, num_chunks=2)
             (out * w[:, sl]).sum().backward()
     finally:
-        _comm.report_local_error, U.F.scaled_dot_product_attention = real_report, real_sdpa
+        _comm.report_local_error, U._use_cpp, U.F.scaled_dot_product_attention, U._forward_buffers = saved
     (group, device, reason), = reports
-    step = "attention" if where == "forward" else "attention backward"
+    want = {"forward": "its attention failed at head chunk 1, between its all-to-alls",
+            "backward": "its attention backward failed at head chunk 0, between its all-to-alls",
+            "buffers": "its attention failed before its first all-to-all"}[where]
     assert group is torch.distributed.group.WORLD and device == ql.device
-    assert f"UlyssesAttention: its {step} of head chunk {1 if where == 'forward' else 0} failed" in reason, reason
-    assert "RuntimeError: injected out of memory" in reason, reason
+    assert reason.startswith(f"UlyssesAttention: {want}: RuntimeError: injected out of memory"), reason
     return True
 
 
-@pytest.mark.parametrize("where", ["forward", "backward"])
+@pytest.mark.parametrize("where", ["buffers", "forward", "backward"])
 def test_attention_failing_between_all_to_alls_is_reported(where):
     assert run_distributed(_attention_fails, 2, where, timeout=120) == [True, True]
+
+
+def test_no_report_for_a_failed_communicator_or_off_the_core():
+    """Nothing is reported for a communicator that failed (the board spreads that already) or where the
+    all-to-alls are not the core's (gloo, torch's all-to-all: no allscan communicator to fail)."""
+    from allscan import _C, _comm
+
+    plan = type("Plan", (), {"group": object()})()
+    x = torch.zeros(1)
+    reports, saved = [], (_comm.report_local_error, U._use_cpp)
+    _comm.report_local_error = lambda group, device, reason: reports.append(reason)
+    try:
+        U._use_cpp = lambda group, t: True
+        U._report_failure(plan, x, "attention")(0, _C.CommunicatorError("the communicator failed"))
+        assert reports == []
+        U._report_failure(plan, x, "attention")(0, RuntimeError("out of memory"))
+        assert len(reports) == 1
+        U._use_cpp = lambda group, t: False
+        U._report_failure(plan, x, "attention")(0, RuntimeError("out of memory"))
+        assert len(reports) == 1
+    finally:
+        _comm.report_local_error, U._use_cpp = saved

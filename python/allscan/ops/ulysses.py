@@ -31,10 +31,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from .._contract import DTYPE_CODES, announce_invalid, check_across_ranks, dtype_code, settings
-from .. import _comm
+from .. import _C, _comm
 from .._comm import normalize_group
 from ._launch import PlanCache
-from .a2a import GATHER, SCATTER, a2a_multi, chunk_head_ranges, kv_head_ranges, split_heads
+from .a2a import GATHER, SCATTER, _use_cpp, a2a_multi, chunk_head_ranges, kv_head_ranges, split_heads
 
 __all__ = ["ulysses_attention", "choose_num_chunks", "pick_measured", "clear_auto_cache"]
 
@@ -210,26 +210,23 @@ def _run_pipeline(n: int, scatter, attend, gather, cuda_device: Optional[torch.d
     Without a CUDA device (or with ``ALLSCAN_ULYSSES_STREAMS=0``) it runs the same steps sequentially
     on the current stream.
 
-    If attend(c) raises (out of memory, say), ``failed(c, error)`` runs before the error propagates:
-    the peers are waiting in chunk c's gather for this rank. (4) is made whatever raised, so no buffer
-    the comm stream may still write is handed to other work."""
+    If a step of chunk c raises (out of memory, say), ``failed(c, error)`` runs before the error
+    propagates: the peers are waiting in this rank's next all-to-all. (4) is made whatever raised, so
+    no buffer the comm stream may still write is handed to other work."""
     if n == 0:
         return
-
-    def attend_or_fail(c):
+    at = 0  # the chunk whose step is running: the one ``failed`` names
+    if sync is None and cuda_device is None:
         try:
-            return attend(c)
+            for at in range(n):
+                scatter(at, None)
+                gather(at, attend(at), None)
         except Exception as e:
             if failed is not None:
-                failed(c, e)
+                failed(at, e)
             raise
-
+        return
     if sync is None:
-        if cuda_device is None:
-            for c in range(n):
-                scatter(c, None)
-                gather(c, attend_or_fail(c), None)
-            return
         sync = _CudaSync(cuda_device)
     main, comm = sync.main, sync.comm
     comm.wait_stream(main)                      # (1)
@@ -246,29 +243,40 @@ def _run_pipeline(n: int, scatter, attend, gather, cuda_device: Optional[torch.d
         issue(0)
         for c in range(n):
             if c + 1 < n:
+                at = c + 1
                 issue(c + 1)
+            at = c
             main.wait_event(in_ev[c])           # (2)
-            res = attend_or_fail(c)
+            res = attend(c)
             ev = sync.event()
             ev.record(main)
             keep.append(res)
             comm.wait_event(ev)                 # (3)
             gather(c, res, comm)
+    except Exception as e:
+        if failed is not None:
+            failed(at, e)
+        raise
     finally:
         main.wait_stream(comm)                  # (4)
         del keep
 
 
-def _report_failure(plan: "_ChunkPlan", device: torch.device, step: str):
-    """The pipeline's ``failed``: a rank whose ``step`` of a chunk raised stopped between its all-to-alls,
-    where its peers wait for it. On NCCL it reports the call it skips on the fault board (its peers'
-    communicators fail within seconds, unless every rank skipped that same call: then the group carries
-    on); elsewhere (gloo, torch's all-to-all) the peers wait until their timeout."""
-    def failed(c: int, error: BaseException) -> None:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return  # nothing runs before the graph is replayed
-        _comm.report_local_error(plan.group, device, f"{_OP}: its {step} of head chunk {c} failed between its "
-                                                     f"all-to-alls: {type(error).__name__}: {error}")
+def _report_failure(plan: "_ChunkPlan", like: torch.Tensor, step: str):
+    """``failed(c, error)`` for a rank whose ``step`` raised at head chunk c (None: before its first
+    all-to-all), where its peers wait in its next all-to-all. With the core's all-to-all (NCCL) it
+    reports the call it skips on the fault board: the peers' communicators fail within seconds, unless
+    every rank skipped that same call (then the group carries on). Elsewhere (gloo, torch's all-to-all)
+    the peers wait until their timeout. Nothing is reported for a failed communicator (the board
+    spreads that already) or under CUDA graph capture (nothing runs before the replay)."""
+    def failed(c: Optional[int], error: BaseException) -> None:
+        if isinstance(error, _C.CommunicatorError) or not _use_cpp(plan.group, like):
+            return
+        if like.is_cuda and torch.cuda.is_current_stream_capturing():
+            return
+        where = "before its first all-to-all" if c is None else f"at head chunk {c}, between its all-to-alls"
+        _comm.report_local_error(plan.group, like.device,
+                                 f"{_OP}: its {step} failed {where}: {type(error).__name__}: {error}")
     return failed
 
 
@@ -288,6 +296,18 @@ class _UlyssesFn(torch.autograd.Function):
         return dq, dk, dv, None
 
 
+def _forward_buffers(plan: _ChunkPlan, q, k, v):
+    """The output and, per chunk, the head-sharded q, k, v it receives (its new k/v heads only),
+    allocated up front on the current stream."""
+    B, S, D, me = plan.B, plan.Sl * plan.world, plan.D, plan.me
+    out = q.new_empty(B, plan.Sl, plan.Hq, D)
+    ins = []
+    for ch in plan.chunks:
+        lo, hi = ch.new_map[me]
+        ins.append((q.new_empty(B, S, ch.nq, D), k.new_empty(B, S, hi - lo, D), v.new_empty(B, S, hi - lo, D)))
+    return out, ins
+
+
 def _forward(plan: _ChunkPlan, q, k, v, keep_graph: bool, streams: Optional[bool] = None):
     """streams: None = two streams on CUDA unless ALLSCAN_ULYSSES_STREAMS=0; False = one stream.
     With ALLSCAN_CHECK=always a two-stream forward is repeated on one stream (same chunks, same
@@ -298,16 +318,13 @@ def _forward(plan: _ChunkPlan, q, k, v, keep_graph: bool, streams: Optional[bool
     chunks = plan.chunks
     use = _use_streams(q) if streams is None else (bool(streams) and q.is_cuda)
     cuda = q.device if use else None
-    out = q.new_empty(B, Sl, plan.Hq, D)
-    # Buffers for the head-sharded chunks, allocated up front on the current stream.
+    failed = _report_failure(plan, q, "attention")
     me = plan.me
-
-    def n_new(ch):
-        lo, hi = ch.new_map[me]
-        return hi - lo
-
-    ins = [(q.new_empty(B, S, ch.nq, D), k.new_empty(B, S, n_new(ch), D), v.new_empty(B, S, n_new(ch), D))
-           for ch in chunks]
+    try:
+        out, ins = _forward_buffers(plan, q, k, v)
+    except Exception as e:
+        failed(None, e)
+        raise
     pieces = [(ch.new_map[me][0], ch.new_map[me][1], ins[c][1], ins[c][2]) for c, ch in enumerate(chunks)]
     graphs: List[Optional[tuple]] = [None] * len(chunks)
 
@@ -338,7 +355,7 @@ def _forward(plan: _ChunkPlan, q, k, v, keep_graph: bool, streams: Optional[bool
         a2a_multi(GATHER, [oc], [ch.q_map], [plan.Hq], group, outs=[out], stream=stream, check=False,
                        names=["attention output"])
 
-    _run_pipeline(len(chunks), scatter, attend, gather, cuda, failed=_report_failure(plan, q.device, "attention"))
+    _run_pipeline(len(chunks), scatter, attend, gather, cuda, failed=failed)
     del ins
     if cuda is not None and settings.check == "always":
         with torch.no_grad():
@@ -353,28 +370,38 @@ def _forward(plan: _ChunkPlan, q, k, v, keep_graph: bool, streams: Optional[bool
     return out, graphs
 
 
+def _backward_buffers(plan: _ChunkPlan, dout):
+    """``(dout contiguous, dq, dk, dv, douts, acc_k, acc_v)``: the gradients this rank gathers, the
+    head-sharded output gradient per chunk, and with ``plan.kv_accumulate`` the k/v gradients of the
+    whole sequence summed in fp32 (fp64) before they travel (else None, None)."""
+    B, Sl, D = plan.B, plan.Sl, plan.D
+    S = Sl * plan.world
+    dout = dout.contiguous()
+    dq = dout.new_empty(B, Sl, plan.Hq, D)
+    douts = [dout.new_empty(B, S, ch.nq, D) for ch in plan.chunks]
+    if not plan.kv_accumulate:
+        return dout, dq, dout.new_empty(B, Sl, plan.Hkv, D), dout.new_empty(B, Sl, plan.Hkv, D), douts, None, None
+    # k/v gradients travel and are summed in fp32 (fp64) and rounded once at the end
+    acc_dtype = torch.float64 if dout.dtype == torch.float64 else torch.float32
+    dk, dv = (torch.zeros(B, Sl, plan.Hkv, D, dtype=acc_dtype, device=dout.device) for _ in range(2))
+    n_kv = plan.kv_hi - plan.kv_lo
+    acc_k, acc_v = (torch.zeros(B, S, n_kv, D, dtype=acc_dtype, device=dout.device) for _ in range(2))
+    return dout, dq, dk, dv, douts, acc_k, acc_v
+
+
 def _backward(plan: _ChunkPlan, graphs, dout, needs):
     B, Sl, D, P = plan.B, plan.Sl, plan.D, plan.world
     S = Sl * P
     group = plan.group
     chunks = plan.chunks
-    dout = dout.contiguous()
     cuda = dout.device if _use_streams(dout) else None
-    dq = dout.new_empty(B, Sl, plan.Hq, D)
-    if plan.kv_accumulate:
-        # k/v gradients travel and are summed in fp32 (fp64) and rounded once at the end
-        acc_dtype = torch.float64 if dout.dtype == torch.float64 else torch.float32
-        dk = torch.zeros(B, Sl, plan.Hkv, D, dtype=acc_dtype, device=dout.device)
-        dv = torch.zeros(B, Sl, plan.Hkv, D, dtype=acc_dtype, device=dout.device)
-    else:
-        dk = dout.new_empty(B, Sl, plan.Hkv, D)
-        dv = dout.new_empty(B, Sl, plan.Hkv, D)
-    douts = [dout.new_empty(B, S, ch.nq, D) for ch in chunks]
+    failed = _report_failure(plan, dout, "attention backward")
     me = plan.me
-    if plan.kv_accumulate:
-        n_kv = plan.kv_hi - plan.kv_lo
-        acc_k = torch.zeros(B, S, n_kv, D, dtype=acc_dtype, device=dout.device)
-        acc_v = torch.zeros(B, S, n_kv, D, dtype=acc_dtype, device=dout.device)
+    try:
+        dout, dq, dk, dv, douts, acc_k, acc_v = _backward_buffers(plan, dout)
+    except Exception as e:
+        failed(None, e)
+        raise
 
     def scatter(c, stream):
         ch = chunks[c]
@@ -410,8 +437,7 @@ def _backward(plan: _ChunkPlan, graphs, dout, needs):
             a2a_multi(GATHER, list(res[1:]), [ch.done_map, ch.done_map], [plan.Hkv, plan.Hkv], group,
                            outs=[dk, dv], accumulate=[True, True], stream=stream, check=False, names=["dk", "dv"])
 
-    _run_pipeline(len(chunks), scatter, attend, gather, cuda,
-                  failed=_report_failure(plan, dout.device, "attention backward"))
+    _run_pipeline(len(chunks), scatter, attend, gather, cuda, failed=failed)
     if plan.kv_accumulate:
         dk, dv = dk.to(dout.dtype), dv.to(dout.dtype)
     return (dq if needs[0] else None, dk if needs[1] else None, dv if needs[2] else None)

@@ -17,8 +17,9 @@ import torch
 
 from allscan._comm import resolve_group
 
-from .._launch import absent, or_empty
+from .._launch import absent, or_empty, tell_peers_of_failure
 from .._shards import own_precision
+from ..matrix_scan import _OP as MATRIX_SCAN_OP
 from .chunk import compute_dtype
 from .gates import DeltaOptions
 from .shard import outputs_state_grad, reverse_scan, shard_backward, shard_forward, zero_if_absent
@@ -95,7 +96,11 @@ def zeco_delta_rule_state_grad_op(q_eff: torch.Tensor, do: torch.Tensor, q: torc
         return or_empty(None, q)
     q_eff = q_eff[:, :segs.bounds[1]]  # the padding's zero rows dropped
     with own_precision(do.device.type):
-        return or_empty(outputs_state_grad(select_backend(q), q_eff, do), q)
+        try:
+            return or_empty(outputs_state_grad(select_backend(q), q_eff, do), q)
+        except Exception as e:  # the peers are waiting in the reverse scan for this rank's part
+            tell_peers_of_failure(group, MATRIX_SCAN_OP, "its backward before the reverse scan", e)
+            raise
 
 
 @zeco_delta_rule_state_grad_op.register_fake

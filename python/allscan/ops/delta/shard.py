@@ -238,13 +238,15 @@ def reverse_scan(run: ShardRun, q, v, M, dfinal, q_eff=None, do=None, dy_out=Non
                     dy = dy + M.transpose(-1, -2) @ dht0
                 if run.cross == "own":
                     MT = M.transpose(-1, -2).contiguous()
+            if dy is None:
+                dy = v.new_zeros(v.shape[0], v.shape[2], q.shape[-1], v.shape[-1], dtype=dt)
+            dy = dy.contiguous()
+            if MT is None:
+                MT = _zero_transition(dy)
         except Exception as e:
             tell_peers_of_failure(run.group, MATRIX_SCAN_OP, "its backward before the reverse scan", e)
             raise
-        if dy is None:
-            dy = v.new_zeros(v.shape[0], v.shape[2], q.shape[-1], v.shape[-1], dtype=dt)
-        return scan(dy.contiguous(), group=run.group, transition=_zero_transition(dy) if MT is None else MT,
-                    reverse=True, method=run.method)
+        return scan(dy, group=run.group, transition=MT, reverse=True, method=run.method)
 
     return Beside(v.device, work, keep=(q_eff, do, dy_out, M, dfinal))
 
@@ -338,7 +340,12 @@ class ShardFunction(torch.autograd.Function):
     def backward(ctx, do, dfinal):
         q, k, v, g, beta, h0, q_eff, M, S_in, *saved = ctx.saved_tensors
         _drop_saved(ctx)
-        do = zero_if_absent(do, v)
+        try:
+            do = zero_if_absent(do, v)
+        except Exception as e:
+            if ctx.run.world > 1:  # the peers are waiting in the reverse scan for this rank's part
+                tell_peers_of_failure(ctx.run.group, MATRIX_SCAN_OP, "its backward before the reverse scan", e)
+            raise
         # the forward's arithmetic, whatever the caller's autocast
         with own_precision(ctx.device_type):
             reverse = reverse_scan(ctx.run, q, v, M, dfinal, q_eff=q_eff, do=do)

@@ -185,15 +185,15 @@ def _forward(be, q, k, v, g, h0, scale, segs: ShardSegments, method: str, want_f
     ``keep_offsets`` the chunk offsets too)."""
     B, T, H, K = q.shape
     V = v.shape[-1]
-    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    gf = _full_decay(g, q)
     sp = segs.world > 1
     smethod = _SCAN_METHOD[method]
-
-    h0s = _segment_states(segs, h0, None)  # a continued first segment starts from 0
-
     gamma = None
+    # everything before this rank's part of the scan: a failure (out of memory) tells the peers
+    # waiting in it, which raise too
     try:
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        gf = _full_decay(g, q)
+        h0s = _segment_states(segs, h0, None)  # a continued first segment starts from 0
         st = be.fwd_states(q, k, v, gf, scale, segs.bounds, h0s)
         if sp:
             gamma = _gamma_fixed(segs, g, B, q.device, share_zeros)
@@ -201,7 +201,7 @@ def _forward(be, q, k, v, g, h0, scale, segs: ShardSegments, method: str, want_f
                 gamma = be.shard_gamma(st, g)
             x = st.finals[-1].float().contiguous()
     except Exception as e:
-        if sp:  # the peers are waiting in the scan for this rank's part
+        if sp:
             tell_peers_of_failure(segs.group, SCAN_OP, "its forward before the scan", e)
         raise
     handle = None
@@ -262,66 +262,66 @@ def _backward(be, do, dfinal, q, k, v, g, h0, S_in, gamma, saved, scale, segs: S
               share_zeros=True):
     """The backward on the local backend ``be`` from what :func:`_forward` returned: ``(dq, dk, dv,
     dg or None, dh0 or None)``."""
-    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     B, T, H, K = q.shape
     V = v.shape[-1]
-    do = do.contiguous()
-    gf = _full_decay(g, q)
     sp = segs.world > 1
-
-    # final-state gradients per local segment
-    dfin: List[Optional[torch.Tensor]] = []
-    for j in range(segs.nseg):
-        if dfinal is None or not segs.ends_here[j]:
-            dfin.append(None)
-        elif segs.varlen:
-            dfin.append(dfinal[segs.seq_ids[j]:segs.seq_ids[j] + 1].float())
-        else:
-            dfin.append(dfinal.float())
-
-    h0s = _segment_states(segs, h0, S_in)  # as the local forward saw them, with the true S_in
-    # The chunk states are recomputed before the reverse scan is issued: that kernel runs few,
-    # long, sequential CTAs, and beside the scan's kernels (the side stream, most of all inside a
-    # CUDA graph) it ran up to 1.7x slower; the scan overlaps the intra-chunk backward instead. (The
-    # delta layers' backward has no such step before the scan's result is needed, and issues its scan
-    # beside the recomputation: ops/delta/fla.py.)
-    try:
-        prep = be.bwd_begin(q, k, v, gf, segs.bounds, h0s)
-    except Exception as e:
-        if sp:  # the peers are waiting in the reverse scan for this rank's part
-            tell_peers_of_failure(segs.group, SCAN_OP, "its backward before the reverse scan", e)
-        raise
-
     smethod = _SCAN_METHOD[method]
     handle = y = x = None
-    # The last rank's final-state gradients are the caller's alone (nothing comes from its right), so
-    # where the state backward is a step of its own (fla's kernel, not the torch backend's one vjp of
-    # everything) it runs first and the gradient of the incoming state is the one it computes anyway
-    # (with fla's rounding of the decayed queries to the input dtype, as fla's own backward on one
-    # GPU): no separate pass over q, g and do for X.
-    last = sp and segs.continued and segs.rank == segs.world - 1 and be.state_backward_first
-    if last:
-        try:
-            prep = be.bwd_dh(prep, q, k, v, gf, scale, segs.bounds, h0s, do, _final_grads(dfin, y))
-            x = prep.dh0s[0].reshape(B, H, K, V)
-        except Exception:  # noqa: BLE001 - issue the scan from X, so the peers are not left waiting in it;
-            last = False   # the state backward runs again after it (and raises there if it fails again)
-    if sp and x is None:  # the part of dS_in this rank contributes (needs only q, g, do): start the scan on it
-        try:
+    # everything before this rank's part of the reverse scan: a failure (out of memory) tells the
+    # peers waiting in it, which raise too
+    try:
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        do = do.contiguous()
+        gf = _full_decay(g, q)
+
+        # final-state gradients per local segment
+        dfin: List[Optional[torch.Tensor]] = []
+        for j in range(segs.nseg):
+            if dfinal is None or not segs.ends_here[j]:
+                dfin.append(None)
+            elif segs.varlen:
+                dfin.append(dfinal[segs.seq_ids[j]:segs.seq_ids[j] + 1].float())
+            else:
+                dfin.append(dfinal.float())
+
+        h0s = _segment_states(segs, h0, S_in)  # as the local forward saw them, with the true S_in
+        # The chunk states are recomputed before the reverse scan is issued: that kernel runs few,
+        # long, sequential CTAs, and beside the scan's kernels (the side stream, most of all inside a
+        # CUDA graph) it ran up to 1.7x slower; the scan overlaps the intra-chunk backward instead. (The
+        # delta layers' backward has no such step before the scan's result is needed, and issues its
+        # scan beside the recomputation: ops/delta/fla.py.)
+        prep = be.bwd_begin(q, k, v, gf, segs.bounds, h0s)
+
+        # The last rank's final-state gradients are the caller's alone (nothing comes from its right),
+        # so where the state backward is a step of its own (fla's kernel, not the torch backend's one
+        # vjp of everything) it runs first and the gradient of the incoming state is the one it
+        # computes anyway (with fla's rounding of the decayed queries to the input dtype, as fla's own
+        # backward on one GPU): no separate pass over q, g and do for X.
+        last = sp and segs.continued and segs.rank == segs.world - 1 and be.state_backward_first
+        if last:
+            try:
+                prep = be.bwd_dh(prep, q, k, v, gf, scale, segs.bounds, h0s, do, _final_grads(dfin, y))
+                x = prep.dh0s[0].reshape(B, H, K, V)
+            except Exception:  # noqa: BLE001 - issue the scan from X, so the peers are not left waiting in
+                last = False   # it; the state backward runs again after it (and raises there if it fails again)
+        if sp and x is None:  # the part of dS_in this rank contributes (needs only q, g, do): start the scan on it
             if segs.continued:
                 x, evec = be.xgrad(prep, saved, q, g, do, scale, segs.bounds[1])
                 if dfin[0] is not None:
                     x = x + _scale_state(dfin[0], evec)
             else:  # nothing of this rank's output depends on the incoming state
                 x = _zeros((B, H, K, V), q.device, share_zeros)
-        except Exception as e:
+        if sp:
+            x = x.contiguous()
+    except Exception as e:
+        if sp:
             tell_peers_of_failure(segs.group, SCAN_OP, "its backward before the reverse scan", e)
-            raise
+        raise
     if sp:
         if method == "lasp1":
-            y = _scan(x.contiguous(), gamma, segs.group, reverse=True, method=smethod)
+            y = _scan(x, gamma, segs.group, reverse=True, method=smethod)
         else:
-            handle = _scan(x.contiguous(), gamma, segs.group, reverse=True, method=smethod, async_op=True)
+            handle = _scan(x, gamma, segs.group, reverse=True, method=smethod, async_op=True)
 
     prep = be.bwd_prepare(prep, saved, q, k, v, gf, scale, segs.bounds, h0s, do)
     if not last:
