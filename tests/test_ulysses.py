@@ -412,11 +412,11 @@ def test_attention_failing_between_all_to_alls_is_reported(where):
 
 
 def test_no_report_for_a_failed_communicator_or_off_the_core():
-    """Nothing is reported for a communicator that failed (the board spreads that already) or where the
-    all-to-alls are not the core's (gloo, torch's all-to-all: no allscan communicator to fail)."""
+    """Nothing is reported for a communicator that failed (the board spreads that already), where the
+    all-to-alls are not the core's (gloo, torch's all-to-all: no allscan communicator to fail), or alone."""
     from allscan import _C, _comm
 
-    plan = type("Plan", (), {"group": object()})()
+    plan = type("Plan", (), {"group": object(), "world": 2})()
     x = torch.zeros(1)
     reports, saved = [], (_comm.report_local_error, U._use_cpp)
     _comm.report_local_error = lambda group, device, reason: reports.append(reason)
@@ -427,6 +427,9 @@ def test_no_report_for_a_failed_communicator_or_off_the_core():
         U._report_failure(plan, x, "attention")(0, RuntimeError("out of memory"))
         assert len(reports) == 1
         U._use_cpp = lambda group, t: False
+        U._report_failure(plan, x, "attention")(0, RuntimeError("out of memory"))
+        assert len(reports) == 1
+        U._use_cpp, plan.world = (lambda group, t: True), 1  # alone: no peer to tell
         U._report_failure(plan, x, "attention")(0, RuntimeError("out of memory"))
         assert len(reports) == 1
     finally:

@@ -10,7 +10,8 @@ posts a numbered report under that key in torch.distributed's store, of one of t
   abort, every later call raises ``allscan.CommunicatorError`` with the reporter's reason).
 - *skip*: its own arguments failed a local check after the communicator existed, or its own work
   between collectives raised (out of memory in a layer), so it made no call where its peers (which
-  checked that signature before and do not exchange again) may have made one; the report names the call by the number of calls issued before it (``allscanWatchCalls``).
+  checked that signature before and do not exchange again) may have made one; the report names the
+  call by the number of calls issued before it (``allscanWatchCalls``).
   If every rank reports a skip of the same call within :data:`SKIP_GRACE_S` (they all made the same
   mistake) nobody issued it and the group carries on. Otherwise the skipping rank gives up on the
   communicator and posts a fatal report: a peer's call may be waiting for it, or may have completed

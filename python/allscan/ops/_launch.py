@@ -89,8 +89,8 @@ def announce_device(group) -> torch.device:
 
 
 def tell_peers_of_failure(group, op: str, step: str, error: BaseException) -> None:
-    """A rank whose own work before its part of ``op`` raised (out of memory, a failed kernel) tells its
-    peers as a rank with bad arguments does (:func:`allscan._contract.announce_invalid`), so that they
+    """A rank whose own work before its part of ``op`` raised (out of memory, say) tells its peers as a
+    rank with bad arguments does (:func:`allscan._contract.announce_invalid`), so that they
     raise instead of waiting in ``op`` until the timeout; the caller re-raises ``error``."""
     announce_invalid(group, announce_device(group), op, f"{step} failed: {type(error).__name__}: {error}")
 

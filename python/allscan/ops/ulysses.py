@@ -267,10 +267,10 @@ def _report_failure(plan: "_ChunkPlan", like: torch.Tensor, step: str):
     all-to-all), where its peers wait in its next all-to-all. With the core's all-to-all (NCCL) it
     reports the call it skips on the fault board: the peers' communicators fail within seconds, unless
     every rank skipped that same call (then the group carries on). Elsewhere (gloo, torch's all-to-all)
-    the peers wait until their timeout. Nothing is reported for a failed communicator (the board
-    spreads that already) or under CUDA graph capture (nothing runs before the replay)."""
+    the peers wait until their timeout. Nothing is reported alone, for a failed communicator (the
+    board spreads that already) or under CUDA graph capture (nothing runs before the replay)."""
     def failed(c: Optional[int], error: BaseException) -> None:
-        if isinstance(error, _C.CommunicatorError) or not _use_cpp(plan.group, like):
+        if plan.world == 1 or isinstance(error, _C.CommunicatorError) or not _use_cpp(plan.group, like):
             return
         if like.is_cuda and torch.cuda.is_current_stream_capturing():
             return
