@@ -398,9 +398,9 @@ def _attention_fails(rank, world, where):
     finally:
         _comm.report_local_error, U._use_cpp, U.F.scaled_dot_product_attention, U._forward_buffers = saved
     (group, device, reason), = reports
-    want = {"forward": "its attention failed at head chunk 1, between its all-to-alls",
-            "backward": "its attention backward failed at head chunk 0, between its all-to-alls",
-            "buffers": "its attention failed before its first all-to-all"}[where]
+    want = {"forward": "its forward failed at head chunk 1",
+            "backward": "its backward failed at head chunk 0",
+            "buffers": "its forward failed before its first all-to-all"}[where]
     assert group is torch.distributed.group.WORLD and device == ql.device
     assert reason.startswith(f"UlyssesAttention: {want}: RuntimeError: injected out of memory"), reason
     return True

@@ -274,7 +274,7 @@ def _report_failure(plan: "_ChunkPlan", like: torch.Tensor, step: str):
             return
         if like.is_cuda and torch.cuda.is_current_stream_capturing():
             return
-        where = "before its first all-to-all" if c is None else f"at head chunk {c}, between its all-to-alls"
+        where = "before its first all-to-all" if c is None else f"at head chunk {c}"
         _comm.report_local_error(plan.group, like.device,
                                  f"{_OP}: its {step} failed {where}: {type(error).__name__}: {error}")
     return failed
@@ -318,7 +318,7 @@ def _forward(plan: _ChunkPlan, q, k, v, keep_graph: bool, streams: Optional[bool
     chunks = plan.chunks
     use = _use_streams(q) if streams is None else (bool(streams) and q.is_cuda)
     cuda = q.device if use else None
-    failed = _report_failure(plan, q, "attention")
+    failed = _report_failure(plan, q, "forward")
     me = plan.me
     try:
         out, ins = _forward_buffers(plan, q, k, v)
@@ -395,7 +395,7 @@ def _backward(plan: _ChunkPlan, graphs, dout, needs):
     group = plan.group
     chunks = plan.chunks
     cuda = dout.device if _use_streams(dout) else None
-    failed = _report_failure(plan, dout, "attention backward")
+    failed = _report_failure(plan, dout, "backward")
     me = plan.me
     try:
         dout, dq, dk, dv, douts, acc_k, acc_v = _backward_buffers(plan, dout)
