@@ -339,7 +339,7 @@ def test_pipeline_sequential_order():
 @pytest.mark.parametrize("step, failing", [("attend", 0), ("attend", 3), ("scatter", 0), ("scatter", 2),
                                            ("gather", 1)])
 def test_pipeline_failure_reports_and_still_joins_the_streams(step, failing):
-    """A step of chunk ``failing`` raising: ``failed(chunk, error)`` runs once, the error propagates,
+    """A step of chunk ``failing`` raising: ``failed(chunk, error, step)`` runs once, the error propagates,
     nothing after it is issued, and (two streams) main has waited for everything the comm stream was
     given; the same on one stream."""
     for two_streams in (True, False):
@@ -353,8 +353,8 @@ def test_pipeline_failure_reports_and_still_joins_the_streams(step, failing):
         with pytest.raises(RuntimeError, match="injected"):
             U._run_pipeline(4, lambda c, s: run("scatter", c, s), lambda c: run("attend", c, None) or c,
                             lambda c, res, s: run("gather", c, s), None, sync=sync if two_streams else None,
-                            failed=lambda c, e: told.append((c, str(e))))
-        assert told == [(failing, "injected out of memory")], (two_streams, told)
+                            failed=lambda c, e, where: told.append((c, str(e), where)))
+        assert told == [(failing, "injected out of memory", step)], (two_streams, told)
         issued = [entry[0] for entry in log]
         assert issued[-1] == (step, failing), (two_streams, issued)
         if two_streams:
@@ -411,26 +411,94 @@ def test_attention_failing_between_all_to_alls_is_reported(where):
     assert run_distributed(_attention_fails, 2, where, timeout=120) == [True, True]
 
 
-def test_no_report_for_a_failed_communicator_or_off_the_core():
-    """Nothing is reported for a communicator that failed (the board spreads that already), where the
-    all-to-alls are not the core's (gloo, torch's all-to-all: no allscan communicator to fail), or alone."""
+def test_failure_reports_by_path():
+    """Where a failure goes: the fault board for the core's all-to-all (any step), the next all-to-all's
+    check for torch's all-to-all with every chunk checked (gloo), and only for the rank's own work (its
+    buffers, a chunk's attention: an all-to-all's failure reached the peers already); nothing for a
+    communicator that failed (the board spreads that already), where the chunks are not checked, or
+    alone."""
     from allscan import _C, _comm
 
     plan = type("Plan", (), {"group": object(), "world": 2})()
     x = torch.zeros(1)
-    reports, saved = [], (_comm.report_local_error, U._use_cpp)
-    _comm.report_local_error = lambda group, device, reason: reports.append(reason)
+    board, announced = [], []
+    saved = _comm.report_local_error, U._use_cpp, U.announce_invalid, U.peers_exchange
+    _comm.report_local_error = lambda group, device, reason: board.append(reason)
+    U.announce_invalid = lambda group, device, op, reason: announced.append((op, reason))
     try:
-        U._use_cpp = lambda group, t: True
-        U._report_failure(plan, x, "attention")(0, _C.CommunicatorError("the communicator failed"))
-        assert reports == []
-        U._report_failure(plan, x, "attention")(0, RuntimeError("out of memory"))
-        assert len(reports) == 1
-        U._use_cpp = lambda group, t: False
-        U._report_failure(plan, x, "attention")(0, RuntimeError("out of memory"))
-        assert len(reports) == 1
-        U._use_cpp, plan.world = (lambda group, t: True), 1  # alone: no peer to tell
-        U._report_failure(plan, x, "attention")(0, RuntimeError("out of memory"))
-        assert len(reports) == 1
+        U._use_cpp, U.peers_exchange = (lambda group, t: True), (lambda group, device: True)
+        U._report_failure(plan, x, "forward")(0, _C.CommunicatorError("the communicator failed"), "gather")
+        assert board == [] and announced == []
+        for step in ("scatter", "attend", "gather", None):
+            U._report_failure(plan, x, "forward")(0, RuntimeError("out of memory"), step)
+        assert len(board) == 4 and announced == []
+        U._use_cpp = lambda group, t: False  # torch's all-to-all, every chunk checked (gloo)
+        for step in ("scatter", "gather"):
+            U._report_failure(plan, x, "forward")(1, RuntimeError("connection reset"), step)
+        assert announced == []
+        U._report_failure(plan, x, "backward")(1, RuntimeError("out of memory"), "attend")
+        U._report_failure(plan, x, "forward")(None, RuntimeError("out of memory"))
+        assert announced == [("UlyssesAttention", "UlyssesAttention: its backward failed at head chunk 1: "
+                                                  "RuntimeError: out of memory"),
+                             ("UlyssesAttention", "UlyssesAttention: its forward failed before its first "
+                                                  "all-to-all: RuntimeError: out of memory")]
+        U.peers_exchange = lambda group, device: False  # torch's all-to-all on NCCL, checked once per signature
+        U._report_failure(plan, x, "forward")(0, RuntimeError("out of memory"), "attend")
+        U._use_cpp, U.peers_exchange, plan.world = (lambda group, t: True), (lambda group, device: True), 1
+        U._report_failure(plan, x, "forward")(0, RuntimeError("out of memory"), "attend")  # alone
+        assert len(board) == 4 and len(announced) == 2
     finally:
-        _comm.report_local_error, U._use_cpp = saved
+        _comm.report_local_error, U._use_cpp, U.announce_invalid, U.peers_exchange = saved
+
+
+def _one_rank_fails_on_gloo(rank, world, where):
+    """Rank 1's attention raises (its buffers, or at a head chunk, forward or backward) on gloo: it
+    raises its own error, and every peer raises at once, told in the next all-to-all's check (no
+    timeout), naming rank 1; the group is usable afterwards."""
+    import torch.distributed as dist
+
+    q, k, v, w = _inputs(1, 4 * world, 6, 3, 8, torch.float64)
+    sl = slice(rank * 4, (rank + 1) * 4)
+    ql, kl, vl = (t[:, sl].clone().requires_grad_(True) for t in (q, k, v))
+    real_sdpa, real_buffers = U.F.scaled_dot_product_attention, U._forward_buffers
+    calls = []
+
+    def sdpa(*args, **kwargs):
+        calls.append(1)
+        if rank == 1 and where == "forward" and len(calls) == 2:
+            raise RuntimeError("injected out of memory")
+        out = real_sdpa(*args, **kwargs)
+        if rank == 1 and where == "backward" and len(calls) == 1:
+            out.register_hook(lambda g: (_ for _ in ()).throw(RuntimeError("injected out of memory")))
+        return out
+
+    def buffers(*args):
+        if rank == 1:
+            raise RuntimeError("injected out of memory")
+        return real_buffers(*args)
+
+    U.F.scaled_dot_product_attention = sdpa
+    if where == "buffers":
+        U._forward_buffers = buffers
+    try:
+        out = U.ulysses_attention(ql, kl, vl, num_chunks=2)
+        (out * w[:, sl]).sum().backward()
+        outcome = "done"
+    except RuntimeError as e:
+        assert rank == 1 and "injected out of memory" in str(e), (rank, e)
+        outcome = "raised"
+    except ValueError as e:
+        assert rank != 1 and "rank(s) [1]" in str(e) and "failed before this call" in str(e), (rank, e)
+        outcome = "told"
+    finally:
+        U.F.scaled_dot_product_attention, U._forward_buffers = real_sdpa, real_buffers
+    ro, rq, rk, rv = reference(q, k, v, w, False, None)
+    out = U.ulysses_attention(ql.detach(), kl.detach(), vl.detach(), num_chunks=2)  # the group carries on
+    assert torch.allclose(out, ro[:, sl], rtol=1e-10, atol=1e-10)
+    dist.barrier()
+    return outcome
+
+
+@pytest.mark.parametrize("where", ["buffers", "forward", "backward"])
+def test_one_rank_failing_between_all_to_alls_on_gloo_tells_its_peers(where):
+    assert run_distributed(_one_rank_fails_on_gloo, 3, where, timeout=90) == ["told", "raised", "told"]

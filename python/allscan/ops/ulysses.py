@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from .._contract import DTYPE_CODES, announce_invalid, check_across_ranks, dtype_code, settings
+from .._contract import DTYPE_CODES, announce_invalid, check_across_ranks, dtype_code, peers_exchange, settings
 from .. import _C, _comm
 from .._comm import normalize_group
 from ._launch import PlanCache
@@ -210,20 +210,25 @@ def _run_pipeline(n: int, scatter, attend, gather, cuda_device: Optional[torch.d
     Without a CUDA device (or with ``ALLSCAN_ULYSSES_STREAMS=0``) it runs the same steps sequentially
     on the current stream.
 
-    If a step of chunk c raises (out of memory, say), ``failed(c, error)`` runs before the error
-    propagates: the peers are waiting in this rank's next all-to-all. (4) is made whatever raised, so
-    no buffer the comm stream may still write is handed to other work."""
+    If a step of chunk c raises (out of memory, say), ``failed(c, error, step)`` runs before the error
+    propagates (``step``: "scatter", "attend" or "gather"): the peers are waiting in this rank's next
+    all-to-all. (4) is made whatever raised, so no buffer the comm stream may still write is handed to
+    other work."""
     if n == 0:
         return
-    at = 0  # the chunk whose step is running: the one ``failed`` names
+    at, step = 0, "scatter"  # the chunk and step running: the ones ``failed`` names
     if sync is None and cuda_device is None:
         try:
             for at in range(n):
+                step = "scatter"
                 scatter(at, None)
-                gather(at, attend(at), None)
+                step = "attend"
+                res = attend(at)
+                step = "gather"
+                gather(at, res, None)
         except Exception as e:
             if failed is not None:
-                failed(at, e)
+                failed(at, e, step)
             raise
         return
     if sync is None:
@@ -245,38 +250,59 @@ def _run_pipeline(n: int, scatter, attend, gather, cuda_device: Optional[torch.d
             if c + 1 < n:
                 at = c + 1
                 issue(c + 1)
-            at = c
+            at, step = c, "attend"
             main.wait_event(in_ev[c])           # (2)
             res = attend(c)
             ev = sync.event()
             ev.record(main)
             keep.append(res)
             comm.wait_event(ev)                 # (3)
+            step = "gather"
             gather(c, res, comm)
+            step = "scatter"
     except Exception as e:
         if failed is not None:
-            failed(at, e)
+            failed(at, e, step)
         raise
     finally:
         main.wait_stream(comm)                  # (4)
         del keep
 
 
-def _report_failure(plan: "_ChunkPlan", like: torch.Tensor, step: str):
-    """``failed(c, error)`` for a rank whose ``step`` raised at head chunk c (None: before its first
-    all-to-all), where its peers wait in its next all-to-all. With the core's all-to-all (NCCL) it
-    reports the call it skips on the fault board: the peers' communicators fail within seconds, unless
-    every rank skipped that same call (then the group carries on). Elsewhere (gloo, torch's all-to-all)
-    the peers wait until their timeout. Nothing is reported alone, for a failed communicator (the
-    board spreads that already) or under CUDA graph capture (nothing runs before the replay)."""
-    def failed(c: Optional[int], error: BaseException) -> None:
-        if plan.world == 1 or isinstance(error, _C.CommunicatorError) or not _use_cpp(plan.group, like):
+def _chunks_checked(group, x: torch.Tensor) -> bool:
+    """Whether each head chunk's all-to-all is checked across ranks (``a2a_multi(check=True)``): with
+    torch's all-to-all where every rank exchanges its signature on every call anyway (gloo; any group
+    with ``ALLSCAN_CHECK=always``), so that a rank whose own work failed between two all-to-alls can
+    tell its peers in the next one's check (:func:`_report_failure`). The core's all-to-all carries its
+    signature in band instead, and its failures go to the fault board."""
+    return not _use_cpp(group, x) and peers_exchange(group, x.device)
+
+
+def _report_failure(plan: "_ChunkPlan", like: torch.Tensor, phase: str):
+    """``failed(c, error, step)`` for a rank whose ``phase`` (forward or backward) raised in ``step``
+    of head chunk c (c None: before its first all-to-all), where its peers wait in its next all-to-all.
+    With the core's all-to-all (NCCL) it reports the call it skips on the fault board: the peers'
+    communicators fail within seconds, unless every rank skipped that same call (then the group carries
+    on). With torch's all-to-all and every chunk checked (:func:`_chunks_checked`: gloo) a failure of
+    the rank's own work (its buffers, a chunk's attention) joins the next all-to-all's check marked
+    invalid, so the peers raise there at once; an all-to-all's own failure is not announced (its check
+    or exchange failed on the peers too, or its local check announced it). Elsewhere (torch's
+    all-to-all on NCCL without ``ALLSCAN_CHECK=always``; ``never``) the peers wait until their timeout.
+    Nothing is reported alone, for a failed communicator (the board spreads that already) or under
+    CUDA graph capture (nothing runs before the replay)."""
+    checked = _chunks_checked(plan.group, like)
+
+    def failed(c: Optional[int], error: BaseException, step: Optional[str] = None) -> None:
+        if plan.world == 1 or isinstance(error, _C.CommunicatorError):
             return
         if like.is_cuda and torch.cuda.is_current_stream_capturing():
             return
         where = "before its first all-to-all" if c is None else f"at head chunk {c}"
-        _comm.report_local_error(plan.group, like.device,
-                                 f"{_OP}: its {step} failed {where}: {type(error).__name__}: {error}")
+        reason = f"{_OP}: its {phase} failed {where}: {type(error).__name__}: {error}"
+        if _use_cpp(plan.group, like):
+            _comm.report_local_error(plan.group, like.device, reason)
+        elif checked and step in (None, "attend"):
+            announce_invalid(plan.group, like.device, _OP, reason)
     return failed
 
 
@@ -319,6 +345,7 @@ def _forward(plan: _ChunkPlan, q, k, v, keep_graph: bool, streams: Optional[bool
     use = _use_streams(q) if streams is None else (bool(streams) and q.is_cuda)
     cuda = q.device if use else None
     failed = _report_failure(plan, q, "forward")
+    check = _chunks_checked(group, q)
     me = plan.me
     try:
         out, ins = _forward_buffers(plan, q, k, v)
@@ -331,7 +358,7 @@ def _forward(plan: _ChunkPlan, q, k, v, keep_graph: bool, streams: Optional[bool
     def scatter(c, stream):
         ch = chunks[c]
         a2a_multi(SCATTER, [q, k, v], [ch.q_map, ch.new_map, ch.new_map], [plan.Hq, plan.Hkv, plan.Hkv],
-                       group, outs=list(ins[c]), stream=stream, check=False, names=["q", "k", "v"])
+                       group, outs=list(ins[c]), stream=stream, check=check, names=["q", "k", "v"])
 
     def attend(c):
         ch = chunks[c]
@@ -352,7 +379,7 @@ def _forward(plan: _ChunkPlan, q, k, v, keep_graph: bool, streams: Optional[bool
 
     def gather(c, oc, stream):
         ch = chunks[c]
-        a2a_multi(GATHER, [oc], [ch.q_map], [plan.Hq], group, outs=[out], stream=stream, check=False,
+        a2a_multi(GATHER, [oc], [ch.q_map], [plan.Hq], group, outs=[out], stream=stream, check=check,
                        names=["attention output"])
 
     _run_pipeline(len(chunks), scatter, attend, gather, cuda, failed=failed)
@@ -396,6 +423,7 @@ def _backward(plan: _ChunkPlan, graphs, dout, needs):
     chunks = plan.chunks
     cuda = dout.device if _use_streams(dout) else None
     failed = _report_failure(plan, dout, "backward")
+    check = _chunks_checked(group, dout)
     me = plan.me
     try:
         dout, dq, dk, dv, douts, acc_k, acc_v = _backward_buffers(plan, dout)
@@ -406,7 +434,7 @@ def _backward(plan: _ChunkPlan, graphs, dout, needs):
     def scatter(c, stream):
         ch = chunks[c]
         a2a_multi(SCATTER, [dout], [ch.q_map], [plan.Hq], group, outs=[douts[c]], stream=stream,
-                       check=False, names=["output gradient"])
+                       check=check, names=["output gradient"])
 
     def attend(c):
         ch = chunks[c]
@@ -430,12 +458,12 @@ def _backward(plan: _ChunkPlan, graphs, dout, needs):
         acc = plan.kv_accumulate
         if not acc:
             a2a_multi(GATHER, list(res), [ch.q_map, ch.kv_map, ch.kv_map], [plan.Hq, plan.Hkv, plan.Hkv],
-                           group, outs=[dq, dk, dv], stream=stream, check=False, names=["dq", "dk", "dv"])
+                           group, outs=[dq, dk, dv], stream=stream, check=check, names=["dq", "dk", "dv"])
         else:
-            a2a_multi(GATHER, [res[0]], [ch.q_map], [plan.Hq], group, outs=[dq], stream=stream, check=False,
+            a2a_multi(GATHER, [res[0]], [ch.q_map], [plan.Hq], group, outs=[dq], stream=stream, check=check,
                            names=["dq"])
             a2a_multi(GATHER, list(res[1:]), [ch.done_map, ch.done_map], [plan.Hkv, plan.Hkv], group,
-                           outs=[dk, dv], accumulate=[True, True], stream=stream, check=False, names=["dk", "dv"])
+                           outs=[dk, dv], accumulate=[True, True], stream=stream, check=check, names=["dk", "dv"])
 
     _run_pipeline(len(chunks), scatter, attend, gather, cuda, failed=failed)
     if plan.kv_accumulate:
