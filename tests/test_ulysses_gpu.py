@@ -368,11 +368,11 @@ def test_pipeline_on_two_streams_waits_for_the_comm_stream_after_a_failure():
 
         told = []
         if failing is None:
-            U._run_pipeline(n, scatter, attend, gather, dev, failed=lambda c, e: told.append(c))
+            U._run_pipeline(n, scatter, attend, gather, dev, failed=lambda c, e, step: told.append((c, step)))
             assert torch.equal(out, 2 * x) and not told
         else:
             with pytest.raises(RuntimeError, match="injected"):
-                U._run_pipeline(n, scatter, attend, gather, dev, failed=lambda c, e: told.append(c))
+                U._run_pipeline(n, scatter, attend, gather, dev, failed=lambda c, e, step: told.append((c, step)))
             seen = out[0].clone()  # on the main stream
             torch.cuda.synchronize()
-            assert told == [1] and torch.equal(seen, 2 * x[0])
+            assert told == [(1, "attend")] and torch.equal(seen, 2 * x[0])
