@@ -40,13 +40,13 @@ def _install(group, x, g, async_op=False, num_blocks=None, plan_group=None, init
         return x * 7
 
     key = S._fast_key(group, x, g, None, init, False, False, num_blocks, "pipelined", async_op)
-    S._eager[key] = S._FastCall(plans["plan"], plans, "plan", core, (False, False, 0), async_op)
+    S._eager[key] = S._FastCall(plans["plan"], plans, "plan", core, (False, False, 0), async_op, x.get_device())
     return calls, plans
 
 
 def _fast_path_routes(rank, P):
     group = dist.group.WORLD
-    S._current_device = lambda: -1  # a CPU tensor's get_device(): the stand-in core runs on CPU
+    S._current_device = lambda: -1  # a CPU tensor's get_device(), the entries' device: the stand-in core runs on CPU
     x, g = torch.arange(6.0).reshape(2, 3), torch.full((2,), 0.5)
     calls, plans = _install(group, x, g)
     full = S._scan

@@ -513,18 +513,20 @@ def scan(
     With ``transition`` (``[..., K, K]``, instead of ``gamma``) the combine is ``M_p @ y_p + x_p`` on
     states ``[..., K, V]``: :func:`allscan.ops.matrix_scan.matrix_scan`.
     """
-    if torch.compiler.is_compiling():  # traced into a graph: no host-thread bookkeeping there
+    if _is_compiling():  # traced into a graph: no host-thread bookkeeping there
         return _scan(tensor, gamma, group, transition, reverse, inclusive, init, num_blocks, method, async_op)
     grp = dist.group.WORLD if group is None and _HAS_DIST else group  # WORLD: None before init_process_group
-    if not (_HAS_DIST and isinstance(grp, dist.ProcessGroup)):
+    if grp.__class__ is not _ProcessGroup and not (_HAS_DIST and isinstance(grp, dist.ProcessGroup)):
         grp = _comm.normalize_group(group)  # a name, or an error naming what is wrong
     entry = _threads.enter(grp, _OP)
     try:
         other = gamma if transition is None else transition
         key = _fast_key(grp, tensor, gamma, transition, init, reverse, inclusive, num_blocks, method, async_op)
         hit = _eager.get(key)
-        if hit is not None and hit.serves(grp, tensor, other, init):
-            return hit(tensor, other, init)
+        if hit is not None:
+            y = hit.serve(grp, tensor, other, init)
+            if y is not None:
+                return y
         y = _scan(tensor, gamma, grp, transition, reverse, inclusive, init, num_blocks, method, async_op)
         if key is not None and _eager_ready(grp, tensor, other, init, async_op):
             call = _fast_call(tensor, other, transition is not None, init, grp, reverse, inclusive,
@@ -545,40 +547,47 @@ def scan(
 # ------------------------------------------------------------------------------------------------
 # The current CUDA device without torch.cuda's lazy-init check (a hit means CUDA is initialised).
 _current_device = getattr(torch._C, "_cuda_getDevice", None) or torch.cuda.current_device
+_is_compiling = torch.compiler.is_compiling
+_grad_enabled = torch.is_grad_enabled
+_ProcessGroup = dist.ProcessGroup if _HAS_DIST else None
 
 
 class _FastCall:
     """A signature the full path checked and planned: its plan, where the plan is cached (so a hit
-    keeps it recent there, as the full path would), and the core's launch (``launch`` of this module
-    or of the matrix scan's) with the call's options after the tensors."""
+    keeps it recent there, as the full path would), the core's launch (``launch`` of this module or
+    of the matrix scan's) with the call's options after the tensors, and the CUDA device the key's
+    tensors are on."""
 
-    __slots__ = ("plan", "plans", "pkey", "core", "options", "async_op")
+    __slots__ = ("plan", "plans", "pkey", "core", "options", "async_op", "device")
 
-    def __init__(self, plan, plans, pkey, core, options, async_op):
-        self.plan, self.plans, self.pkey, self.core, self.options, self.async_op = (plan, plans, pkey, core,
-                                                                                   options, async_op)
+    def __init__(self, plan, plans, pkey, core, options, async_op, device: int):
+        self.plan, self.plans, self.pkey, self.core, self.options, self.async_op, self.device = (
+            plan, plans, pkey, core, options, async_op, device)
 
-    def serves(self, group, tensor, other, init) -> bool:
-        """Whether this call of the entry's key may go straight to the core: the plan still current
-        for ``group`` (checks run every call with ``ALLSCAN_CHECK=always``: never), nothing to
-        differentiate, contiguous tensors on the current device (the key holds shapes, dtypes and
-        devices), and the plan still cached (kept recent there, so every rank evicts the same
-        signatures: an eviction means a new, collective, check, which the full path makes)."""
-        if not plan_is_current(self.plan, group):
-            return False
-        if not _as_given(tensor, other, init) or tensor.get_device() != _current_device():
-            return False
+    def serve(self, group, x, other, init):
+        """The call through the core, or None where this call of the entry's key may not go straight
+        to it: the plan no longer current for ``group`` (checks run every call with
+        ``ALLSCAN_CHECK=always``: never), something to differentiate, a tensor not contiguous (the key
+        holds shapes, dtypes and devices), another current device than the tensors', or the plan no
+        longer cached (a hit keeps it recent there, so every rank evicts the same signatures: an
+        eviction means a new, collective, check, which the full path makes)."""
+        plan = self.plan
+        if not plan_is_current(plan, group):
+            return None
+        if _grad_enabled() and (x.requires_grad or (other is not None and other.requires_grad)
+                                or (init is not None and init.requires_grad)):
+            return None
+        if not (x.is_contiguous() and (other is None or other.is_contiguous())
+                and (init is None or init.is_contiguous())) or _current_device() != self.device:
+            return None
         try:
             self.plans.move_to_end(self.pkey)
         except KeyError:
-            return False
-        return True
-
-    def __call__(self, x, other, init):
+            return None
         if self.async_op:
             return side_stream_handle(x, (x, other, init),
-                                      lambda side: self.core(self.plan, x, other, init, *self.options, side))
-        return self.core(self.plan, x, other, init, *self.options)
+                                      lambda side: self.core(plan, x, other, init, *self.options, side))
+        return self.core(plan, x, other, init, *self.options)
 
 
 class _EagerCache(PlanCache):
@@ -598,9 +607,9 @@ def _fast_key(group, tensor, gamma, transition, init, reverse, inclusive, num_bl
     only as ``bool``, ``num_blocks`` only as an int, ``method`` only as a str: every key is hashable,
     and a flag given as another type (a tensor, an array) never fills the cache with keys no later
     call can match."""
-    if (tensor.__class__ is not torch.Tensor or reverse.__class__ is not bool or inclusive.__class__ is not bool
-            or async_op.__class__ is not bool or method.__class__ is not str
-            or not (num_blocks is None or num_blocks.__class__ is int)):
+    if (tensor.__class__ is not torch.Tensor or (reverse is not False and reverse is not True)
+            or (inclusive is not False and inclusive is not True) or (async_op is not False and async_op is not True)
+            or method.__class__ is not str or not (num_blocks is None or num_blocks.__class__ is int)):
         return None
     if transition is None:
         other = gamma
@@ -609,19 +618,19 @@ def _fast_key(group, tensor, gamma, transition, init, reverse, inclusive, num_bl
     else:
         return None
     if other is None:
-        okey = None
+        oshape = odtype = odevice = None
     elif other.__class__ is torch.Tensor:
-        okey = (other.shape, other.dtype, other.device)
+        oshape, odtype, odevice = other.size(), other.dtype, other.device
     else:
         return None
     if init is None:
-        ikey = None
+        ishape = idtype = idevice = None
     elif init.__class__ is torch.Tensor:
-        ikey = (init.shape, init.dtype, init.device)
+        ishape, idtype, idevice = init.size(), init.dtype, init.device
     else:
         return None
-    return (id(group), tensor.shape, tensor.dtype, tensor.device, transition is not None, okey, ikey,
-            reverse, inclusive, num_blocks, method, async_op)
+    return (id(group), tensor.size(), tensor.dtype, tensor.device, transition is not None, oshape, odtype, odevice,
+            ishape, idtype, idevice, reverse, inclusive, num_blocks, method, async_op)
 
 
 def _fast_call(x, other, matrix, init, group, reverse, inclusive, k, method, async_op) -> Optional[_FastCall]:
@@ -637,27 +646,21 @@ def _fast_call(x, other, matrix, init, group, reverse, inclusive, k, method, asy
     if plan is None or not plan_is_current(plan, group):
         return None
     if matrix:
-        return _FastCall(plan, plans, pkey, M.launch, (reverse, inclusive, False, k), async_op)
-    return _FastCall(plan, plans, pkey, launch, (reverse, inclusive, k), async_op)
+        return _FastCall(plan, plans, pkey, M.launch, (reverse, inclusive, False, k), async_op, x.get_device())
+    return _FastCall(plan, plans, pkey, launch, (reverse, inclusive, k), async_op, x.get_device())
 
 
 def _eager_ready(group, tensor, other, init, async_op) -> bool:
     """Whether a call the full path just ran may be served by the fast path next time (then
-    :meth:`_FastCall.serves` checks what may change from call to call): a non-empty CUDA tensor,
-    the side stream by handle for an async call (:func:`by_handle_ok`), and what ``serves`` checks."""
+    :meth:`_FastCall.serve` checks what may change from call to call): a non-empty CUDA tensor on
+    the current device, the side stream by handle for an async call (:func:`by_handle_ok`), nothing to
+    differentiate and every tensor contiguous (the full path would copy)."""
     if not tensor.is_cuda or tensor.numel() == 0 or (async_op and _raw_stream is None):
         return False
-    return _as_given(tensor, other, init) and tensor.device.index == torch.cuda.current_device()
-
-
-def _as_given(tensor, other, init) -> bool:
-    """Whether the core can take the call's tensors as they are: nothing to differentiate (no
-    autograd node to record) and every tensor contiguous (the full path would copy)."""
-    if torch.is_grad_enabled() and (tensor.requires_grad or (other is not None and other.requires_grad)
-                                    or (init is not None and init.requires_grad)):
+    if _needs_grad(tensor, other, init):
         return False
     return (tensor.is_contiguous() and (other is None or other.is_contiguous())
-            and (init is None or init.is_contiguous()))
+            and (init is None or init.is_contiguous()) and tensor.device.index == torch.cuda.current_device())
 
 
 def device_path(group=None, device=None) -> str:
