@@ -440,6 +440,8 @@ def _backward(plan: _ChunkPlan, graphs, dout, needs):
         ch = chunks[c]
         g = graphs[c]
         if g is None:  # no query head of this chunk on this rank (so no k/v head either)
+            if plan.kv_accumulate:  # the k/v gradients travel in the accumulators' dtype
+                return dout.new_empty(B, S, 0, D), acc_k[:, :, :0], acc_v[:, :, :0]
             return tuple(dout.new_empty(B, S, 0, D) for _ in range(3))
         oc, qc, kc, vc = g
         gq, gk, gv = torch.autograd.grad(oc, (qc, kc, vc), douts[c])
