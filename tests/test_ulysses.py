@@ -477,10 +477,12 @@ def test_bf16_grouped_kv_with_a_chunk_empty_on_one_rank():
 
 
 def _one_rank_fails_on_gloo(rank, world, where):
-    """Rank 1's attention raises (its buffers, or at a head chunk, forward or backward) on gloo: it
-    raises its own error, and every peer raises at once, told in the next all-to-all's check (no
-    timeout), naming rank 1; the group is usable afterwards."""
+    """Rank 1's attention raises (its buffers, or at a head chunk, forward or backward; or the buffers
+    of its backward's fp32 k/v gradient gather, inside the all-to-all) on gloo: it raises its own
+    error, and every peer raises at once, told in that or the next all-to-all's check (no timeout),
+    naming rank 1; the group is usable afterwards."""
     import torch.distributed as dist
+    from allscan.ops import a2a as A
 
     q, k, v, w = _inputs(1, 4 * world, 6, 3, 8, torch.float64)
     sl = slice(rank * 4, (rank + 1) * 4)
@@ -502,7 +504,16 @@ def _one_rank_fails_on_gloo(rank, world, where):
             raise RuntimeError("injected out of memory")
         return real_buffers(*args)
 
+    real_prepare, prepared = A._a2a_dist.prepare, []
+
+    def prepare(*args):
+        prepared.append(args[6])  # accumulate: the k/v gradients' gather sums in fp32
+        if rank == 1 and where == "all-to-all" and any(args[6]):
+            raise RuntimeError("injected out of memory")
+        return real_prepare(*args)
+
     U.F.scaled_dot_product_attention = sdpa
+    A._a2a_dist.prepare = prepare
     if where == "buffers":
         U._forward_buffers = buffers
     try:
@@ -517,6 +528,8 @@ def _one_rank_fails_on_gloo(rank, world, where):
         outcome = "told"
     finally:
         U.F.scaled_dot_product_attention, U._forward_buffers = real_sdpa, real_buffers
+        A._a2a_dist.prepare = real_prepare
+    assert where != "all-to-all" or any(any(acc) for acc in prepared)  # the summed gather was reached
     ro, rq, rk, rv = reference(q, k, v, w, False, None)
     out = U.ulysses_attention(ql.detach(), kl.detach(), vl.detach(), num_chunks=2)  # the group carries on
     assert torch.allclose(out, ro[:, sl], rtol=1e-10, atol=1e-10)
@@ -524,6 +537,6 @@ def _one_rank_fails_on_gloo(rank, world, where):
     return outcome
 
 
-@pytest.mark.parametrize("where", ["buffers", "forward", "backward"])
+@pytest.mark.parametrize("where", ["buffers", "forward", "backward", "all-to-all"])
 def test_one_rank_failing_between_all_to_alls_on_gloo_tells_its_peers(where):
     assert run_distributed(_one_rank_fails_on_gloo, 3, where, timeout=90) == ["told", "raised", "told"]

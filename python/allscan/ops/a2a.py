@@ -21,6 +21,7 @@ fake implementations and autograd; the group travels as its name.
 """
 from __future__ import annotations
 
+import contextlib
 from typing import List, Optional, Sequence, Tuple
 
 import torch
@@ -297,20 +298,28 @@ def _a2a_multi(direction, xs, maps, num_heads, group, outs, accumulate, names, s
     cpp = _use_cpp(group, xs[0])
     signs = cpp and settings.check not in ("trust", "never")
     fields = _signature(direction, xs, maps, num_heads, accumulate) if check or signs else None
-    if check:
-        check_across_ranks(group, xs[0].device, op, fields)
     if cpp:
+        if check:
+            check_across_ranks(group, xs[0].device, op, fields)
         # The in-band signature travels whether or not this call checked on the host (the Ulysses
         # layer checks once per forward, then moves its chunks with check=False).
         return _cpp_a2a(direction, xs, maps, num_heads, group, outs, accumulate, stream, event,
                         signature_hash(op, fields) if signs else 0)
-    if stream is not None and xs[0].is_cuda:
-        with torch.cuda.stream(stream):
-            res = _a2a_dist.all_to_all(direction, xs, maps, num_heads, group, outs, accumulate)
-            if event is not None:
-                event.record(stream)
-        return res
-    return _a2a_dist.all_to_all(direction, xs, maps, num_heads, group, outs, accumulate)
+    on_stream = stream is not None and xs[0].is_cuda
+    with torch.cuda.stream(stream) if on_stream else contextlib.nullcontext():
+        try:
+            # its buffers before the check: a rank out of memory here tells its peers in the check
+            exchange = _a2a_dist.prepare(direction, xs, maps, num_heads, group, outs, accumulate)
+        except Exception as e:
+            if check:
+                announce_invalid(group, xs[0].device, op, f"its buffers failed: {type(e).__name__}: {e}")
+            raise
+        if check:
+            check_across_ranks(group, xs[0].device, op, fields)
+        res = exchange()
+        if on_stream and event is not None:
+            event.record(stream)
+    return res
 
 
 def scatter_heads_multi(xs, maps, group=None, **kw) -> List[torch.Tensor]:

@@ -285,11 +285,11 @@ def _report_failure(plan: "_ChunkPlan", like: torch.Tensor, phase: str):
     communicators fail within seconds, unless every rank skipped that same call (then the group carries
     on). With torch's all-to-all and every chunk checked (:func:`_chunks_checked`: gloo) a failure of
     the rank's own work (its buffers, a chunk's attention) joins the next all-to-all's check marked
-    invalid, so the peers raise there at once. A failure inside an all-to-all is not announced: its
-    check failed on every rank, or its local check announced it, or its exchange failed on the peers
-    too; but where it fails in its own local work around the exchange (packing what it sends, the fp32
-    sum of grouped k/v gradients after it) the peers wait until their timeout, as they do elsewhere
-    (torch's all-to-all on NCCL without ``ALLSCAN_CHECK=always``; ``never``).
+    invalid, so the peers raise there at once. A failure inside an all-to-all is not announced again:
+    its check failed on every rank, or the all-to-all announced it itself (its arguments, or its
+    buffers, which torch's all-to-all allocates before its check), or its exchange failed on the peers
+    too. Elsewhere (torch's all-to-all on NCCL without ``ALLSCAN_CHECK=always``; ``never``) the peers
+    wait until their timeout.
     Nothing is reported alone, for a failed communicator (the board spreads that already) or under
     CUDA graph capture (nothing runs before the replay)."""
     checked = _chunks_checked(plan.group, like)
