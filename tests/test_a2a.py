@@ -262,6 +262,32 @@ def test_errors_cross_rank(what):
     run_distributed(_errors_cross_rank, 2, what, timeout=60)
 
 
+class _NoMemory(torch.Tensor):
+    """A tensor whose contiguous copy runs out of memory."""
+
+    def contiguous(self, *args, **kwargs):
+        raise RuntimeError("injected out of memory")
+
+
+def _out_of_memory_before_the_check(rank, world):
+    """Rank 1 runs out of memory making its input contiguous (before the cross-rank check): it raises
+    that, its peers raise at once naming it (gloo: they wait in the check), and the group carries on."""
+    from allscan.ops.a2a import SCATTER, a2a_multi
+
+    x = torch.randn(1, 4, 2 * world, 4).transpose(1, 3).contiguous().transpose(1, 3)  # not contiguous
+    mine = x.as_subclass(_NoMemory) if rank == 1 else x
+    hm = a2a.split_heads(0, 2 * world, world)
+    with pytest.raises(RuntimeError if rank == 1 else ValueError,
+                       match="injected out of memory" if rank == 1 else r"rank\(s\) \[1\] rejected"):
+        a2a_multi(SCATTER, [mine], [hm], [2 * world])
+    y, = a2a_multi(SCATTER, [x], [hm], [2 * world])
+    return tuple(y.shape)
+
+
+def test_out_of_memory_before_the_check_tells_the_peers():
+    assert run_distributed(_out_of_memory_before_the_check, 3, timeout=60) == [(1, 12, 2, 4)] * 3
+
+
 def test_cpp_path_records_completion_event_through_torch(monkeypatch):
     """Regression: torch.cuda.Event creates its cudaEvent lazily, so a fresh event's raw handle is 0;
     the C++ path must record the event through torch after the enqueue (not hand over the raw

@@ -28,7 +28,8 @@ def prepare(direction: int, xs: Sequence[torch.Tensor], maps: Sequence[HeadMap],
     """Everything of a scatter-heads (SCATTER) or gather-heads (GATHER) of checked arguments that
     allocates (the packed send buffer, the receive buffer, the outputs, the fp32 sums), done before the
     exchange; returns the exchange: one all_to_all_single for all tensors of the call (any backend),
-    then only copies and adds into what was allocated here. So a rank that runs out of memory in its
+    then only copies and adds into what was allocated here (on the CPU, torch still converts each
+    bf16/fp16 piece it adds to the fp32 sums in a temporary). So a rank that runs out of memory in its
     all-to-all does so before it enters the collective, where its caller can still tell the peers."""
     P = dist.get_world_size(group)
     me = dist.get_rank(group)
@@ -125,8 +126,3 @@ def _sum_buffer(out: torch.Tensor, hm: HeadMap, accumulate: bool):
             start = None
     return acc, lo_all, runs
 
-
-def all_to_all(direction: int, xs: Sequence[torch.Tensor], maps: Sequence[HeadMap], num_heads: Sequence[int],
-               group, outs: Optional[Sequence[torch.Tensor]], accumulate: Sequence[bool]) -> List[torch.Tensor]:
-    """:func:`prepare` and its exchange at once."""
-    return prepare(direction, xs, maps, num_heads, group, outs, accumulate)()

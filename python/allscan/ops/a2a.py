@@ -289,7 +289,7 @@ def _a2a_multi(direction, xs, maps, num_heads, group, outs, accumulate, names, s
                         f"allscan.a2a: output for {n} must be a contiguous {x.dtype} tensor of shape {want} on {x.device}, "
                         f"got {o.dtype} {tuple(o.shape)} on {o.device}"
                     )
-    except (ValueError, TypeError) as e:
+    except Exception as e:  # a bad argument, or out of memory making the inputs contiguous
         if check:
             # The other ranks may be in the signature exchange: join it, so they raise too.
             device = xs[0].device if xs and isinstance(xs[0], torch.Tensor) else torch.device("cpu")
