@@ -18,6 +18,54 @@ import time
 import traceback
 
 
+RANKS_PER_GPU = "ALLSCAN_TEST_RANKS_PER_GPU"
+
+
+def _gpu_count() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def ranks_per_gpu() -> int:
+    """``ALLSCAN_TEST_RANKS_PER_GPU`` (default 1): how many NCCL ranks of a test may share one GPU."""
+    value = os.environ.get(RANKS_PER_GPU, "1")
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"{RANKS_PER_GPU} must be a positive integer, got {value!r}")
+    return int(value)
+
+
+def nccl_ranks() -> int:
+    """How many NCCL ranks a test can start here: the GPUs times ``ranks_per_gpu()``."""
+    return _gpu_count() * ranks_per_gpu()
+
+
+def skip_unless_gpus(n: int) -> None:
+    """Skip the calling test unless this machine has ``n`` CUDA GPUs (a test of speed or of NVLink)."""
+    import pytest
+
+    if _gpu_count() < n:
+        pytest.skip(f"needs {n} CUDA GPU{'s' if n > 1 else ''}")
+
+
+def skip_unless_nccl_ranks(n: int) -> None:
+    """Skip the calling test unless ``n`` NCCL ranks can run here (GPUs times ``ranks_per_gpu()``)."""
+    import pytest
+
+    gpus = _gpu_count()
+    if nccl_ranks() < n:
+        pytest.skip(f"needs {n} CUDA GPUs (or {RANKS_PER_GPU}={-(-n // max(gpus, 1))} with {max(gpus, 1)})"
+                    if gpus else "needs CUDA")
+
+
+def _share_gpus(rank: int) -> None:
+    """Make this rank a host of its own to NCCL (before NCCL starts in this process), reached through
+    the socket transport on the loopback interface (module docstring)."""
+    os.environ["NCCL_HOSTID"] = f"allscan-test-rank-{rank}"
+    os.environ["NCCL_IB_DISABLE"] = "1"
+    os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -33,6 +81,8 @@ def _child(fn, rank, world_size, backend, init_file, q, args, teardown=True):
         torch.set_num_threads(1)
         kwargs = {}
         if backend == "nccl":
+            if world_size > torch.cuda.device_count():
+                _share_gpus(rank)
             torch.cuda.set_device(rank % torch.cuda.device_count())
             kwargs["device_id"] = torch.device("cuda", rank % torch.cuda.device_count())
         dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank,

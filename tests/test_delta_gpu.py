@@ -28,7 +28,7 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from distributed import run_distributed  # noqa: E402
+from distributed import run_distributed, skip_unless_nccl_ranks  # noqa: E402
 from graph_replay import assert_replay_equals_eager  # noqa: E402
 
 pytestmark = pytest.mark.gpu
@@ -41,8 +41,7 @@ H, K, V, T_LOCAL = 4, 128, 128, 1024
 
 
 def _need(world=2):
-    if not torch.cuda.is_available() or torch.cuda.device_count() < world:
-        pytest.skip(f"needs {world} CUDA GPU{'s' if world > 1 else ''}")
+    skip_unless_nccl_ranks(world)
     try:
         import fla.ops.gated_delta_rule  # noqa: F401
         import fla.ops.kda  # noqa: F401

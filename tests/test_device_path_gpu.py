@@ -13,8 +13,8 @@ import torch.distributed as dist
 
 import allscan
 from allscan.reference import scan_reference
-from distributed import run_distributed
-from test_scan_gpu import DTYPES, STATE, _inputs, _need  # the GPU scan tests' dtypes, state, inputs, skip
+from distributed import run_distributed, skip_unless_gpus
+from test_scan_gpu import DTYPES, STATE, _inputs  # the GPU scan tests' dtypes, state, inputs
 
 pytestmark = pytest.mark.gpu
 
@@ -47,7 +47,7 @@ def _exact(rank, P):
 
 
 def test_device_path_exact():
-    _need(2)
+    skip_unless_gpus(2)  # NVLink between GPUs
     counts = run_distributed(_exact, 2, backend="nccl", timeout=600)
     assert counts[0] == len(DTYPES) * len(DECAYS) * 8 * 3
 
@@ -107,7 +107,7 @@ def _sizes_graphs_grads(rank, P):
 
 
 def test_device_path_sizes_graphs_grads():
-    _need(2)
+    skip_unless_gpus(2)  # NVLink between GPUs
     run_distributed(_sizes_graphs_grads, 2, backend="nccl", timeout=600)
 
 
@@ -120,7 +120,7 @@ def _fallback(rank, P):
 
 
 def test_device_path_falls_back_without_p2p(monkeypatch):
-    _need(2)
+    skip_unless_gpus(2)  # NVLink between GPUs
     monkeypatch.setenv("NCCL_P2P_DISABLE", "1")
     paths = run_distributed(_fallback, 2, backend="nccl", timeout=300)
     assert all(p == "nccl: NCCL_P2P_DISABLE=1" for p in paths), paths
@@ -128,14 +128,14 @@ def test_device_path_falls_back_without_p2p(monkeypatch):
 
 def test_device_path_falls_back_without_symmetric_windows(monkeypatch):
     # NCCL without windows (NCCL_WIN_ENABLE=0): its device communicator cannot be made, on any rank
-    _need(2)
+    skip_unless_gpus(2)  # NVLink between GPUs
     monkeypatch.setenv("NCCL_WIN_ENABLE", "0")
     paths = run_distributed(_fallback, 2, backend="nccl", timeout=300)
     assert all(p.startswith("nccl:") for p in paths), paths
 
 
 def test_device_path_off_by_setting(monkeypatch):
-    _need(2)
+    skip_unless_gpus(2)  # NVLink between GPUs
     monkeypatch.setenv("ALLSCAN_DEVICE_PATH", "off")
     paths = run_distributed(_fallback, 2, backend="nccl", timeout=300)
     assert all(p == "nccl: ALLSCAN_DEVICE_PATH=off" for p in paths), paths
@@ -149,7 +149,7 @@ def _matrix_refused(rank, P):
 
 
 def test_device_method_refused_for_transitions():
-    _need(2)
+    skip_unless_gpus(2)  # NVLink between GPUs
     run_distributed(_matrix_refused, 2, backend="nccl", timeout=300)
 
 
@@ -160,7 +160,7 @@ def test_device_kernel_on_simulated_ranks_of_one_gpu(tmp_path):
     import shutil
     import subprocess
 
-    _need(1)
+    skip_unless_gpus(1)
     nvcc = shutil.which("nvcc") or ("/usr/local/cuda/bin/nvcc" if os.path.exists("/usr/local/cuda/bin/nvcc") else None)
     if nvcc is None:
         pytest.skip("needs nvcc")

@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from distributed import run_distributed
+from distributed import run_distributed, skip_unless_nccl_ranks
 
 CFG = dict(hidden_size=16, head_dim=8, num_heads=2, num_v_heads=4, expand_v=2, conv_size=4, conv_bias=True)
 
@@ -111,8 +111,7 @@ def test_sharded_equals_one_process(world):
 def test_sharded_equals_one_process_on_two_gpus():
     """The same check on CUDA tensors over NCCL (the halo's batched point-to-point, the matrix scan's
     C++ core, fp64 states); the local work is the torch path (no fla-core backend yet)."""
-    if torch.cuda.device_count() < 2:
-        pytest.skip("needs 2 GPUs")
+    skip_unless_nccl_ranks(2)
     assert run_distributed(_check_ranks, 2, "cuda", timeout=300, backend="nccl") == [True, True]
 
 

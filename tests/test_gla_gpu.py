@@ -34,7 +34,7 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from distributed import run_distributed  # noqa: E402
+from distributed import run_distributed, skip_unless_nccl_ranks  # noqa: E402
 from graph_replay import assert_replay_equals_eager  # noqa: E402
 
 pytestmark = pytest.mark.gpu
@@ -45,8 +45,7 @@ METHODS = ["zeco", "lasp1", "lasp2"]
 
 
 def _need():
-    if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
-        pytest.skip("needs 2 CUDA GPUs")
+    skip_unless_nccl_ranks(2)
     _need1()
 
 
@@ -503,8 +502,7 @@ def _compiled(rank, world):
 
 @pytest.mark.parametrize("world", [1, 2])
 def test_zeco_gla_compiled_equals_eager(world):
-    if torch.cuda.device_count() < world:
-        pytest.skip(f"needs {world} GPUs")
+    skip_unless_nccl_ranks(world)
     _need1()
     assert run_distributed(_compiled, world, timeout=RUN_TIMEOUT, backend="nccl") == [True] * world
 

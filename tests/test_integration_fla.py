@@ -15,7 +15,7 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from distributed import run_distributed  # noqa: E402
+from distributed import run_distributed, skip_unless_nccl_ranks  # noqa: E402
 
 pytest.importorskip("fla.models", reason="needs flash-linear-attention 0.6 (with triton and einops)")
 
@@ -111,8 +111,7 @@ def test_fla_model_sequence_parallel_equals_one_process(kind):
 def test_fla_model_sequence_parallel_equals_fla_on_gpus(kind):
     """Against fla's own model and kernels on the whole sequence (2 GPUs, NCCL). Gated DeltaNet's
     backward on Hopper needs tilelang (fla refuses Triton's there)."""
-    if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
-        pytest.skip("needs 2 CUDA GPUs")
+    skip_unless_nccl_ranks(2)
     if kind == "gdn" and torch.cuda.get_device_capability() >= (9, 0):
         pytest.importorskip("tilelang", reason="fla's Gated DeltaNet backward on Hopper needs tilelang")
     os.environ["TRITON_F32_DEFAULT"] = "ieee"  # inherited by the spawned ranks: fla's fp32 dots exact

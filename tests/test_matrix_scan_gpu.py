@@ -16,7 +16,7 @@ import torch.distributed as dist
 import allscan
 from allscan.ops import matrix_scan as _matrix_scan_module  # noqa: F401  (registers allscan::matrix_scan)
 from allscan.ops._matrix_math import matrix_scan_reference
-from distributed import run_distributed
+from distributed import run_distributed, skip_unless_gpus, skip_unless_nccl_ranks
 from test_matrix_scan import _signed_permutations
 
 pytestmark = pytest.mark.gpu
@@ -31,8 +31,7 @@ TOL = {torch.float32: 1e-6, torch.float64: 1e-13, torch.bfloat16: 3e-2, torch.fl
 
 
 def _need(n):
-    if torch.cuda.device_count() < n:
-        pytest.skip(f"needs {n} GPUs")
+    skip_unless_nccl_ranks(n)
 
 
 def _dev():
@@ -265,7 +264,7 @@ def test_two_gpu_perf_matrix_run_is_exact(tmp_path, extra):
 
     if BINARY is None:
         pytest.skip("allscan_perf is not built")
-    _need(2)
+    skip_unless_gpus(2)  # one process drives both ranks: NCCL needs a GPU per rank
     out = tmp_path / "matrix.json"
     p = _run("-o", "matrix", "-b", "64K", "-e", "8M", "-f", "4", "-g", "2", "-n", "5", "-w", "2", "-N", "2", "-j",
              str(out), *extra, hide_gpus=False, timeout=300)

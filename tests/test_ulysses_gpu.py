@@ -10,15 +10,15 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "python"))
 
-from distributed import run_distributed  # noqa: E402
+from distributed import nccl_ranks, run_distributed  # noqa: E402
 from graph_replay import assert_replay_equals_eager  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
 
 def _gpus(n):
-    return pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < n,
-                              reason=f"needs {n} CUDA GPU{'s' if n > 1 else ''}")
+    return pytest.mark.skipif(nccl_ranks() < n, reason=f"needs {n} CUDA GPU{'s' if n > 1 else ''} "
+                              "(or ALLSCAN_TEST_RANKS_PER_GPU: tests/distributed.py)")
 
 
 two_gpus = _gpus(2)
