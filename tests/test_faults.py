@@ -19,7 +19,7 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from distributed import run_distributed  # noqa: E402
+from distributed import run_distributed, skip_unless_nccl_ranks  # noqa: E402
 
 WORLD = 3
 PG_TIMEOUT = 3.0  # seconds: the fault group's timeout
@@ -125,8 +125,7 @@ GPU_PG_TIMEOUT = 5.0
 def test_a_dead_rank_on_nccl_makes_the_survivor_raise_in_time(op):
     """2 GPUs, NCCL: rank 1 dies; rank 0's collectives (allscan's own communicator, watched with
     the group's timeout) raise CommunicatorTimeout within the timeout + 5 s instead of hanging."""
-    if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
-        pytest.skip("needs 2 CUDA GPUs")
+    skip_unless_nccl_ranks(2)
     os.environ.setdefault("ALLSCAN_FLA_AUTOTUNE", "one")
     results = run_distributed(_victim_dies, 2, op, 1, "cuda", GPU_PG_TIMEOUT, backend="nccl", timeout=120,
                               may_exit=(1,))
@@ -168,17 +167,29 @@ def _peer_stalls(rank, world, pg_timeout):
     res = dict(outcome=outcome, elapsed=elapsed, fresh_ok=bool(torch.allclose(y, torch.full((4,), want))))
     if rank == 0:
         res["again"] = again
+        # NCCL may have given the aborted communicator's address to the new one: the old group still
+        # raises its own failure and never reaches the new communicator
+        try:
+            _call("scan", group, rank, device, 0)
+            res["old_after_fresh"] = "no error"
+        except allscan.CommunicatorTimeout:
+            res["old_after_fresh"] = "CommunicatorTimeout"
+        y = allscan.scan(torch.ones(4, device=device), torch.full((4,), 0.5, device=device), fresh, inclusive=True)
+        res["fresh_ok"] = res["fresh_ok"] and bool(torch.allclose(y.cpu(), torch.full((4,), want)))
+    else:
+        y = allscan.scan(torch.ones(4, device=device), torch.full((4,), 0.5, device=device), fresh, inclusive=True)
+        res["fresh_ok"] = res["fresh_ok"] and bool(torch.allclose(y.cpu(), torch.full((4,), want)))
     return res
 
 
 @pytest.mark.gpu
 def test_a_stuck_peer_on_nccl_then_a_new_group_works():
-    if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
-        pytest.skip("needs 2 CUDA GPUs")
+    skip_unless_nccl_ranks(2)
     r0, r1 = run_distributed(_peer_stalls, 2, GPU_PG_TIMEOUT, backend="nccl", timeout=120)
     assert r0["outcome"] is not None and r0["outcome"][0] == "CommunicatorTimeout", r0
     assert r0["elapsed"] <= GPU_PG_TIMEOUT + SLACK, r0
     assert r0["again"] == "CommunicatorTimeout", r0  # the failed communicator stays failed
+    assert r0["old_after_fresh"] == "CommunicatorTimeout", r0  # also once a new one exists
     assert r0["fresh_ok"] and r1["fresh_ok"], (r0, r1)
 
 
@@ -249,8 +260,7 @@ def _switch(rank, world, case):
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", ["exclusive", "inclusive", "matrix", "a2a"])
 def test_a_cached_signature_switch_on_nccl_gives_nan_and_raises_on_both_ranks(case):
-    if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
-        pytest.skip("needs 2 CUDA GPUs")
+    skip_unless_nccl_ranks(2)
     r0, r1 = run_distributed(_switch, 2, case, backend="nccl", timeout=120)
     if case == "a2a":  # both ranks receive: both find the other signature
         for r in (r0, r1):
@@ -295,8 +305,7 @@ def _bad_argument(rank, world, who):
 
 @pytest.mark.gpu
 def test_a_bad_argument_on_every_rank_leaves_the_nccl_group_usable():
-    if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
-        pytest.skip("needs 2 CUDA GPUs")
+    skip_unless_nccl_ranks(2)
     for r in run_distributed(_bad_argument, 2, (0, 1), backend="nccl", timeout=120):
         assert r["first"] and r["first"][0] == "ValueError" and "gamma" in r["first"][1], r
         assert r["first"][2] < 1.5, r  # resolved on the board: every rank skipped the same call
@@ -305,10 +314,121 @@ def test_a_bad_argument_on_every_rank_leaves_the_nccl_group_usable():
 
 @pytest.mark.gpu
 def test_a_bad_argument_on_one_rank_reaches_the_other_on_nccl():
-    if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
-        pytest.skip("needs 2 CUDA GPUs")
+    skip_unless_nccl_ranks(2)
     r0, r1 = run_distributed(_bad_argument, 2, (1,), backend="nccl", timeout=120)
     assert r1["first"] and r1["first"][0] == "ValueError", r1
     for r in (r0, r1):
         assert r["outcome"] and r["outcome"][0] == "CommunicatorError" and "gamma" in r["outcome"][1], r
         assert r["elapsed"] < 6.0, r
+
+
+def _own_work_fails(rank, world, op):
+    """After a warm-up call (the signature checked and cached: in ``first`` mode no later call exchanges
+    on the host), rank 1 fails in its own work before its part of a layer's collective: the shard's
+    states before the forward scan (GLA, Gated DeltaNet) or the buffers of Ulysses' all-to-alls. It
+    raises its own error and reports the call it skips on the fault board, which fails every rank's
+    communicator within seconds, not the group's timeout: the next call on every rank raises
+    ``CommunicatorError`` naming rank 1's error. A new group works afterwards."""
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    import allscan
+    from allscan.layers import zeco_gated_delta_rule, zeco_gla
+    from allscan.ops import ulysses as U
+    from allscan.ops.delta.chunk import TorchDelta
+    from allscan.ops.gla.chunk import TorchGLA
+
+    dev = torch.device("cuda", torch.cuda.current_device())
+    T, H, K = 32, 2, 16
+    gen = torch.Generator().manual_seed(rank)
+    dtype = torch.float32 if op == "ulysses" else torch.float64  # fp32: the core's all-to-all
+    q, k, v = (torch.randn(1, T, H, K, generator=gen, dtype=dtype).to(dev) for _ in range(3))
+    k = F.normalize(k, dim=-1)
+
+    def call(group):
+        ins = [t.clone().requires_grad_(True) for t in (q, k, v)]
+        if op == "gla":  # fp64: the torch backend (ALLSCAN_GLA_BACKEND=torch, set by the test)
+            o, _ = zeco_gla(*ins, torch.full((1, T, H, K), -0.1, dtype=torch.float64, device=dev), group)
+        elif op == "gdn":  # fp64: the torch backend
+            o, _ = zeco_gated_delta_rule(*ins, torch.full((1, T, H), -0.1, dtype=torch.float64, device=dev),
+                                         torch.full((1, T, H), 0.5, dtype=torch.float64, device=dev), group)
+        else:
+            o = U.ulysses_attention(*ins, group=group, num_chunks=2)
+        o.sum().backward()
+        torch.cuda.synchronize()
+
+    call(dist.group.WORLD)
+    owner, name = {"gla": (TorchGLA, "fwd_states"), "gdn": (TorchDelta, "states"),
+                   "ulysses": (U, "_forward_buffers")}[op]
+    real, original = getattr(owner, name), vars(owner)[name]
+
+    def failing(*args, **kwargs):
+        if rank == 1:
+            raise RuntimeError(f"injected failure in {name}")
+        return real(*args, **kwargs)
+
+    def outcome():
+        try:
+            call(dist.group.WORLD)
+            return ("done", "")
+        except Exception as e:  # noqa: BLE001 - the test asserts which
+            return (type(e).__name__, str(e))
+
+    setattr(owner, name, staticmethod(failing) if isinstance(owner, type) else failing)
+    t0 = time.monotonic()
+    try:
+        first = outcome()
+    finally:
+        setattr(owner, name, original)
+    second = outcome()
+    elapsed = time.monotonic() - t0
+    fresh = dist.new_group(list(range(world)), backend="nccl")
+    call(fresh)
+    return dict(first=first, second=second, elapsed=elapsed)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op", ["gla", "gdn", "ulysses"])
+def test_a_rank_failing_in_its_own_work_on_nccl_tells_its_peers(op, monkeypatch):
+    skip_unless_nccl_ranks(2)
+    monkeypatch.setenv("ALLSCAN_GLA_BACKEND", "torch")
+    r0, r1 = run_distributed(_own_work_fails, 2, op, backend="nccl", timeout=150)
+    assert r1["first"][0] == "RuntimeError" and "injected failure" in r1["first"][1], r1
+    # the peer's call in flight returns once the board aborted the communicator (its result undefined,
+    # as NCCL's after an abort), or raises if it issued after that; its next call raises
+    assert r0["first"][0] in ("done", "CommunicatorError"), r0
+    for r in (r0, r1):
+        assert r["second"][0] == "CommunicatorError" and "injected failure" in r["second"][1], r
+    assert r0["elapsed"] < 10.0, r0  # the board's grace (3 s) and polls, not the group's timeout
+
+
+def test_a_communicator_whose_address_nccl_reused_is_retired(monkeypatch):
+    """After a watch aborted a communicator, NCCL may give its address to the next one created: the
+    cached communicator still holding it is then detached from NCCL and keeps its watch's failure,
+    which its group's later calls raise; the prepared plans are forgotten (the core's side stubbed:
+    the GPU case is test_a_stuck_peer_on_nccl_then_a_new_group_works)."""
+    import allscan
+    from allscan import _C, _comm
+    from allscan.ops import _launch
+
+    forgotten, cleared = [], []
+
+    def status(watch):
+        raise _C.CommunicatorTimeout("allscan: pending without progress (stub)")
+
+    monkeypatch.setattr(_C, "watch_status", status)
+    monkeypatch.setattr(_C, "comm_forget_nccl", forgotten.append)
+    monkeypatch.setattr(_launch, "forget_plans", lambda: cleared.append(True))
+    made = dict(device=torch.device("cuda", 0), rank=0, size=2, owned=True, watch=5)
+    old = _comm.Communicator(group_name="old", nccl=1234, handle=77, **made)
+    other = _comm.Communicator(group_name="other", nccl=999, handle=78, **made)
+    monkeypatch.setitem(_comm._comms, ("old", 0), old)
+    monkeypatch.setitem(_comm._comms, ("other", 0), other)
+    _comm._retire_aliases(4321)  # an address no cached communicator holds
+    assert forgotten == [] and cleared == [] and old.failure is None
+    _comm._retire_aliases(1234)
+    assert (old.nccl, forgotten, cleared) == (0, [77], [True])
+    assert other.nccl == 999 and other.failure is None
+    with pytest.raises(allscan.CommunicatorTimeout, match=r"pending without progress \(stub\)"):
+        _comm._raise_if_retired(old)
+    _comm._raise_if_retired(other)

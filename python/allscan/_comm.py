@@ -108,6 +108,7 @@ class Communicator:
     group_ref: Optional[weakref.ReferenceType] = None  # the group object it was made for
     watch: int = 0       # allscanWatch_t as an integer (0: not watched)
     fault_key: str = ""  # its key on the fault board ("" : not on it)
+    failure: Optional[BaseException] = None  # set when retired (_retire_aliases): what every later call raises
 
     def destroy(self) -> None:
         if self.fault_key:
@@ -166,6 +167,34 @@ def _create_owned_comm(group, device: torch.device) -> Tuple[int, str]:
     key = "allscan/fault/" + hashlib.blake2b(obj[0], digest_size=12).hexdigest()
     with torch.cuda.device(device):
         return int(_C.nccl_comm_init_rank(size, obj[0], rank)), key
+
+
+def _retire_aliases(nccl: int) -> None:
+    """A cached communicator holding ``nccl``, the address of a communicator just created, is one its
+    watch aborted (NCCL freed it and reused the address). Its handle is detached from NCCL, so that
+    no call on its group can reach the new communicator, and it keeps its failure, which every later
+    call on its group raises (:func:`get_communicator`; the prepared plans are forgotten so that every
+    call comes through it)."""
+    with _lock:
+        aliases = [c for c in _comms.values() if c.nccl == nccl]
+    for c in aliases:
+        c.failure = _C.CommunicatorError(f"allscan: the NCCL communicator of group {c.group_name!r} is gone")
+        try:
+            if c.watch:
+                _C.watch_status(c.watch)
+        except _C.CommunicatorError as e:  # its watch's failure (a timeout, or a peer's report)
+            c.failure = e
+        _C.comm_forget_nccl(c.handle)
+        c.nccl = 0
+    if aliases:
+        from .ops._launch import forget_plans  # noqa: PLC0415 - the ops import this module
+
+        forget_plans()
+
+
+def _raise_if_retired(comm: "Communicator") -> None:
+    if comm.failure is not None:
+        raise type(comm.failure)(str(comm.failure))
 
 
 def group_timeout(group, device: torch.device) -> float:
@@ -288,6 +317,7 @@ def get_communicator(group, device: torch.device) -> Communicator:
     with _lock:
         comm = _comms.get(key)
         if comm is not None and comm.group_ref is not None and comm.group_ref() is group:
+            _raise_if_retired(comm)
             return comm
         # Communicators of groups that are gone (this name re-registered, or any dead group): a
         # borrowed one may be gone with its group, and its address reused by a new one, which a
@@ -316,6 +346,7 @@ def get_communicator(group, device: torch.device) -> Communicator:
         # on every rank (they make them together), new for each.
         _borrowed_made[name] = _borrowed_made.get(name, 0) + 1
         board_key = f"allscan/fault/borrowed/{name}/{_borrowed_made[name]}"
+    _retire_aliases(nccl)
     handle = int(_C.comm_create(nccl))
     comm = Communicator(
         group_name=name,
