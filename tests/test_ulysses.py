@@ -451,20 +451,21 @@ def test_failure_reports_by_path():
         _comm.report_local_error, U._use_cpp, U.announce_invalid, U.peers_exchange = saved
 
 
-def _bf16_grouped_kv_empty_chunk(rank, world):
+def _bf16_grouped_kv_empty_chunk(rank, world, device="cpu"):
     """bf16 with grouped k/v heads (their gradients summed in fp32) and more head chunks than the last
     rank has query heads (8 over 3 ranks: 3, 3, 2; C = 3): forward and backward against the fp64
-    reference within bf16's error, and against one chunk."""
+    reference within bf16's error, and against one chunk (``device``: "cuda" on NCCL, the core's
+    all-to-all; tests/test_ulysses_gpu.py)."""
     S, Sl = 3 * world, 3
     q, k, v, w = _inputs(1, S, 8, 4, 8, torch.float64, seed=5)
     ro, rq, rk, rv = reference(q, k, v, w, True, None)
     sl = slice(rank * Sl, (rank + 1) * Sl)
     got = {}
     for C in (1, 3):
-        ql, kl, vl = (t[:, sl].to(torch.bfloat16).requires_grad_(True) for t in (q, k, v))
+        ql, kl, vl = (t[:, sl].to(device, torch.bfloat16).requires_grad_(True) for t in (q, k, v))
         out = U.ulysses_attention(ql, kl, vl, num_chunks=C, causal=True)
-        (out.float() * w[:, sl].float()).sum().backward()
-        got[C] = [t.double() for t in (out, ql.grad, kl.grad, vl.grad)]
+        (out.float() * w[:, sl].to(device, torch.float32)).sum().backward()
+        got[C] = [t.double().cpu() for t in (out, ql.grad, kl.grad, vl.grad)]
     for name, a, one, ref in zip(("out", "dq", "dk", "dv"), got[3], got[1], (ro, rq, rk, rv)):
         ref = ref[:, sl]
         assert (a - ref).abs().max().item() <= 0.05 * ref.abs().max().item(), name

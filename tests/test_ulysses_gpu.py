@@ -193,6 +193,15 @@ def test_cpp_a2a_bitwise_equals_torch_path():
     assert counts[0] > 0
 
 
+@_gpus(3)
+def test_bf16_grouped_kv_with_a_chunk_empty_on_one_rank_over_nccl():
+    """tests/test_ulysses.py's case through the core's all-to-all: 8 query heads over 3 ranks in 3
+    chunks, so the last rank has none in one chunk and sends empty fp32 k/v gradients for it."""
+    from test_ulysses import _bf16_grouped_kv_empty_chunk
+
+    assert run_distributed(_bf16_grouped_kv_empty_chunk, 3, "cuda", backend="nccl", timeout=300) == [True] * 3
+
+
 def _cross_rank_error(rank, world):
     from allscan.layers import UlyssesAttention
 
