@@ -9,6 +9,8 @@
 # perfbase: the standard sweep of an earlier tree's allscan_perf (BASE=<source dir>, default .base) and of this one,
 #         alternated three times (a refactor's before/after, side by side in one run).
 # Limits: TIMEOUT_<stage> or STAGE_TIMEOUT seconds per stage; KSWEEP=0 skips the K sweep of perf.
+# On fewer GPUs than a test has ranks, ALLSCAN_TEST_RANKS_PER_GPU=n lets n NCCL ranks share each GPU in the
+#         tests and glatest/deltatest stages (results only: tests/distributed.py).
 # Logs and JSON go to $OUT (default ./gpu_out); a short table is printed last.
 # Needs: python3 with torch (CUDA), nvcc, cmake, ninja, pybind11, scikit-build-core; fla-core and
 # yunchang wheels in .whl/ for the GLA and Ulysses comparisons (../shared/tools/device_wheels.sh);
