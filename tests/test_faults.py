@@ -176,6 +176,10 @@ def _peer_stalls(rank, world, pg_timeout):
             res["old_after_fresh"] = "CommunicatorTimeout"
         y = allscan.scan(torch.ones(4, device=device), torch.full((4,), 0.5, device=device), fresh, inclusive=True)
         res["fresh_ok"] = res["fresh_ok"] and bool(torch.allclose(y.cpu(), torch.full((4,), want)))
+        from allscan import _comm
+
+        # whether NCCL reused the address this time (the retirement ran): reported, not asserted
+        res["retired"] = _comm.find_communicator(group, torch.device(device)).failure is not None
     else:
         y = allscan.scan(torch.ones(4, device=device), torch.full((4,), 0.5, device=device), fresh, inclusive=True)
         res["fresh_ok"] = res["fresh_ok"] and bool(torch.allclose(y.cpu(), torch.full((4,), want)))
@@ -402,33 +406,71 @@ def test_a_rank_failing_in_its_own_work_on_nccl_tells_its_peers(op, monkeypatch)
     assert r0["elapsed"] < 10.0, r0  # the board's grace (3 s) and polls, not the group's timeout
 
 
-def test_a_communicator_whose_address_nccl_reused_is_retired(monkeypatch):
+def test_a_failed_core_communicator_reports_its_failure():
+    """allscanCommFail: every later call that needs NCCL returns the failure given (a retired
+    communicator's calls report why, not that it has no NCCL)."""
+    from allscan import _C
+
+    h = _C.comm_create_detached(0, 2)
+    try:
+        # comm, x, y, count, dtype, g, g_count, g_dtype, init, reverse, inclusive, K, method, ws, ws_bytes, stream, sig
+        args = (h, 4096, 8192, 100, _C.FLOAT32, 0, 0, _C.FLOAT32, 0, False, False, 0, _C.PIPELINED, 0, 0, 0, 0)
+        with pytest.raises(ValueError, match="a detached communicator has no NCCL communicator"):
+            _C.scan(*args)
+        _C.comm_fail(h, _C.TIMEOUT, "pending without progress (stub)")
+        with pytest.raises(allscan_errors()[0], match=r"^allscan: pending without progress \(stub\)$"):
+            _C.scan(*args)
+        _C.comm_fail(h, _C.REMOTE_ERROR, "rank 1 reported (stub)")
+        with pytest.raises(allscan_errors()[1], match=r"rank 1 reported \(stub\)"):
+            _C.neighbor_exchange(h, 4096, 8192, 64, False, True, 0)
+        with pytest.raises(ValueError, match="code: expected allscanTimeout, allscanMismatch or allscanRemoteError"):
+            _C.comm_fail(h, 1, "not a failure code")
+    finally:
+        _C.comm_destroy(h)
+
+
+def allscan_errors():
+    import allscan
+
+    return allscan.CommunicatorTimeout, allscan.CommunicatorError
+
+
+def test_a_communicator_whose_address_nccl_reused_is_retired(monkeypatch, single_rank):
     """After a watch aborted a communicator, NCCL may give its address to the next one created: the
-    cached communicator still holding it is then detached from NCCL and keeps its watch's failure,
-    which its group's later calls raise; the prepared plans are forgotten (the core's side stubbed:
-    the GPU case is test_a_stuck_peer_on_nccl_then_a_new_group_works)."""
+    cached communicator still holding it is retired when that one is made (its watch destroyed so the
+    new one can be watched, its handle detached from NCCL and failed with its watch's failure, which
+    get_communicator raises for its group). NCCL and the core are stubbed: the GPU case is
+    test_a_stuck_peer_on_nccl_then_a_new_group_works."""
+    import torch.distributed as dist
+
     import allscan
     from allscan import _C, _comm
-    from allscan.ops import _launch
 
-    forgotten, cleared = [], []
+    calls = []
+    addresses = iter([(1234, ""), (1234, "")])  # the second communicator gets the first one's address
+    handles = iter([77, 78])
+    monkeypatch.setattr(_comm, "_comms", {})
+    monkeypatch.setattr(_comm, "_create_owned_comm", lambda group, device: next(addresses))
+    monkeypatch.setattr(_C, "comm_create", lambda nccl: next(handles))
+    monkeypatch.setattr(_C, "comm_rank", lambda h: 0)
+    monkeypatch.setattr(_C, "comm_size", lambda h: 1)
+    monkeypatch.setattr(_C, "get_link_model", lambda h: (0.0, 0.0, False))
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)  # a CPU build has no CUDA
 
     def status(watch):
         raise _C.CommunicatorTimeout("allscan: pending without progress (stub)")
 
     monkeypatch.setattr(_C, "watch_status", status)
-    monkeypatch.setattr(_C, "comm_forget_nccl", forgotten.append)
-    monkeypatch.setattr(_launch, "forget_plans", lambda: cleared.append(True))
-    made = dict(device=torch.device("cuda", 0), rank=0, size=2, owned=True, watch=5)
-    old = _comm.Communicator(group_name="old", nccl=1234, handle=77, **made)
-    other = _comm.Communicator(group_name="other", nccl=999, handle=78, **made)
-    monkeypatch.setitem(_comm._comms, ("old", 0), old)
-    monkeypatch.setitem(_comm._comms, ("other", 0), other)
-    _comm._retire_aliases(4321)  # an address no cached communicator holds
-    assert forgotten == [] and cleared == [] and old.failure is None
-    _comm._retire_aliases(1234)
-    assert (old.nccl, forgotten, cleared) == (0, [77], [True])
-    assert other.nccl == 999 and other.failure is None
+    monkeypatch.setattr(_C, "watch_destroy", lambda w: calls.append(("watch_destroy", w)) or True)
+    monkeypatch.setattr(_C, "comm_forget_nccl", lambda h: calls.append(("forget", h)))
+    monkeypatch.setattr(_C, "comm_fail", lambda h, code, reason: calls.append(("fail", h, code, reason)))
+    cuda0 = torch.device("cuda", 0)
+    first = _comm.get_communicator(single_rank, cuda0)
+    first.watch = 5  # as if watched; its watch failed and aborted it
+    other = dist.new_group([0])
+    second = _comm.get_communicator(other, cuda0)
+    assert (first.nccl, first.watch, second.nccl, second.handle) == (0, 0, 1234, 78)
+    assert calls == [("watch_destroy", 5), ("forget", 77), ("fail", 77, _C.TIMEOUT, "pending without progress (stub)")]
     with pytest.raises(allscan.CommunicatorTimeout, match=r"pending without progress \(stub\)"):
-        _comm._raise_if_retired(old)
-    _comm._raise_if_retired(other)
+        _comm.get_communicator(single_rank, cuda0)
+    assert _comm.get_communicator(other, cuda0) is second and second.failure is None

@@ -443,6 +443,16 @@ allscanResult_t allscanCommForgetNccl(allscanComm_t comm) {
   return allscanSuccess;
 }
 
+allscanResult_t allscanCommFail(allscanComm_t comm, allscanResult_t code, const char* reason) {
+  ALLSCAN_ARG_CHECK(comm != nullptr, "comm: null communicator");
+  ALLSCAN_ARG_CHECK(code == allscanTimeout || code == allscanMismatch || code == allscanRemoteError,
+                    "code: expected allscanTimeout, allscanMismatch or allscanRemoteError, got " +
+                        std::to_string(static_cast<int>(code)));
+  comm->failure_code = code;
+  comm->failure = reason != nullptr ? reason : "the communicator failed";
+  return allscanSuccess;
+}
+
 allscanResult_t allscanCommRank(allscanComm_t comm, int* rank) {
   ALLSCAN_ARG_CHECK(comm != nullptr && rank != nullptr, "comm/rank: null pointer");
   *rank = comm->rank;

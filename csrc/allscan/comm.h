@@ -25,6 +25,8 @@ struct DevicePath;  // device_path.h
 
 struct allscanComm {
   ncclComm_t nccl = nullptr;  // borrowed, never destroyed here (null for a detached communicator)
+  allscanResult_t failure_code = allscanSuccess;  // allscanCommFail: what every later NCCL call returns
+  std::string failure;
   int rank = 0;
   int nranks = 1;
   // The link model (allscanSetLinkModel / allscanCalibrate): one message of n bytes between
@@ -98,8 +100,10 @@ template <typename Args> allscanResult_t checkSchedule(const Args* a) {
 // (`size_query`, named in the error) asked for.
 allscanResult_t checkWorkspace(size_t need, const void* workspace, size_t workspace_bytes, const char* size_query);
 
-// Before the first NCCL call: a detached communicator (no NCCL) only scans a chain of one.
+// Before the first NCCL call: a failed communicator (allscanCommFail) returns its failure; a detached
+// one (no NCCL) only scans a chain of one.
 inline allscanResult_t checkAttached(const allscanComm* comm) {
+  if (comm->failure_code != allscanSuccess) return allscan::detail::setError(comm->failure_code, comm->failure);
   ALLSCAN_ARG_CHECK(comm->nccl != nullptr, "comm: a detached communicator has no NCCL communicator");
   return allscanSuccess;
 }

@@ -145,12 +145,9 @@ void watchLoop(allscanWatch* w) {
 
 allscanWatch_t watchBegin(ncclComm_t nccl, allscanResult_t* result) {
   std::shared_lock<std::shared_mutex> reg(g_registry_mu);
-  // A communicator's watch; once NCCL hands an aborted communicator's address to a new one, the new
-  // one's watch (the aborted one's failure stays with whoever kept its handle: allscanWatchCreate).
-  allscanWatch* w = nullptr;
-  for (allscanWatch* candidate : g_registry)
-    if (candidate->nccl == nccl && (w == nullptr || w->aborted.load())) w = candidate;
-  if (w == nullptr) return nullptr;
+  auto it = std::find_if(g_registry.begin(), g_registry.end(), [nccl](allscanWatch* w) { return w->nccl == nccl; });
+  if (it == g_registry.end()) return nullptr;
+  allscanWatch* w = *it;
   if (!w->failed.load()) {
     w->issue.lock();
     if (!w->failed.load()) {
@@ -219,10 +216,8 @@ extern "C" ALLSCAN_API allscanResult_t allscanWatchCreate(ncclComm_t nccl, doubl
   }
   {
     std::unique_lock<std::shared_mutex> reg(allscan::detail::g_registry_mu);
-    // A watch that aborted its communicator no longer names it: NCCL freed it and may have given its
-    // address to this new one (the caller must not use the aborted one's address again).
     for (allscanWatch* other : allscan::detail::g_registry)
-      if (other->nccl == nccl && !other->aborted.load()) {
+      if (other->nccl == nccl) {
         for (auto& s : w->slots) cudaEventDestroy(s.event);
         delete w;
         return setError(allscanInvalidArgument, "nccl: this communicator already has a watch");

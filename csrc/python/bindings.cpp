@@ -175,6 +175,9 @@ PYBIND11_MODULE(_C, m) {
   });
   m.def("comm_destroy", [](std::uintptr_t c) { check(allscanCommDestroy(ptr<allscanComm>(c))); });
   m.def("comm_forget_nccl", [](std::uintptr_t c) { check(allscanCommForgetNccl(ptr<allscanComm>(c))); });
+  m.def("comm_fail", [](std::uintptr_t c, int code, const std::string& reason) {
+    check(allscanCommFail(ptr<allscanComm>(c), static_cast<allscanResult_t>(code), reason.c_str()));
+  });
   m.def("comm_rank", [](std::uintptr_t c) { int r; check(allscanCommRank(ptr<allscanComm>(c), &r)); return r; });
   m.def("comm_size", [](std::uintptr_t c) { int n; check(allscanCommSize(ptr<allscanComm>(c), &n)); return n; });
   m.def("comm_status", [](std::uintptr_t c) { check(allscanCommStatus(ptr<allscanComm>(c))); },

@@ -108,7 +108,7 @@ class Communicator:
     group_ref: Optional[weakref.ReferenceType] = None  # the group object it was made for
     watch: int = 0       # allscanWatch_t as an integer (0: not watched)
     fault_key: str = ""  # its key on the fault board ("" : not on it)
-    failure: Optional[BaseException] = None  # set when retired (_retire_aliases): what every later call raises
+    failure: Optional[BaseException] = None  # set when retired (_retire_aliases): what later calls raise
 
     def destroy(self) -> None:
         if self.fault_key:
@@ -170,26 +170,34 @@ def _create_owned_comm(group, device: torch.device) -> Tuple[int, str]:
 
 
 def _retire_aliases(nccl: int) -> None:
-    """A cached communicator holding ``nccl``, the address of a communicator just created, is one its
-    watch aborted (NCCL freed it and reused the address). Its handle is detached from NCCL, so that
-    no call on its group can reach the new communicator, and it keeps its failure, which every later
-    call on its group raises (:func:`get_communicator`; the prepared plans are forgotten so that every
-    call comes through it)."""
-    with _lock:
+    """A cached communicator holding ``nccl``, the address of a communicator just created, is one that
+    was aborted (NCCL freed it and reused the address) or, borrowed, freed by torch. It is retired
+    before the new one is watched: its failure is kept (what its watch said), raised by every later
+    call on its group, here and by the core (``allscanCommFail``); its handle forgets NCCL and its watch
+    and board entry go (a watch is found by address: the new communicator's must be the only one)."""
+    with _lock:  # no all-to-all reads the address once it is cleared
         aliases = [c for c in _comms.values() if c.nccl == nccl]
+        for c in aliases:
+            c.nccl = 0
     for c in aliases:
-        c.failure = _C.CommunicatorError(f"allscan: the NCCL communicator of group {c.group_name!r} is gone")
+        failure = _C.CommunicatorError(f"allscan: the NCCL communicator of group {c.group_name!r} is gone")
+        code = _C.REMOTE_ERROR
         try:
             if c.watch:
                 _C.watch_status(c.watch)
-        except _C.CommunicatorError as e:  # its watch's failure (a timeout, or a peer's report)
-            c.failure = e
+        except _C.CommunicatorTimeout as e:
+            failure, code = e, _C.TIMEOUT
+        except _C.CommunicatorError as e:  # a mismatch, or a peer's report
+            failure = e
+        c.failure = failure
+        if c.fault_key:
+            _faults.board().unregister(c.fault_key)
+            c.fault_key = ""
+        if c.watch:
+            _C.watch_destroy(c.watch)  # its thread and any abort it made are done
+            c.watch = 0
         _C.comm_forget_nccl(c.handle)
-        c.nccl = 0
-    if aliases:
-        from .ops._launch import forget_plans  # noqa: PLC0415 - the ops import this module
-
-        forget_plans()
+        _C.comm_fail(c.handle, code, str(failure).removeprefix("allscan: "))
 
 
 def _raise_if_retired(comm: "Communicator") -> None:

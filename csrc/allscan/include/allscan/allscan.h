@@ -97,6 +97,11 @@ ALLSCAN_API allscanResult_t allscanCommDestroy(allscanComm_t comm);
 /* The NCCL communicator is gone (aborted or destroyed): allscanCommDestroy then frees what allscan
  * holds without calling NCCL (the device path's windows went with it). */
 ALLSCAN_API allscanResult_t allscanCommForgetNccl(allscanComm_t comm);
+/* Every later call on `comm` that needs NCCL returns `code` (allscanTimeout, allscanMismatch or
+ * allscanRemoteError) with `reason` in allscanGetLastError: for a communicator whose NCCL
+ * communicator failed and is gone, so that calls made with it still report why (its watch may be
+ * destroyed: allscanWatchCreate says when it must be). */
+ALLSCAN_API allscanResult_t allscanCommFail(allscanComm_t comm, allscanResult_t code, const char* reason);
 ALLSCAN_API allscanResult_t allscanCommRank(allscanComm_t comm, int* rank);
 ALLSCAN_API allscanResult_t allscanCommSize(allscanComm_t comm, int* nranks);
 /* allscanSuccess, or allscanMismatch (message in allscanGetLastError) once a call on this rank

@@ -77,9 +77,10 @@ static inline ncclDataType_t allscanNcclDataType(allscanDataType_t dtype) {
  * communicator returns allscanTimeout (or the code allscanWatchFail gave) with the reason in
  * allscanGetLastError. Only a communicator
  * the caller owns should be aborted. Calls issued under CUDA graph capture are not watched.
- * NCCL may give an aborted communicator's address to a communicator created later: from then on
- * that address is the new one's (a watch may be created for it), so stop using the aborted one's
- * handle once you create another (keep its failure yourself if later calls must report it).
+ * A watch is found by its communicator's address, and NCCL may give an aborted communicator's
+ * address to one created later: destroy the aborted one's watch (allscanWatchDestroy) before you
+ * create another communicator's, and never use the aborted one's handle again (allscanCommFail keeps
+ * its failure for the calls made with an allscanComm_t).
  */
 typedef struct allscanWatch* allscanWatch_t;
 ALLSCAN_API allscanResult_t allscanWatchCreate(ncclComm_t nccl, double timeout_s, int abort_on_timeout,
