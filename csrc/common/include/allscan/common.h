@@ -79,8 +79,8 @@ static inline ncclDataType_t allscanNcclDataType(allscanDataType_t dtype) {
  * the caller owns should be aborted. Calls issued under CUDA graph capture are not watched.
  * A watch is found by its communicator's address, and NCCL may give an aborted communicator's
  * address to one created later: destroy the aborted one's watch (allscanWatchDestroy) before you
- * create another communicator's, and never use the aborted one's handle again (allscanCommFail keeps
- * its failure for the calls made with an allscanComm_t).
+ * watch or use a communicator created after the abort, and never use the aborted one's address again
+ * (allscanCommFail keeps its failure for the calls made with its allscanComm_t).
  */
 typedef struct allscanWatch* allscanWatch_t;
 ALLSCAN_API allscanResult_t allscanWatchCreate(ncclComm_t nccl, double timeout_s, int abort_on_timeout,
