@@ -420,9 +420,17 @@ def test_a_failed_core_communicator_reports_its_failure():
         _C.comm_fail(h, _C.TIMEOUT, "pending without progress (stub)")
         with pytest.raises(allscan_errors()[0], match=r"^allscan: pending without progress \(stub\)$"):
             _C.scan(*args)
-        _C.comm_fail(h, _C.REMOTE_ERROR, "rank 1 reported (stub)")
-        with pytest.raises(allscan_errors()[1], match=r"rank 1 reported \(stub\)"):
+        _C.comm_fail(h, _C.REMOTE_ERROR, "rank 1 reported (stub)")  # the first failure stays
+        with pytest.raises(allscan_errors()[0], match=r"pending without progress \(stub\)"):
             _C.neighbor_exchange(h, 4096, 8192, 64, False, True, 0)
+        h2 = _C.comm_create_detached(1, 2)
+        try:
+            _C.comm_fail(h2, _C.REMOTE_ERROR, "rank 1 reported (stub)")
+            with pytest.raises(allscan_errors()[1], match=r"rank 1 reported \(stub\)") as e:
+                _C.neighbor_exchange(h2, 4096, 8192, 64, False, True, 0)
+            assert not isinstance(e.value, allscan_errors()[0])
+        finally:
+            _C.comm_destroy(h2)
         with pytest.raises(ValueError, match="code: expected allscanTimeout, allscanMismatch or allscanRemoteError"):
             _C.comm_fail(h, 1, "not a failure code")
     finally:
@@ -451,7 +459,8 @@ def test_a_communicator_whose_address_nccl_reused_is_retired(monkeypatch, single
     handles = iter([77, 78])
     monkeypatch.setattr(_comm, "_comms", {})
     monkeypatch.setattr(_comm, "_create_owned_comm", lambda group, device: next(addresses))
-    monkeypatch.setattr(_C, "comm_create", lambda nccl: next(handles))
+    monkeypatch.setattr(_C, "comm_create", lambda nccl: calls.append(("comm_create", nccl)) or next(handles))
+    monkeypatch.setattr(_C, "set_link_model", lambda *args: None)
     monkeypatch.setattr(_C, "comm_rank", lambda h: 0)
     monkeypatch.setattr(_C, "comm_size", lambda h: 1)
     monkeypatch.setattr(_C, "get_link_model", lambda h: (0.0, 0.0, False))
@@ -470,7 +479,9 @@ def test_a_communicator_whose_address_nccl_reused_is_retired(monkeypatch, single
     other = dist.new_group([0])
     second = _comm.get_communicator(other, cuda0)
     assert (first.nccl, first.watch, second.nccl, second.handle) == (0, 0, 1234, 78)
-    assert calls == [("watch_destroy", 5), ("forget", 77), ("fail", 77, _C.TIMEOUT, "pending without progress (stub)")]
+    # retired before the new communicator's handle (and watch) exist; failed before its watch goes
+    assert calls == [("comm_create", 1234), ("fail", 77, _C.TIMEOUT, "pending without progress (stub)"),
+                     ("forget", 77), ("watch_destroy", 5), ("comm_create", 1234)]
     with pytest.raises(allscan.CommunicatorTimeout, match=r"pending without progress \(stub\)"):
         _comm.get_communicator(single_rank, cuda0)
     assert _comm.get_communicator(other, cuda0) is second and second.failure is None

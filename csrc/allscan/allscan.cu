@@ -448,8 +448,9 @@ allscanResult_t allscanCommFail(allscanComm_t comm, allscanResult_t code, const 
   ALLSCAN_ARG_CHECK(code == allscanTimeout || code == allscanMismatch || code == allscanRemoteError,
                     "code: expected allscanTimeout, allscanMismatch or allscanRemoteError, got " +
                         std::to_string(static_cast<int>(code)));
-  comm->failure_code = code;
+  if (comm->failure_code != allscanSuccess) return allscanSuccess;  // the first failure stays
   comm->failure = reason != nullptr ? reason : "the communicator failed";
+  comm->failure_code = code;
   return allscanSuccess;
 }
 

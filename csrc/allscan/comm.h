@@ -25,7 +25,9 @@ struct DevicePath;  // device_path.h
 
 struct allscanComm {
   ncclComm_t nccl = nullptr;  // borrowed, never destroyed here (null for a detached communicator)
-  allscanResult_t failure_code = allscanSuccess;  // allscanCommFail: what every later NCCL call returns
+  // allscanCommFail: what every later NCCL call returns (set by the thread that makes the calls, or
+  // while none is being made: like the rest of the communicator, not for concurrent use)
+  allscanResult_t failure_code = allscanSuccess;
   std::string failure;
   int rank = 0;
   int nranks = 1;

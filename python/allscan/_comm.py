@@ -175,7 +175,7 @@ def _retire_aliases(nccl: int) -> None:
     before the new one is watched: its failure is kept (what its watch said), raised by every later
     call on its group, here and by the core (``allscanCommFail``); its handle forgets NCCL and its watch
     and board entry go (a watch is found by address: the new communicator's must be the only one)."""
-    with _lock:  # no all-to-all reads the address once it is cleared
+    with _lock:
         aliases = [c for c in _comms.values() if c.nccl == nccl]
         for c in aliases:
             c.nccl = 0
@@ -190,14 +190,15 @@ def _retire_aliases(nccl: int) -> None:
         except _C.CommunicatorError as e:  # a mismatch, or a peer's report
             failure = e
         c.failure = failure
+        # the handle first: once its watch is gone nothing else would stop a call made with it
+        _C.comm_fail(c.handle, code, str(failure).removeprefix("allscan: "))
+        _C.comm_forget_nccl(c.handle)
         if c.fault_key:
             _faults.board().unregister(c.fault_key)
             c.fault_key = ""
         if c.watch:
             _C.watch_destroy(c.watch)  # its thread and any abort it made are done
             c.watch = 0
-        _C.comm_forget_nccl(c.handle)
-        _C.comm_fail(c.handle, code, str(failure).removeprefix("allscan: "))
 
 
 def _raise_if_retired(comm: "Communicator") -> None:

@@ -99,8 +99,9 @@ ALLSCAN_API allscanResult_t allscanCommDestroy(allscanComm_t comm);
 ALLSCAN_API allscanResult_t allscanCommForgetNccl(allscanComm_t comm);
 /* Every later call on `comm` that needs NCCL returns `code` (allscanTimeout, allscanMismatch or
  * allscanRemoteError) with `reason` in allscanGetLastError: for a communicator whose NCCL
- * communicator failed and is gone, so that calls made with it still report why (its watch may be
- * destroyed: allscanWatchCreate says when it must be). */
+ * communicator failed, so that calls made with it still report why once its watch is destroyed
+ * (allscanWatchCreate says when it must be). The first failure stays. Fail it before destroying the
+ * watch; when the NCCL communicator is gone, also allscanCommForgetNccl (this call leaves it). */
 ALLSCAN_API allscanResult_t allscanCommFail(allscanComm_t comm, allscanResult_t code, const char* reason);
 ALLSCAN_API allscanResult_t allscanCommRank(allscanComm_t comm, int* rank);
 ALLSCAN_API allscanResult_t allscanCommSize(allscanComm_t comm, int* nranks);
