@@ -174,15 +174,13 @@ def _peer_stalls(rank, world, pg_timeout):
             res["old_after_fresh"] = "no error"
         except allscan.CommunicatorTimeout:
             res["old_after_fresh"] = "CommunicatorTimeout"
-        y = allscan.scan(torch.ones(4, device=device), torch.full((4,), 0.5, device=device), fresh, inclusive=True)
-        res["fresh_ok"] = res["fresh_ok"] and bool(torch.allclose(y.cpu(), torch.full((4,), want)))
         from allscan import _comm
 
-        # whether NCCL reused the address this time (the retirement ran): reported, not asserted
+        # whether NCCL reused the address this time (the retirement ran): shown with a failure, not asserted
         res["retired"] = _comm.find_communicator(group, torch.device(device)).failure is not None
-    else:
-        y = allscan.scan(torch.ones(4, device=device), torch.full((4,), 0.5, device=device), fresh, inclusive=True)
-        res["fresh_ok"] = res["fresh_ok"] and bool(torch.allclose(y.cpu(), torch.full((4,), want)))
+    # and the new group still works after that
+    y = allscan.scan(torch.ones(4, device=device), torch.full((4,), 0.5, device=device), fresh, inclusive=True)
+    res["fresh_ok"] = res["fresh_ok"] and bool(torch.allclose(y.cpu(), torch.full((4,), want)))
     return res
 
 
@@ -409,7 +407,7 @@ def test_a_rank_failing_in_its_own_work_on_nccl_tells_its_peers(op, monkeypatch)
 def test_a_failed_core_communicator_reports_its_failure():
     """allscanCommFail: every later call that needs NCCL returns the failure given (a retired
     communicator's calls report why, not that it has no NCCL)."""
-    from allscan import _C
+    from allscan import _C, CommunicatorError, CommunicatorTimeout
 
     h = _C.comm_create_detached(0, 2)
     try:
@@ -418,29 +416,23 @@ def test_a_failed_core_communicator_reports_its_failure():
         with pytest.raises(ValueError, match="a detached communicator has no NCCL communicator"):
             _C.scan(*args)
         _C.comm_fail(h, _C.TIMEOUT, "pending without progress (stub)")
-        with pytest.raises(allscan_errors()[0], match=r"^allscan: pending without progress \(stub\)$"):
+        with pytest.raises(CommunicatorTimeout, match=r"^allscan: pending without progress \(stub\)$"):
             _C.scan(*args)
         _C.comm_fail(h, _C.REMOTE_ERROR, "rank 1 reported (stub)")  # the first failure stays
-        with pytest.raises(allscan_errors()[0], match=r"pending without progress \(stub\)"):
+        with pytest.raises(CommunicatorTimeout, match=r"pending without progress \(stub\)"):
             _C.neighbor_exchange(h, 4096, 8192, 64, False, True, 0)
         h2 = _C.comm_create_detached(1, 2)
         try:
             _C.comm_fail(h2, _C.REMOTE_ERROR, "rank 1 reported (stub)")
-            with pytest.raises(allscan_errors()[1], match=r"rank 1 reported \(stub\)") as e:
+            with pytest.raises(CommunicatorError, match=r"rank 1 reported \(stub\)") as e:
                 _C.neighbor_exchange(h2, 4096, 8192, 64, False, True, 0)
-            assert not isinstance(e.value, allscan_errors()[0])
+            assert not isinstance(e.value, CommunicatorTimeout)
         finally:
             _C.comm_destroy(h2)
         with pytest.raises(ValueError, match="code: expected allscanTimeout, allscanMismatch or allscanRemoteError"):
             _C.comm_fail(h, 1, "not a failure code")
     finally:
         _C.comm_destroy(h)
-
-
-def allscan_errors():
-    import allscan
-
-    return allscan.CommunicatorTimeout, allscan.CommunicatorError
 
 
 def test_a_communicator_whose_address_nccl_reused_is_retired(monkeypatch, single_rank):
