@@ -405,8 +405,8 @@ def test_a_rank_failing_in_its_own_work_on_nccl_tells_its_peers(op, monkeypatch)
 
 
 def test_a_failed_core_communicator_reports_its_failure():
-    """allscanCommFail: every later call that needs NCCL returns the failure given (a retired
-    communicator's calls report why, not that it has no NCCL)."""
+    """allscanCommFail: every later call that needs NCCL, and its status, return the failure given (a
+    retired communicator's calls report why, not that it has no NCCL)."""
     from allscan import _C, CommunicatorError, CommunicatorTimeout
 
     h = _C.comm_create_detached(0, 2)
@@ -421,6 +421,13 @@ def test_a_failed_core_communicator_reports_its_failure():
         _C.comm_fail(h, _C.REMOTE_ERROR, "rank 1 reported (stub)")  # the first failure stays
         with pytest.raises(CommunicatorTimeout, match=r"pending without progress \(stub\)"):
             _C.neighbor_exchange(h, 4096, 8192, 64, False, True, 0)
+        # its status, a calibration and an all-to-all checked with it report the failure too (the
+        # all-to-all before it looks at its NCCL communicator: a retired one's is gone)
+        for call in (lambda: _C.comm_status(h), lambda: _C.calibrate(h, 0),
+                     lambda: _C.a2a(0, 2, 0, 1, 4, 8, _C.FLOAT32, [(4096, 8192, 2, [0, 1], [1, 2], 0)], 0, 0, 0,
+                                    check_comm=h, signature=0)):
+            with pytest.raises(CommunicatorTimeout, match=r"pending without progress \(stub\)"):
+                call()
         h2 = _C.comm_create_detached(1, 2)
         try:
             _C.comm_fail(h2, _C.REMOTE_ERROR, "rank 1 reported (stub)")

@@ -1,6 +1,7 @@
 // Chunked all-to-all for Ulysses sequence parallelism: fused pack / unpack kernels around one NCCL
 // group of send/recv pairs. See include/allscan/a2a_chunked.h for the contract.
 #include <allscan/a2a_chunked.h>
+#include <allscan/allscan.h> /* allscanCommStatus: check_comm's failure or mismatch */
 
 #include <algorithm>
 #include <cstring>
@@ -536,7 +537,6 @@ static allscanResult_t a2aIssue(ncclComm_t comm, allscanA2ADirection_t direction
     if (allscan::detail::ncclOf(args->check_comm) != comm)
       return setErrorf(allscanInvalidArgument, "allscanA2A: check_comm wraps another NCCL communicator than comm");
     allscan::detail::SignatureTable* table = allscan::detail::signaturesOf(args->check_comm);
-    ALLSCAN_CHECK(allscan::detail::mismatchStatus(table));
     ALLSCAN_CHECK(allscan::detail::signatureSlots(table, args->signature, stream, &sig));
   }
   r = launchCopies(real.pack, args->batch, real.row_bytes, stream);
@@ -604,6 +604,9 @@ static allscanResult_t a2aIssue(ncclComm_t comm, allscanA2ADirection_t direction
 
 ALLSCAN_API allscanResult_t allscanA2A(ncclComm_t comm, allscanA2ADirection_t direction, const allscanA2AArgs_t* args,
                                    void* workspace, size_t workspace_bytes, cudaStream_t stream) {
+  // A failed (or retired: NCCL gone, comm NULL) check_comm reports its failure, or a received
+  // signature mismatch, before anything touches comm.
+  if (args != nullptr && args->check_comm != nullptr) ALLSCAN_CHECK(allscanCommStatus(args->check_comm));
   if (comm == nullptr) return setErrorf(allscanInvalidArgument, "allscanA2A: comm is NULL");
   return allscan::detail::watched(
       comm, stream, [&] { return a2aIssue(comm, direction, args, workspace, workspace_bytes, stream); });

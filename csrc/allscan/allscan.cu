@@ -462,6 +462,7 @@ allscanResult_t allscanCommRank(allscanComm_t comm, int* rank) {
 
 allscanResult_t allscanCommStatus(allscanComm_t comm) {
   ALLSCAN_ARG_CHECK(comm != nullptr, "comm: null communicator");
+  ALLSCAN_CHECK(checkNotFailed(comm));
   ALLSCAN_CHECK(devicePathStatus(comm));
   return mismatchStatus(comm->signatures);
 }
@@ -576,6 +577,7 @@ allscanResult_t allscanDeviceNeighborExchange(allscanComm_t comm, const void* se
 
 allscanResult_t allscanCalibrate(allscanComm_t comm, cudaStream_t stream) {
   ALLSCAN_ARG_CHECK(comm != nullptr, "comm: null communicator");
+  ALLSCAN_CHECK(checkNotFailed(comm));
   ALLSCAN_ARG_CHECK(comm->nccl != nullptr, "comm: a detached communicator cannot be calibrated");
   if (comm->nranks == 1) return allscanSuccess;
   constexpr size_t kSmall = 8 << 10, kLarge = 8 << 20;

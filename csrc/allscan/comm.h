@@ -102,10 +102,16 @@ template <typename Args> allscanResult_t checkSchedule(const Args* a) {
 // (`size_query`, named in the error) asked for.
 allscanResult_t checkWorkspace(size_t need, const void* workspace, size_t workspace_bytes, const char* size_query);
 
-// Before the first NCCL call: a failed communicator (allscanCommFail) returns its failure; a detached
-// one (no NCCL) only scans a chain of one.
-inline allscanResult_t checkAttached(const allscanComm* comm) {
+// A failed communicator (allscanCommFail) returns its failure from every call that needs NCCL.
+inline allscanResult_t checkNotFailed(const allscanComm* comm) {
   if (comm->failure_code != allscanSuccess) return allscan::detail::setError(comm->failure_code, comm->failure);
+  return allscanSuccess;
+}
+
+// Before the first NCCL call: a failed communicator returns its failure; a detached one (no NCCL)
+// only scans a chain of one.
+inline allscanResult_t checkAttached(const allscanComm* comm) {
+  ALLSCAN_CHECK(checkNotFailed(comm));
   ALLSCAN_ARG_CHECK(comm->nccl != nullptr, "comm: a detached communicator has no NCCL communicator");
   return allscanSuccess;
 }

@@ -105,9 +105,10 @@ ALLSCAN_API allscanResult_t allscanCommForgetNccl(allscanComm_t comm);
 ALLSCAN_API allscanResult_t allscanCommFail(allscanComm_t comm, allscanResult_t code, const char* reason);
 ALLSCAN_API allscanResult_t allscanCommRank(allscanComm_t comm, int* rank);
 ALLSCAN_API allscanResult_t allscanCommSize(allscanComm_t comm, int* nranks);
-/* allscanSuccess, or allscanMismatch (message in allscanGetLastError) once a call on this rank
- * received another signature than its own (allscanScanArgs_t.signature); every later scan on the
- * communicator fails the same way. A host read, no synchronisation. */
+/* allscanSuccess; the failure given to allscanCommFail; or allscanMismatch (message in
+ * allscanGetLastError) once a call on this rank received another signature than its own
+ * (allscanScanArgs_t.signature); every later scan on the communicator fails the same way. A host
+ * read, no synchronisation. */
 ALLSCAN_API allscanResult_t allscanCommStatus(allscanComm_t comm);
 
 /* The link model: one message of n bytes between neighbours costs latency_us + n * us_per_byte.
