@@ -442,6 +442,31 @@ def test_a_failed_core_communicator_reports_its_failure():
         _C.comm_destroy(h)
 
 
+def test_a_retired_communicator_is_not_reported_to_the_board_as_a_mismatch(monkeypatch):
+    """The board asks each watched communicator for this rank's own failure; a retired one's status is
+    the failure it was given (allscanCommFail), which a board round between that and its unregistering
+    must not post to the peers as a mismatch. A real mismatch still is."""
+    from allscan import _C, _comm
+
+    monkeypatch.setattr(_C, "watch_status", lambda w: None)  # its watch healthy: the "gone" case
+    h = _C.comm_create_detached(0, 2)
+    try:
+        comm = _comm.Communicator("g", torch.device("cpu"), 0, 2, 0, h, True)
+        assert _comm._local_failure(comm) is None
+        monkeypatch.setattr(_C, "comm_status", lambda handle: (_ for _ in ()).throw(
+            _C.CommunicatorError("allscan: ranks passed different arguments (stub)")))
+        assert _comm._local_failure(comm) == (_C.MISMATCH, "allscan: ranks passed different arguments (stub)")
+        monkeypatch.undo()
+        monkeypatch.setattr(_C, "watch_status", lambda w: None)
+        comm.failure = _C.CommunicatorError("allscan: the NCCL communicator of group 'g' is gone")
+        _C.comm_fail(h, _C.REMOTE_ERROR, "the NCCL communicator of group 'g' is gone")
+        with pytest.raises(_C.CommunicatorError, match="is gone"):
+            _C.comm_status(h)
+        assert _comm._local_failure(comm) is None
+    finally:
+        _C.comm_destroy(h)
+
+
 def test_a_communicator_whose_address_nccl_reused_is_retired(monkeypatch, single_rank):
     """After a watch aborted a communicator, NCCL may give its address to the next one created: the
     cached communicator still holding it is retired when that one is made (its watch destroyed so the

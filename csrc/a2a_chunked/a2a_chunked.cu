@@ -1,7 +1,6 @@
 // Chunked all-to-all for Ulysses sequence parallelism: fused pack / unpack kernels around one NCCL
 // group of send/recv pairs. See include/allscan/a2a_chunked.h for the contract.
 #include <allscan/a2a_chunked.h>
-#include <allscan/allscan.h> /* allscanCommStatus: check_comm's failure or mismatch */
 
 #include <algorithm>
 #include <cstring>
@@ -537,6 +536,7 @@ static allscanResult_t a2aIssue(ncclComm_t comm, allscanA2ADirection_t direction
     if (allscan::detail::ncclOf(args->check_comm) != comm)
       return setErrorf(allscanInvalidArgument, "allscanA2A: check_comm wraps another NCCL communicator than comm");
     allscan::detail::SignatureTable* table = allscan::detail::signaturesOf(args->check_comm);
+    ALLSCAN_CHECK(allscan::detail::mismatchStatus(table));
     ALLSCAN_CHECK(allscan::detail::signatureSlots(table, args->signature, stream, &sig));
   }
   r = launchCopies(real.pack, args->batch, real.row_bytes, stream);
@@ -604,9 +604,10 @@ static allscanResult_t a2aIssue(ncclComm_t comm, allscanA2ADirection_t direction
 
 ALLSCAN_API allscanResult_t allscanA2A(ncclComm_t comm, allscanA2ADirection_t direction, const allscanA2AArgs_t* args,
                                    void* workspace, size_t workspace_bytes, cudaStream_t stream) {
-  // A failed (or retired: NCCL gone, comm NULL) check_comm reports its failure, or a received
-  // signature mismatch, before anything touches comm.
-  if (args != nullptr && args->check_comm != nullptr) ALLSCAN_CHECK(allscanCommStatus(args->check_comm));
+  // A failed (or retired: NCCL gone, comm NULL) check_comm reports its failure before anything
+  // touches comm. A received mismatch only inside the watch: after an abort, a receive that never
+  // completed looks like one, and the watch's timeout comes first.
+  if (args != nullptr) ALLSCAN_CHECK(allscan::detail::storedFailure(args->check_comm));
   if (comm == nullptr) return setErrorf(allscanInvalidArgument, "allscanA2A: comm is NULL");
   return allscan::detail::watched(
       comm, stream, [&] { return a2aIssue(comm, direction, args, workspace, workspace_bytes, stream); });

@@ -366,6 +366,7 @@ namespace allscan {
 namespace detail {
 SignatureTable* signaturesOf(const allscanComm* comm) { return comm != nullptr ? comm->signatures : nullptr; }
 ncclComm_t ncclOf(const allscanComm* comm) { return comm != nullptr ? comm->nccl : nullptr; }
+allscanResult_t storedFailure(const allscanComm* comm) { return comm != nullptr ? checkNotFailed(comm) : allscanSuccess; }
 }  // namespace detail
 }  // namespace allscan
 

@@ -90,10 +90,12 @@ struct SignatureTable {
   int next_recv = 0;
 };
 
-// The table of an allscan communicator (null for one rank or a detached one) and the NCCL
-// communicator it wraps; allscan.cu.
+// The table of an allscan communicator (null for one rank or a detached one), the NCCL
+// communicator it wraps, and the failure given to allscanCommFail (allscanSuccess if none, or for
+// null); allscan.cu.
 SignatureTable* signaturesOf(const allscanComm* comm);
 ncclComm_t ncclOf(const allscanComm* comm);
+allscanResult_t storedFailure(const allscanComm* comm);
 
 // Allocates the table (at communicator creation, outside any capture); freed by freeSignatures.
 allscanResult_t createSignatures(SignatureTable** out);

@@ -181,7 +181,8 @@ PYBIND11_MODULE(_C, m) {
   m.def("comm_rank", [](std::uintptr_t c) { int r; check(allscanCommRank(ptr<allscanComm>(c), &r)); return r; });
   m.def("comm_size", [](std::uintptr_t c) { int n; check(allscanCommSize(ptr<allscanComm>(c), &n)); return n; });
   m.def("comm_status", [](std::uintptr_t c) { check(allscanCommStatus(ptr<allscanComm>(c))); },
-        "raise CommunicatorError once a call on this rank received another rank's mismatched signature");
+        "raise the failure given to comm_fail, or CommunicatorError once a call on this rank received another rank's "
+        "mismatched signature");
 
   m.def("device_path", [](std::uintptr_t c) {
     int state = 0;

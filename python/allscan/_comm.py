@@ -231,8 +231,9 @@ def _watch(nccl: int, owned: bool, group, device: torch.device) -> int:
 
 def _local_failure(comm: Communicator):
     """(code, reason) when this rank's own view of ``comm`` failed (its watch's timeout, or a mismatch
-    its kernels found), else None (also when a peer's report failed it: not this rank's to report).
-    The watch first: after an abort, a receive that never completed looks like a mismatch."""
+    its kernels found), else None (also when a peer's report failed it, or it was retired: not this
+    rank's to report; a retired handle's status is the failure it was given). The watch first: after
+    an abort, a receive that never completed looks like a mismatch."""
     try:
         _C.watch_status(comm.watch)
     except _C.CommunicatorTimeout as e:
@@ -242,7 +243,8 @@ def _local_failure(comm: Communicator):
     try:
         _C.comm_status(comm.handle)
     except _C.CommunicatorError as e:
-        return _C.MISMATCH, str(e)
+        # retired (failure set before its handle is failed, so this sees it): not a mismatch
+        return None if comm.failure is not None else (_C.MISMATCH, str(e))
     return None
 
 

@@ -15,7 +15,7 @@
 // The scan core is not linked here; these simulated calls never set check_comm.
 allscan::detail::SignatureTable* allscan::detail::signaturesOf(const allscanComm*) { return nullptr; }
 ncclComm_t allscan::detail::ncclOf(const allscanComm*) { return nullptr; }
-allscanResult_t allscanCommStatus(allscanComm_t) { return allscanSuccess; }
+allscanResult_t allscan::detail::storedFailure(const allscanComm*) { return allscanSuccess; }
 
 #include <cstdlib>
 #include <map>

@@ -77,8 +77,7 @@ typedef struct {
   cudaEvent_t done_event;    /* optional: recorded on the stream once the call's work is enqueued */
   struct allscanComm* check_comm; /* optional: the allscan communicator (allscanCommCreate on the same
                                  NCCL communicator) whose signature table the check uses; when
-                                 set, the call first returns its status (allscanCommStatus: a
-                                 failure given to allscanCommFail, a received mismatch) */
+                                 set, a failure given to it (allscanCommFail) is returned first */
   unsigned long long signature;   /* 0 (no check) or a hash of the arguments, equal on every rank
                                  (allscanScanArgs_t.signature); needs check_comm; adds nranks * 8
                                  bytes to the workspace */
