@@ -399,7 +399,9 @@ def _compiled(rank, world, layer):
     mode="reduce-overhead" (inductor, CUDA graphs) give bitwise the eager output, final state and
     gradients, after the calls that warm up and record the graphs. But on the chain head (rank 0 of
     two): the custom ops widen its forward (``shard.runs_widened``) where eager runs the plain one, so
-    there they equal eager with the head widened bitwise, and the plain head's results up to rounding."""
+    there they equal eager with the head widened bitwise, and the plain head's results bitwise for KDA
+    (fla's widened forward) and up to rounding for Gated DeltaNet (allscan's widened WY kernel). The
+    widened path's accuracy is the middle-rank tests' (every rank but the head runs it)."""
     import torch.distributed as dist
 
     import allscan.ops.delta.shard as shard
@@ -452,7 +454,7 @@ def _compiled(rank, world, layer):
         for what, a, b in zip(names, results[name], results["eager, head widened"]):
             assert torch.equal(a, b), f"rank {rank}: {name}'s {what} differs from eager (head widened)"
     for what, a, b in zip(names, results["eager, head widened"], results["eager"]):
-        if world == 1 or rank > 0:  # the same path
+        if world == 1 or rank > 0 or layer == "kda":  # the same path, or the same kernels' rounding
             assert torch.equal(a, b), f"rank {rank}: eager's {what} depends on the head's widening"
         else:
             err = (a.float() - b.float()).abs().max().item()
