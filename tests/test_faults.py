@@ -2,11 +2,11 @@
 
 Every survivor must raise (never hang, never return a wrong value) within the group's timeout + 5 s,
 and a new group of the survivors must work afterwards. P = 3; the dead rank is the middle one for
-every collective and layer (scan by each method, the matrix scan, the chunked all-to-all, zeco_gla
-and zeco_gated_delta_rule fwd+bwd), and the head and the tail for the scan. The victim leaves with
-``os._exit`` (no clean-up, as a crashed process) while its peers are calling. The same on 2 GPUs
-over NCCL (marked ``gpu``), where allscan's communicator watch turns the hang into
-``allscan.CommunicatorTimeout``.
+every collective and layer (scan by each method, the matrix scan, the chunked all-to-all, the short
+convolutions' halo exchange, zeco_gla and zeco_gated_delta_rule fwd+bwd), and the head and the tail
+for the scan. The victim leaves with ``os._exit`` (no clean-up, as a crashed process) while its peers
+are calling. The same on 2 GPUs over NCCL (marked ``gpu``), where allscan's communicator watch turns
+the hang into ``allscan.CommunicatorTimeout``.
 """
 from __future__ import annotations
 
@@ -43,6 +43,13 @@ def _call(op, group, rank, device="cpu", step=0):
                             inclusive=True, reverse=bool(step % 2))
     if op == "a2a":
         return allscan.a2a.scatter_heads(torch.ones(1, 2, world, 4, device=device) * (rank + 1), group)
+    if op == "halo":  # the short convolutions' exchange, forward and backward
+        from allscan.ops.halo import halo_exchange
+
+        xs = x.view(1, 4, 2).clone().requires_grad_()
+        h = halo_exchange(xs, 2, group)
+        h.sum().backward()
+        return h.detach()
     T, K = (6, 4) if device == "cpu" else (64, 16)
     gen = torch.Generator().manual_seed(rank)
     q, k, v = (torch.randn(1, T, 2, K, generator=gen).to(device).requires_grad_() for _ in range(3))
@@ -94,7 +101,7 @@ def _victim_dies(rank, world, op, victim, device="cpu", pg_timeout=PG_TIMEOUT):
 
 
 CASES = [("scan", 1), ("scan", 0), ("scan", 2), ("scan:serial", 1), ("scan:allgather", 1), ("matrix", 1),
-         ("a2a", 1), ("gla", 1), ("gdn", 1)]
+         ("a2a", 1), ("halo", 1), ("gla", 1), ("gdn", 1)]
 
 
 def check_survivors(results, op, victim, pg_timeout, expect=None):
@@ -116,7 +123,7 @@ def test_a_dead_rank_makes_every_survivor_raise_in_time(op, victim):
     check_survivors(results, op, victim, PG_TIMEOUT)
 
 
-GPU_CASES = ["scan", "matrix", "a2a", "gla", "gdn"]
+GPU_CASES = ["scan", "matrix", "a2a", "halo", "gla", "gdn"]
 GPU_PG_TIMEOUT = 5.0
 
 
@@ -214,8 +221,10 @@ def test_the_watch_timeout_is_the_groups_own():
 # ------------------------------------------------------------------------------------------------
 # NCCL in the default mode (`first`): what the host check cannot see once a signature is cached
 # ------------------------------------------------------------------------------------------------
-def _until_error(call, limit=20.0):
-    """Calls until allscan raises CommunicatorError (or `limit` s): (type name, message), seconds."""
+def _until_error(call, limit=20.0, naming=None):
+    """Calls until allscan raises CommunicatorError (or `limit` s): (type name, message), seconds.
+    With ``naming``, until one whose message holds it (a call in flight when a peer's communicator
+    aborted may first raise CommunicatorError with NCCL's remote error; any other exception escapes)."""
     import allscan
 
     t0 = time.monotonic()
@@ -223,7 +232,8 @@ def _until_error(call, limit=20.0):
         try:
             call().cpu()
         except allscan.CommunicatorError as e:
-            return (type(e).__name__, str(e)), time.monotonic() - t0
+            if naming is None or naming in str(e):
+                return (type(e).__name__, str(e)), time.monotonic() - t0
     return None, time.monotonic() - t0
 
 
@@ -248,15 +258,27 @@ def _switch(rank, world, case):
         return allscan.scan(x.view(shape), torch.full(shape, 0.5, device=device), group,
                             inclusive=case == "inclusive")
 
+    from allscan.ops.halo import halo_exchange
+
+    def halo():
+        return halo_exchange(x.view(1, 16, 1), 2, group)
+
     for shape in shapes:
         call(shape)  # both signatures checked across ranks (and cached)
+    if case == "exclusive":
+        halo()  # its signature too: after the switch it goes straight to the core
     torch.cuda.synchronize()
     dist.barrier(group)
     mine = shapes[rank]
     y = call(mine).cpu()
     outcome, elapsed = _until_error(lambda: call(mine))
-    return dict(nan=bool(torch.isnan(y).all()), finite=bool(torch.isfinite(y).all()), outcome=outcome,
-                elapsed=elapsed)
+    res = dict(nan=bool(torch.isnan(y).all()), finite=bool(torch.isfinite(y).all()), outcome=outcome,
+               elapsed=elapsed)
+    if case == "exclusive":
+        # the layers' halo exchange runs on the same communicator: refused at once on both ranks
+        # (rank 1, the receiver, would otherwise wait for rank 0's refused send until the timeout)
+        res["halo"], res["halo_elapsed"] = _until_error(halo)
+    return res
 
 
 @pytest.mark.gpu
@@ -274,53 +296,78 @@ def test_a_cached_signature_switch_on_nccl_gives_nan_and_raises_on_both_ranks(ca
     assert r1["outcome"] and r1["outcome"][0] == "CommunicatorError" and "different arguments" in r1["outcome"][1], r1
     assert r0["outcome"] and r0["outcome"][0] == "CommunicatorError" and "rank 1 reported" in r0["outcome"][1], r0
     assert r1["elapsed"] < 1.0 and r0["elapsed"] < 3.0, (r0, r1)
+    if case == "exclusive":
+        assert r1["halo"] and r1["halo"][0] == "CommunicatorError" and "different arguments" in r1["halo"][1], r1
+        assert r0["halo"] and r0["halo"][0] == "CommunicatorError", r0
+        assert r0["halo_elapsed"] < 1.0 and r1["halo_elapsed"] < 1.0, (r0["halo_elapsed"], r1["halo_elapsed"])
 
 
-def _bad_argument(rank, world, who):
-    """After a warm-up, the ranks in `who` pass a bad gamma: each raises ValueError; when every rank
-    did, the group carries on; when only some did, every rank raises CommunicatorError soon."""
+def _bad_argument(rank, world, who, op="scan"):
+    """After a warm-up, the ranks in `who` pass a bad argument (the scan: a gamma of the wrong size;
+    the halo exchange: a shard shorter than the halo): each raises ValueError; when every rank did, the
+    group carries on; when only some did, every rank raises CommunicatorError soon."""
     import torch.distributed as dist
 
     import allscan
+    from allscan.ops.halo import halo_exchange
 
     device = f"cuda:{torch.cuda.current_device()}"
     group = dist.new_group([0, 1], timeout=datetime.timedelta(seconds=30))
     x = torch.ones(16, device=device) * (rank + 1)
     g = torch.full((16,), 0.5, device=device)
-    allscan.scan(x, g, group, inclusive=True)
+
+    def good():
+        if op == "halo":
+            return halo_exchange(x.view(1, 16, 1), 2, group)
+        return allscan.scan(x, g, group, inclusive=True)
+
+    def bad():
+        if op == "halo":
+            return halo_exchange(x.view(1, 16, 1)[:, :1], 2, group)
+        return allscan.scan(x, torch.full((3,), 0.5, device=device), group)
+
+    good()
     torch.cuda.synchronize()
     dist.barrier(group)
     t0 = time.monotonic()
     first = None
     if rank in who:
         try:
-            allscan.scan(x, torch.full((3,), 0.5, device=device), group)
+            bad()
         except ValueError as e:
             first = ("ValueError", str(e)[:200], time.monotonic() - t0)
     if len(who) == world:
-        y = allscan.scan(x, g, group, inclusive=True).cpu()
+        y = good().cpu()
+        if op == "halo":
+            want = torch.full((1, 2, 1), float(rank)).cpu()  # rank 0's ones on rank 1, zeros on rank 0
+            return dict(first=first, carried_on=bool(torch.equal(y, want)))
         want = sum((q + 1) * 0.5 ** (rank - q) for q in range(rank + 1))
         return dict(first=first, carried_on=bool(torch.allclose(y, torch.full((16,), want))))
-    outcome, elapsed = _until_error(lambda: allscan.scan(x, g, group, inclusive=True))
+    outcome, elapsed = _until_error(good, naming=BAD[op])
     return dict(first=first, outcome=outcome, elapsed=time.monotonic() - t0)
 
 
+BAD = {"scan": "gamma", "halo": "shorter than the halo"}  # what each call's bad argument raises
+
+
 @pytest.mark.gpu
-def test_a_bad_argument_on_every_rank_leaves_the_nccl_group_usable():
+@pytest.mark.parametrize("op", list(BAD))
+def test_a_bad_argument_on_every_rank_leaves_the_nccl_group_usable(op):
     skip_unless_nccl_ranks(2)
-    for r in run_distributed(_bad_argument, 2, (0, 1), backend="nccl", timeout=120):
-        assert r["first"] and r["first"][0] == "ValueError" and "gamma" in r["first"][1], r
+    for r in run_distributed(_bad_argument, 2, (0, 1), op, backend="nccl", timeout=120):
+        assert r["first"] and r["first"][0] == "ValueError" and BAD[op] in r["first"][1], r
         assert r["first"][2] < 1.5, r  # resolved on the board: every rank skipped the same call
         assert r["carried_on"], r
 
 
 @pytest.mark.gpu
-def test_a_bad_argument_on_one_rank_reaches_the_other_on_nccl():
+@pytest.mark.parametrize("op", list(BAD))
+def test_a_bad_argument_on_one_rank_reaches_the_other_on_nccl(op):
     skip_unless_nccl_ranks(2)
-    r0, r1 = run_distributed(_bad_argument, 2, (1,), backend="nccl", timeout=120)
+    r0, r1 = run_distributed(_bad_argument, 2, (1,), op, backend="nccl", timeout=120)
     assert r1["first"] and r1["first"][0] == "ValueError", r1
     for r in (r0, r1):
-        assert r["outcome"] and r["outcome"][0] == "CommunicatorError" and "gamma" in r["outcome"][1], r
+        assert r["outcome"] and r["outcome"][0] == "CommunicatorError" and BAD[op] in r["outcome"][1], r
         assert r["elapsed"] < 6.0, r
 
 

@@ -53,7 +53,7 @@ def test_short_conv_is_fla_conv_cut_at_sequence_starts():
 
 
 def _check_ranks(rank, world, device="cpu"):
-    """gloo on CPU; with device="cuda", NCCL: the halo's point-to-point and the matrix scan's C++ core."""
+    """gloo on CPU; with device="cuda", NCCL: the halo's and the matrix scan's C++ core."""
     import torch.distributed as dist
 
     from allscan.ops import LOCAL
@@ -109,10 +109,65 @@ def test_sharded_equals_one_process(world):
 
 @pytest.mark.gpu
 def test_sharded_equals_one_process_on_two_gpus():
-    """The same check on CUDA tensors over NCCL (the halo's batched point-to-point, the matrix scan's
-    C++ core, fp64 states); the local work is the torch path (no fla-core backend yet)."""
+    """The same check on CUDA tensors over NCCL (the halo's and the matrix scan's C++ core, fp64
+    states); the local work is the torch path (no fla-core backend yet)."""
     skip_unless_nccl_ranks(2)
     assert run_distributed(_check_ranks, 2, "cuda", timeout=300, backend="nccl") == [True, True]
+
+
+def _halo_on_nccl(rank, world):
+    """On NCCL the halo goes through the core's watched neighbour exchange on allscan's communicator
+    (torch's point-to-point is never called): exact values and gradients, bf16 bit patterns kept, and
+    both directions replay in a CUDA graph equal to eager."""
+    import torch.distributed as dist
+
+    from allscan import _comm
+    from allscan.ops.halo import halo_exchange, halo_shift
+    from graph_replay import assert_replay_equals_eager
+
+    def torch_p2p(*args, **kwargs):
+        raise AssertionError("the halo on NCCL called torch's point-to-point")
+
+    dist.batch_isend_irecv = torch_p2p
+    dev = torch.device("cuda", torch.cuda.current_device())
+    T, w = 5, 3
+    for dtype in (torch.float32, torch.bfloat16):
+        x = (torch.randn(2, T, 7, device=dev) * (rank + 1)).to(dtype).requires_grad_()
+        h = halo_exchange(x, w)
+        everyone = [torch.empty_like(x) for _ in range(world)]
+        dist.all_gather(everyone, x.detach())
+        want = everyone[rank - 1][:, T - w:] if rank else torch.zeros_like(h)
+        assert torch.equal(h, want), (rank, dtype)
+        g = torch.randn(2, w, 7, device=dev).to(dtype) + rank
+        h.backward(g)
+        grads = [torch.empty_like(g) for _ in range(world)]
+        dist.all_gather(grads, g)
+        want_grad = torch.zeros_like(x)
+        if rank < world - 1:
+            want_grad[:, T - w:] = grads[rank + 1]
+        assert torch.equal(x.grad, want_grad), (rank, dtype)
+    assert _comm.find_communicator(dist.group.WORLD, dev) is not None  # allscan's own communicator carried it
+
+    xs = torch.randn(2, T, 7, device=dev)
+    gs = torch.randn(2, w, 7, device=dev)
+    name = dist.group.WORLD.group_name
+
+    def step():
+        return (halo_shift(xs[:, T - w:].contiguous(), name, True, T), halo_shift(gs, name, False, -1))
+
+    def refill():
+        xs.normal_()
+        gs.normal_()
+
+    assert_replay_equals_eager(step, refill, ["halo", "halo gradient"], rank, dev)
+    return True
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("world", [2, 3])
+def test_halo_on_nccl_is_the_cores_watched_exchange_and_captures(world):
+    skip_unless_nccl_ranks(world)
+    assert run_distributed(_halo_on_nccl, world, backend="nccl", timeout=300) == [True] * world
 
 
 def _halo_misuse(rank, world):

@@ -527,8 +527,12 @@ allscanResult_t allscanNeighborExchange(allscanComm_t comm, const void* sendbuf,
                                         int reverse, int chain, cudaStream_t stream) {
   ALLSCAN_ARG_CHECK(comm != nullptr, "comm: null communicator");
   ALLSCAN_CHECK(checkAttached(comm));
-  return watched(comm->nccl, stream,
-                 [&] { return neighborExchange(comm, sendbuf, recvbuf, bytes, reverse, chain, stream); });
+  // a mismatch a scan's kernels found fails every later call on the communicator, this one too
+  // (the layers' halo exchange runs on it); inside the watch, as in allscanScan
+  return watched(comm->nccl, stream, [&] {
+    ALLSCAN_CHECK(mismatchStatus(comm->signatures));
+    return neighborExchange(comm, sendbuf, recvbuf, bytes, reverse, chain, stream);
+  });
 }
 
 allscanResult_t allscanScan(allscanComm_t comm, const allscanScanArgs_t* a, void* workspace, size_t workspace_bytes,

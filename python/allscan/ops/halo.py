@@ -3,14 +3,18 @@
     halo = halo_exchange(x, w, group=None)   # x [B, T_local, ...] -> [B, w, ...]: rank p-1's last w tokens
 
 Rank 0 (and a single process) receives zeros. Autograd: the gradient of the received halo goes back to
-its sender and is added to the gradient of its last ``w`` tokens. Point-to-point (isend/irecv), so it runs
-on gloo and NCCL alike; a custom op (:func:`halo_shift`), so torch.compile traces it without a graph break.
-Before anything is sent, every rank's ``T_local >= w`` and the halo's shape and dtype are checked
-across the group (inside the op, so under torch.compile too): a halo that differs between ranks raises
-on every rank; a shard too short raises on its rank, and on every rank wherever the peers exchange on
-every call (gloo, ``ALLSCAN_CHECK=always``). On NCCL with the default ``first`` the peers of a short
-shard wait in the exchange until the timeout (the cached-signature limit of every allscan op, with no
-communicator of allscan's here for the fault board to abort).
+its sender and is added to the gradient of its last ``w`` tokens. CUDA tensors on an NCCL group go
+through the C++ core's neighbour exchange on allscan's communicator (``allscanNeighborExchange``, one
+chain of sends): watched like every allscan collective, so a dead or stuck peer raises
+``allscan.CommunicatorTimeout`` after ``ALLSCAN_TIMEOUT`` and the fault board spreads it, and capturable
+in a CUDA graph. Elsewhere (gloo) torch's point-to-point. A custom op (:func:`halo_shift`), so
+torch.compile traces it without a graph break. Before anything is sent, every rank's ``T_local >= w``
+and the halo's shape and dtype are checked across the group (inside the op, so under torch.compile
+too): a halo that differs between ranks raises on every rank; a shard too short raises on its rank, and
+its peers learn of it as they do of any allscan call's bad arguments (gloo and ``ALLSCAN_CHECK=always``:
+at once; NCCL in ``first`` mode: through the fault board). No in-band signature: on NCCL in ``first``
+mode a rank that later changes its halo's shape to one checked before is not detected (a byte count
+that differs hangs until the watch's timeout).
 """
 from __future__ import annotations
 
@@ -19,18 +23,30 @@ import zlib
 import torch
 import torch.distributed as dist
 
-from allscan._comm import resolve_group
+from allscan import _C, _comm
 from allscan._contract import DTYPE_CODES, check_across_ranks
 
-from ._launch import validated_group
+from ._launch import nccl_preflight, stream_ptr, validated_group
 from ._shards import sequence_parallel_group
 
 __all__ = ["halo_exchange"]
 
 
+def _shift_core(send: torch.Tensor, pg, to_next: bool) -> torch.Tensor:
+    """:func:`_shift` on allscan's (watched) communicator of ``pg``: the core's neighbour exchange cut at
+    the chain's ends, which leave the zeros they were given."""
+    comm = _comm.get_communicator(pg, send.device)
+    recv = torch.zeros_like(send)
+    if send.numel():  # the same on every rank (checked)
+        with torch.cuda.device(send.device):
+            _C.neighbor_exchange(comm.handle, send.data_ptr(), recv.data_ptr(), send.numel() * send.element_size(),
+                                 not to_next, True, stream_ptr(send.get_device()))
+    return recv
+
+
 def _shift(send: torch.Tensor, pg, to_next: bool) -> torch.Tensor:
     """Sends ``send`` one rank along (to rank+1 if ``to_next`` else rank-1); returns what arrives from the
-    other side (zeros at the end of the chain)."""
+    other side (zeros at the end of the chain). torch's point-to-point (gloo)."""
     world, rank = dist.get_world_size(pg), dist.get_rank(pg)
     dst, src = (rank + 1, rank - 1) if to_next else (rank - 1, rank + 1)
     recv = torch.zeros_like(send)
@@ -55,6 +71,7 @@ def _check(send: torch.Tensor, pg, local_len: int) -> None:
                              f"(with several ranks every shard needs at least w tokens)")
 
     validated_group(pg, send, "halo_exchange", validate)
+    nccl_preflight(pg, send, "halo_exchange")
     check_across_ranks(pg, send.device, "halo_exchange", [
         ("w (halo tokens)", w),
         ("B (x.shape[0])", send.shape[0]),
@@ -74,9 +91,11 @@ def halo_shift(send: torch.Tensor, group_name: str, to_next: bool, local_len: in
     op: torch.compile traces it without a graph break, and its gradient is the shift the other way."""
     if not group_name:
         return torch.zeros_like(send, memory_format=torch.contiguous_format)
-    pg = resolve_group(group_name)
+    pg = _comm.resolve_group(group_name)
     if local_len >= 0:
         _check(send, pg, local_len)
+    if _comm.uses_nccl(pg, send):
+        return _shift_core(send, pg, to_next)
     return _shift(send, pg, to_next)
 
 

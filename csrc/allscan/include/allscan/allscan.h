@@ -167,7 +167,9 @@ ALLSCAN_API allscanResult_t allscanDeviceNeighborExchange(allscanComm_t comm, co
 /* The floor the benchmarks compare with: every rank sends `bytes` to its successor and receives as
  * many from its predecessor (a ring shift; `reverse` flips it), one NCCL group call. With
  * `chain` != 0 the ring is cut at the ends (rank P-1 sends nothing, rank 0 receives nothing), which
- * is the set of transfers one All-Scan makes. */
+ * is the set of transfers one All-Scan makes (and the halo exchange of the layers' short
+ * convolutions). Watched like a scan, and like a scan it returns the communicator's failure or a
+ * signature mismatch a scan's kernels found, without sending. */
 ALLSCAN_API allscanResult_t allscanNeighborExchange(allscanComm_t comm, const void* sendbuf, void* recvbuf,
                                         size_t bytes, int reverse, int chain, cudaStream_t stream);
 
