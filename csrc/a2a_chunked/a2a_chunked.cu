@@ -563,9 +563,9 @@ static allscanResult_t a2aIssue(ncclComm_t comm, allscanA2ADirection_t direction
     }
     ncclResult_t e_end = ncclGroupEnd();
     if (e != ncclSuccess && e != ncclInProgress)
-      return setErrorf(allscanNcclError, "allscanA2A: ncclSend/ncclRecv failed: %s", ncclGetErrorString(e));
+      return setErrorf(allscan::detail::ncclFailure(e), "allscanA2A: ncclSend/ncclRecv failed: %s", ncclGetErrorString(e));
     e = allscan::detail::ncclSettle(comm, e_end);
-    if (e != ncclSuccess) return setErrorf(allscanNcclError, "allscanA2A: ncclGroupEnd failed: %s", ncclGetErrorString(e));
+    if (e != ncclSuccess) return setErrorf(allscan::detail::ncclFailure(e), "allscanA2A: ncclGroupEnd failed: %s", ncclGetErrorString(e));
   }
   r = launchCopies(real.unpack, args->batch, real.row_bytes, stream);
   if (r != allscanSuccess) return r;

@@ -636,7 +636,7 @@ allscanResult_t allscanCalibrate(allscanComm_t comm, cudaStream_t stream) {
       const ncclResult_t nr =
           ncclSettle(comm->nccl, ncclAllReduce(dev, dev, 2, ncclFloat64, ncclMax, comm->nccl, stream));
       if (nr == ncclSuccess) return allscanSuccess;
-      return setError(allscanNcclError, std::string("allscanCalibrate: ncclAllReduce: ") + ncclGetErrorString(nr));
+      return setError(ncclFailure(nr), std::string("allscanCalibrate: ncclAllReduce: ") + ncclGetErrorString(nr));
     });
     if (ar != allscanSuccess) {
       fail(ar);

@@ -33,7 +33,7 @@ allscanResult_t headSend(const allscanComm* comm, int reverse, size_t n, HeadRes
   ncclResult_t ne = ncclSettle(nc, ncclGroupEnd());
   if (nr == ncclSuccess) nr = ne;
   allscanResult_t st = allscanSuccess;
-  if (nr != ncclSuccess) st = setError(allscanNcclError, std::string("ncclSend (chain head): ") + ncclGetErrorString(nr));
+  if (nr != ncclSuccess) st = setError(ncclFailure(nr), std::string("ncclSend (chain head): ") + ncclGetErrorString(nr));
   ALLSCAN_CHECK(own.join());
   if (st != allscanSuccess) return st;
   return own.inSeries();

@@ -29,6 +29,13 @@ const char* lastError();
 // Waits for a non-blocking communicator's pending operation (ncclInProgress) to settle.
 ncclResult_t ncclSettle(ncclComm_t comm, ncclResult_t r);
 
+// The code of a failed NCCL call. ncclRemoteError (a peer exited, or aborted the communicator after
+// a failure of its own, as allscan's watch and fault board do) is the communicator failing:
+// allscanRemoteError, which Python raises as CommunicatorError, as for a failure the board spreads.
+inline allscanResult_t ncclFailure(ncclResult_t r) {
+  return r == ncclRemoteError ? allscanRemoteError : allscanNcclError;
+}
+
 }  // namespace detail
 }  // namespace allscan
 
@@ -50,7 +57,7 @@ ncclResult_t ncclSettle(ncclComm_t comm, ncclResult_t r);
     ncclResult_t _r = ::allscan::detail::ncclSettle((comm), (expr));                        \
     if (_r != ncclSuccess)                                                                  \
       return ::allscan::detail::setError(                                                   \
-          allscanNcclError, std::string(#expr ": ") + ncclGetErrorString(_r));              \
+          ::allscan::detail::ncclFailure(_r), std::string(#expr ": ") + ncclGetErrorString(_r)); \
   } while (0)
 
 // Inside an ncclGroupStart/ncclGroupEnd pair: on failure, close the group before returning, so
@@ -61,7 +68,7 @@ ncclResult_t ncclSettle(ncclComm_t comm, ncclResult_t r);
     if (_r != ncclSuccess && _r != ncclInProgress) {                                        \
       ::allscan::detail::ncclSettle((comm), ncclGroupEnd());                                \
       return ::allscan::detail::setError(                                                   \
-          allscanNcclError, std::string(#expr ": ") + ncclGetErrorString(_r));              \
+          ::allscan::detail::ncclFailure(_r), std::string(#expr ": ") + ncclGetErrorString(_r)); \
     }                                                                                       \
   } while (0)
 

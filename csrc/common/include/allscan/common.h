@@ -31,7 +31,8 @@ typedef enum {
   allscanTimeout = 5, /* a watched communicator timed out (allscanWatchCreate); it is no longer usable */
   allscanMismatch = 6, /* ranks passed different arguments to one collective (found on the GPU: the
                           signature check of allscanScanArgs_t); the communicator is out of step */
-  allscanRemoteError = 7, /* another rank reported a failure of this communicator (allscanWatchFail) */
+  allscanRemoteError = 7, /* another rank reported a failure of this communicator (allscanWatchFail), or
+                             NCCL's ncclRemoteError: a peer exited or aborted its communicator */
 } allscanResult_t;
 
 typedef enum {
