@@ -12,9 +12,10 @@ torch.compile traces it without a graph break. Before anything is sent, every ra
 and the halo's shape and dtype are checked across the group (inside the op, so under torch.compile
 too): a halo that differs between ranks raises on every rank; a shard too short raises on its rank, and
 its peers learn of it as they do of any allscan call's bad arguments (gloo and ``ALLSCAN_CHECK=always``:
-at once; NCCL in ``first`` mode: through the fault board). No in-band signature: on NCCL in ``first``
-mode a rank that later changes its halo's shape to one checked before is not detected (a byte count
-that differs hangs until the watch's timeout).
+at once; NCCL in ``first`` mode, once the halo's signature was checked: through the fault board; on the
+signature's first call its peers wait in the check's exchange until torch's timeout, as for every allscan
+collective). No in-band signature: on NCCL in ``first`` mode a rank that later changes its halo's shape
+to one checked before is not detected (a byte count that differs hangs until the watch's timeout).
 """
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ import torch.distributed as dist
 
 from allscan import _C, _comm
 from allscan._contract import DTYPE_CODES, check_across_ranks
+from allscan._threads import one_thread
 
 from ._launch import nccl_preflight, stream_ptr, validated_group
 from ._shards import sequence_parallel_group
@@ -36,7 +38,7 @@ def _shift_core(send: torch.Tensor, pg, to_next: bool) -> torch.Tensor:
     """:func:`_shift` on allscan's (watched) communicator of ``pg``: the core's neighbour exchange cut at
     the chain's ends, which leave the zeros they were given."""
     comm = _comm.get_communicator(pg, send.device)
-    recv = torch.zeros_like(send)
+    recv = torch.zeros_like(send, memory_format=torch.contiguous_format)
     if send.numel():  # the same on every rank (checked)
         with torch.cuda.device(send.device):
             _C.neighbor_exchange(comm.handle, send.data_ptr(), recv.data_ptr(), send.numel() * send.element_size(),
@@ -49,10 +51,10 @@ def _shift(send: torch.Tensor, pg, to_next: bool) -> torch.Tensor:
     other side (zeros at the end of the chain). torch's point-to-point (gloo)."""
     world, rank = dist.get_world_size(pg), dist.get_rank(pg)
     dst, src = (rank + 1, rank - 1) if to_next else (rank - 1, rank + 1)
-    recv = torch.zeros_like(send)
-    ops = []  # one batch: on NCCL, separate isend/irecv calls along a chain can wait on each other
+    recv = torch.zeros_like(send, memory_format=torch.contiguous_format)
+    ops = []  # one batch: separate isend/irecv calls along a chain can wait on each other
     if 0 <= dst < world:
-        ops.append(dist.P2POp(dist.isend, send.contiguous(), dist.get_global_rank(pg, dst), pg))
+        ops.append(dist.P2POp(dist.isend, send, dist.get_global_rank(pg, dst), pg))
     if 0 <= src < world:
         ops.append(dist.P2POp(dist.irecv, recv, dist.get_global_rank(pg, src), pg))
     for r in dist.batch_isend_irecv(ops):
@@ -92,11 +94,13 @@ def halo_shift(send: torch.Tensor, group_name: str, to_next: bool, local_len: in
     if not group_name:
         return torch.zeros_like(send, memory_format=torch.contiguous_format)
     pg = _comm.resolve_group(group_name)
-    if local_len >= 0:
-        _check(send, pg, local_len)
-    if _comm.uses_nccl(pg, send):
-        return _shift_core(send, pg, to_next)
-    return _shift(send, pg, to_next)
+    send = send.contiguous()  # both paths send its bytes as they lie
+    with one_thread(pg, "halo_exchange"):  # paired with the peers' calls by issue order, as every collective
+        if local_len >= 0:
+            _check(send, pg, local_len)
+        if _comm.uses_nccl(pg, send):
+            return _shift_core(send, pg, to_next)
+        return _shift(send, pg, to_next)
 
 
 @halo_shift.register_fake

@@ -290,8 +290,10 @@ def _report_failure(plan: "_ChunkPlan", like: torch.Tensor, phase: str):
     buffers, which torch's all-to-all allocates before its check), or its exchange failed on the peers
     too. Elsewhere (torch's all-to-all on NCCL without ``ALLSCAN_CHECK=always``; ``never``) the peers
     wait until their timeout.
-    Nothing is reported alone, for a failed communicator (the board spreads that already) or under
-    CUDA graph capture (nothing runs before the replay)."""
+    Nothing is reported alone, for a failed communicator (the board spreads that already; NCCL's
+    remote error, a ``CommunicatorError`` too, means a peer aborted, which the board spreads, or
+    exited, which every rank's watch finds) or under CUDA graph capture (nothing runs before the
+    replay)."""
     checked = _chunks_checked(plan.group, like)
 
     def failed(c: Optional[int], error: BaseException, step: Optional[str] = None) -> None:
