@@ -1,4 +1,5 @@
-"""One rank failing in its own work, for the layers' fault tests: a backend step that raises on rank 1."""
+"""One rank failing in its own work, for the layers' fault tests: a backend step, or a module's own step,
+that raises on rank 1."""
 import torch.distributed as dist
 
 
@@ -27,3 +28,32 @@ def outcome_when_rank_1_fails(owner, name: str, call) -> str:
         return "told"
     finally:
         setattr(owner, name, original)
+
+
+def outcome_when_a_layer_fails_on_rank_1(layer, x, where: str) -> str:
+    """One fwd+bwd of the module ``layer`` on this rank's shard ``x`` where rank 1 fails in the module's
+    own work before one of its collectives: ``where`` "attention_mask" (rank 1 passes one, which the
+    layer refuses) or the name of a projection submodule (``q_proj``, ``a_proj``: its forward raises on
+    rank 1, as out of memory would). Returns what this rank saw, as :func:`outcome_when_rank_1_fails`."""
+    rank = dist.get_rank()
+    kwargs = {}
+    if where == "attention_mask" and rank == 1:
+        kwargs["attention_mask"] = x.new_ones(x.shape[:2])
+    elif where != "attention_mask" and rank == 1:
+        def failing(*args, **kw):
+            raise RuntimeError(f"injected failure in {where}")
+
+        getattr(layer, where).forward = failing  # an instance attribute, deleted below
+    try:
+        y, _, _ = layer(x, **kwargs)
+        y.sum().backward()
+        return "done"
+    except (RuntimeError, NotImplementedError) as e:
+        assert rank == 1 and ("injected" in str(e) or "attention_mask" in str(e)), (rank, e)
+        return "raised"
+    except ValueError as e:
+        assert rank != 1 and "rank(s) [1]" in str(e) and "failed before this call" in str(e), (rank, e)
+        return "told"
+    finally:
+        if where != "attention_mask":
+            vars(getattr(layer, where)).pop("forward", None)

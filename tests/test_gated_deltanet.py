@@ -47,9 +47,10 @@ def test_short_conv_is_fla_conv_cut_at_sequence_starts():
     b = torch.cat([c.bias for c in convs])
     want = torch.cat([F.silu(F.conv1d(x[:, s:e].transpose(1, 2), w, b, padding=3, groups=96)[..., :e - s])
                       for s, e in zip(cu[:-1].tolist(), cu[1:].tolist())], dim=2).transpose(1, 2)
-    torch.testing.assert_close(m._short_conv(x, cu), want)
+    halo = torch.zeros(1, 3, 96, dtype=torch.float64)  # one process: no tokens before its first
+    torch.testing.assert_close(m._short_conv(x, halo, 0, cu), want)
     whole = F.silu(F.conv1d(x.transpose(1, 2), w, b, padding=3, groups=96)[..., :11]).transpose(1, 2)
-    torch.testing.assert_close(m._short_conv(x, None), whole)
+    torch.testing.assert_close(m._short_conv(x, halo, 0, None), whole)
 
 
 def _check_ranks(rank, world, device="cpu"):
@@ -168,6 +169,39 @@ def _halo_on_nccl(rank, world):
 def test_halo_on_nccl_is_the_cores_watched_exchange_and_captures(world):
     skip_unless_nccl_ranks(world)
     assert run_distributed(_halo_on_nccl, world, backend="nccl", timeout=300) == [True] * world
+
+
+def _module_fails(rank, world, where):
+    """Rank 1 of 3 fails in the module's own work before its halo exchange (its inputs, its q
+    projection) or between the halo and the delta rule (the a projection, after the convolutions): it
+    raises its error, its peers raise naming it (in the collective they wait in), and then the group
+    gives every rank the gradients of a call before the failure."""
+    import datetime
+
+    import torch.distributed as dist
+    from failing_rank import outcome_when_a_layer_fails_on_rank_1
+
+    group = dist.new_group(list(range(world)), timeout=datetime.timedelta(seconds=30))  # a hang fails, not waits
+    m = _module(group)
+    torch.manual_seed(5)
+    x = torch.randn(1, 4 * world, CFG["hidden_size"], dtype=torch.float64)[:, rank * 4:(rank + 1) * 4]
+
+    def grads():
+        m.zero_grad()
+        xs = x.clone().requires_grad_()
+        y, _, _ = m(xs)
+        y.sum().backward()
+        return [xs.grad] + [p.grad.clone() for p in m.parameters()]
+
+    before = grads()
+    outcome = outcome_when_a_layer_fails_on_rank_1(m, x.clone().requires_grad_(), where)
+    assert all(torch.equal(a, b) for a, b in zip(grads(), before)), (rank, where)
+    return outcome
+
+
+@pytest.mark.parametrize("where", ["attention_mask", "q_proj", "a_proj"])
+def test_a_rank_failing_in_the_modules_own_work_leaves_no_peer_waiting(where):
+    assert run_distributed(_module_fails, 3, where, timeout=120) == ["told", "raised", "told"]
 
 
 def _halo_misuse(rank, world):

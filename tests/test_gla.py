@@ -542,6 +542,38 @@ def test_a_rank_failing_before_its_scan_leaves_no_peer_waiting(where):
     assert run_distributed(_run_part_fails, 3, where, timeout=120) == ["told", "raised", "told"]
 
 
+def _module_fails(rank, world, where):
+    """Rank 1 of 3 fails in the module's own work before its first collective (its inputs, its q
+    projection): it raises its error, its peers raise naming it, and then the group gives every rank
+    the gradients of a call before the failure."""
+    import datetime
+
+    from failing_rank import outcome_when_a_layer_fails_on_rank_1
+
+    group = dist.new_group(list(range(world)), timeout=datetime.timedelta(seconds=30))  # a hang fails, not waits
+    torch.manual_seed(0)
+    layer = GatedLinearAttention(hidden_size=64, num_heads=4, group=group).double()
+    torch.manual_seed(5)
+    x = torch.randn(1, 8 * world, 64, dtype=torch.float64)[:, rank * 8:(rank + 1) * 8]
+
+    def grads():
+        layer.zero_grad()
+        xs = x.clone().requires_grad_()
+        y, _, _ = layer(xs)
+        y.sum().backward()
+        return [xs.grad] + [p.grad.clone() for p in layer.parameters()]
+
+    before = grads()
+    outcome = outcome_when_a_layer_fails_on_rank_1(layer, x.clone().requires_grad_(), where)
+    assert all(torch.equal(a, b) for a, b in zip(grads(), before)), (rank, where)
+    return outcome
+
+
+@pytest.mark.parametrize("where", ["attention_mask", "q_proj"])
+def test_a_rank_failing_in_the_modules_own_work_leaves_no_peer_waiting(where):
+    assert run_distributed(_module_fails, 3, where, timeout=120) == ["told", "raised", "told"]
+
+
 def test_fla_autotune_one_config_choice():
     """``limit_fla_autotune("one")``'s chooser: fla's own pruning first, then the config closest to
     BK = BV = 64, 4 warps, 2 stages (checked with stand-in configs: no Triton on CPU)."""

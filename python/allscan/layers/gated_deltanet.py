@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from allscan.ops.delta import METHODS, zeco_gated_delta_rule
 from allscan.ops import sequence_parallel_group
+from allscan.ops._launch import own_work
 from allscan.ops.halo import halo_exchange
 
 from ._inputs import check_layer_inputs
@@ -120,15 +121,14 @@ class GatedDeltaNet(nn.Module):
             self.o_norm = RMSNorm(self.head_v_dim, eps=norm_eps, dtype=torch.float32)
         self.o_proj = nn.Linear(self.value_dim, hidden_size, bias=False)
 
-    def _short_conv(self, qkv: torch.Tensor, cu_seqlens: Optional[torch.Tensor]) -> torch.Tensor:
-        """silu(causal depthwise conv) over the global sequence, q, k and v concatenated: one halo message."""
+    def _short_conv(self, qkv: torch.Tensor, halo: torch.Tensor, rank: int,
+                    cu_seqlens: Optional[torch.Tensor]) -> torch.Tensor:
+        """silu(causal depthwise conv) over the global sequence, q, k and v concatenated (one halo message:
+        ``halo``, the previous rank's last ``conv_size - 1`` tokens of ``qkv``)."""
         k = self.conv_size
         convs = (self.q_conv1d, self.k_conv1d, self.v_conv1d)
         weight = torch.cat([c.weight[:, 0, :] for c in convs]).to(qkv.dtype)  # [D, k]
-        halo = halo_exchange(qkv, k - 1, self.group)
         B, T, D = qkv.shape
-        pg = sequence_parallel_group(self.group, "GatedDeltaNet")
-        rank = 0 if pg is None else torch.distributed.get_rank(pg)
         windows = torch.cat([halo, qkv], dim=1).unfold(1, k, 1)  # [B, T, D, k]: tokens t-k+1 .. t
         mask = _first_visible(T, k, rank * T, cu_seqlens, qkv.device).to(qkv.dtype)  # [T, k]
         out = torch.einsum("btdk,tk,dk->btd", windows, mask, weight)
@@ -136,19 +136,35 @@ class GatedDeltaNet(nn.Module):
             out = out + torch.cat([c.bias for c in convs]).to(qkv.dtype)
         return F.silu(out)
 
-    def forward(self, hidden_states: torch.Tensor, attention_mask=None, past_key_values=None, use_cache=False,
-                output_attentions=False, cu_seqlens=None, **kwargs):
+    def _projections(self, hidden_states, attention_mask, past_key_values, use_cache, cu_seqlens):
+        """The input checks, then q, k and v projected and concatenated (the halo's message)."""
         check_layer_inputs("GatedDeltaNet", hidden_states, self.hidden_size, attention_mask, past_key_values, use_cache)
         if cu_seqlens is not None and hidden_states.shape[0] != 1:
             raise ValueError(f"GatedDeltaNet: with cu_seqlens the batch size must be 1, got {hidden_states.shape[0]}")
+        return torch.cat([self.q_proj(hidden_states), self.k_proj(hidden_states), self.v_proj(hidden_states)], -1)
+
+    def _recurrence_inputs(self, hidden_states, qkv, halo, rank, cu_seqlens):
+        """q, k, v (after the convolutions) and the gates' logits a, b, as the delta rule takes them."""
         B, T, _ = hidden_states.shape
-        qkv = torch.cat([self.q_proj(hidden_states), self.k_proj(hidden_states), self.v_proj(hidden_states)], -1)
-        qkv = self._short_conv(qkv, cu_seqlens) if self.use_short_conv else F.silu(qkv)
+        qkv = self._short_conv(qkv, halo, rank, cu_seqlens) if self.use_short_conv else F.silu(qkv)
         q, k, v = torch.split(qkv, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
-        q = q.reshape(B, T, self.num_heads, self.head_k_dim)
-        k = k.reshape(B, T, self.num_heads, self.head_k_dim)
-        v = v.reshape(B, T, self.num_v_heads, self.head_v_dim)
-        o, _ = zeco_gated_delta_rule(q, k, v, self.a_proj(hidden_states), self.b_proj(hidden_states), self.group,
+        return (q.reshape(B, T, self.num_heads, self.head_k_dim), k.reshape(B, T, self.num_heads, self.head_k_dim),
+                v.reshape(B, T, self.num_v_heads, self.head_v_dim), self.a_proj(hidden_states),
+                self.b_proj(hidden_states))
+
+    def forward(self, hidden_states: torch.Tensor, attention_mask=None, past_key_values=None, use_cache=False,
+                output_attentions=False, cu_seqlens=None, **kwargs):
+        pg = sequence_parallel_group(self.group, "GatedDeltaNet")
+        # This rank's own work before each collective of the call (the halo exchange, the delta rule's
+        # first): if it raises, the peers waiting there are told instead of waiting until the timeout.
+        qkv = own_work(pg, "GatedDeltaNet", "its projections", self._projections, hidden_states, attention_mask,
+                       past_key_values, use_cache, cu_seqlens)
+        halo = halo_exchange(qkv, self.conv_size - 1, self.group) if self.use_short_conv else None
+        rank = 0 if pg is None else torch.distributed.get_rank(pg)
+        q, k, v, a, b = own_work(pg, "GatedDeltaNet", "its convolutions", self._recurrence_inputs, hidden_states,
+                                 qkv, halo, rank, cu_seqlens)
+        B, T, _ = hidden_states.shape
+        o, _ = zeco_gated_delta_rule(q, k, v, a, b, self.group,
                                      cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=True, method=self.method,
                                      use_gate_in_kernel=True, A_log=self.A_log, dt_bias=self.dt_bias,
                                      use_beta_sigmoid_in_kernel=True, allow_neg_eigval=self.allow_neg_eigval)

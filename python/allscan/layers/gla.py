@@ -11,6 +11,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from allscan.ops import sequence_parallel_group
+from allscan.ops._launch import own_work
 from allscan.ops.gla import LOCAL, METHODS, recurrent_gla_reference, zeco_gla
 
 from ._inputs import check_layer_inputs
@@ -94,8 +96,8 @@ class GatedLinearAttention(nn.Module):
         self.group = group
         self.method = method
 
-    def forward(self, hidden_states: torch.Tensor, attention_mask=None, past_key_values=None, use_cache=False,
-                output_attentions=False, cu_seqlens=None, **kwargs):
+    def _recurrence_inputs(self, hidden_states, attention_mask, past_key_values, use_cache):
+        """The input checks, then q, k, v and the log decay gk ``[B, T_local, H, *]`` as zeco_gla takes them."""
         check_layer_inputs("GatedLinearAttention", hidden_states, self.hidden_size, attention_mask, past_key_values, use_cache)
         B, T, _ = hidden_states.shape
         q = self.q_proj(hidden_states).view(B, T, self.num_heads, self.head_k_dim)
@@ -115,6 +117,16 @@ class GatedLinearAttention(nn.Module):
         gk = F.logsigmoid(gk) / self.gate_logit_normalizer
         if self.clamp_min is not None:
             gk = torch.clamp_min(gk, self.clamp_min)
+        return q, k, v, gk
+
+    def forward(self, hidden_states: torch.Tensor, attention_mask=None, past_key_values=None, use_cache=False,
+                output_attentions=False, cu_seqlens=None, **kwargs):
+        # This rank's own work before the call's first collective: if it raises, the peers waiting there
+        # are told instead of waiting until the timeout.
+        q, k, v, gk = own_work(sequence_parallel_group(self.group, "GatedLinearAttention"), "GatedLinearAttention",
+                               "its projections", self._recurrence_inputs, hidden_states, attention_mask,
+                               past_key_values, use_cache)
+        B, T, _ = hidden_states.shape
         o, _ = zeco_gla(q, k, v, gk, self.group, cu_seqlens=cu_seqlens, method=self.method)
         if self.use_output_gate:
             gate = self.g_proj(hidden_states)

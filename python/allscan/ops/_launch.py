@@ -12,7 +12,7 @@ import torch
 from .. import _comm
 from .._contract import announce_invalid, settings
 
-__all__ = ["validated_group", "traced_refusal", "or_empty", "absent", "nccl_preflight", "announce_device", "tell_peers_of_failure", "stream_ptr", "plan_cache", "plan_is_current",
+__all__ = ["validated_group", "traced_refusal", "or_empty", "absent", "nccl_preflight", "announce_device", "tell_peers_of_failure", "own_work", "stream_ptr", "plan_cache", "plan_is_current",
            "forget_plans", "PlanCache", "MAX_PLANS", "check_num_blocks", "MAX_NUM_BLOCKS"]
 
 
@@ -93,6 +93,22 @@ def tell_peers_of_failure(group, op: str, step: str, error: BaseException) -> No
     rank with bad arguments does (:func:`allscan._contract.announce_invalid`), so that they
     raise instead of waiting in ``op`` until the timeout; the caller re-raises ``error``."""
     announce_invalid(group, announce_device(group), op, f"{step} failed: {type(error).__name__}: {error}")
+
+
+def own_work(group, op: str, step: str, work, *args):
+    """``work(*args)``: a layer's own work before its peers' next collective of the same call (``group``
+    as :func:`allscan.ops.sequence_parallel_group` returns it: None for one process). If it raises, the
+    peers are told (:func:`tell_peers_of_failure`), so that they raise in that collective instead of
+    waiting for this rank until the timeout, and the error is re-raised. Only before a collective every
+    rank makes next: after a layer's last collective the peers' next one may be anything, torch's own
+    included. While torch.compile traces, plainly ``work(*args)`` (the trace runs no collective)."""
+    if group is None or torch.compiler.is_compiling():
+        return work(*args)
+    try:
+        return work(*args)
+    except Exception as e:
+        tell_peers_of_failure(group, op, step, e)
+        raise
 
 
 def nccl_preflight(group, x: torch.Tensor, op: str) -> bool:
