@@ -1,5 +1,7 @@
-"""GatedDeltaNet (fla's parameters) and its halo exchange: sharded over 2 and 3 gloo ranks it equals the same
-module on one process over the whole sequence (outputs, every gradient), with and without packed sequences."""
+"""The delta-rule modules with fla's parameters, GatedDeltaNet and KimiDeltaAttention, and their halo
+exchange: each computes fla's layer's formula (one process, float64, against the formula written out
+here), and sharded over 2 and 3 gloo ranks it equals the same module on one process over the whole
+sequence (outputs, every gradient), with and without packed sequences."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -7,34 +9,90 @@ import torch.nn.functional as F
 from distributed import run_distributed, skip_unless_nccl_ranks
 
 CFG = dict(hidden_size=16, head_dim=8, num_heads=2, num_v_heads=4, expand_v=2, conv_size=4, conv_bias=True)
+KINDS = ("GatedDeltaNet", "KimiDeltaAttention")
 
-# fla 0.6.0 fla/layers/gated_deltanet.py with CFG (key_dim 16, value_dim 4 * 16 = 64, head_v_dim 16):
-# names and shapes written out by hand from its source (fla is not installed here).
+# fla 0.6.0's fla/layers/gated_deltanet.py and fla/layers/kda.py with CFG (key_dim 16, value_dim 4 * 16 =
+# 64, head_v_dim 16; KDA's gate_dim 4 * 8 = 32): names and shapes written out by hand from their source
+# (checked against fla's own layers where fla imports).
+_CONVS = {"q_conv1d.weight": (16, 1, 4), "q_conv1d.bias": (16,), "k_conv1d.weight": (16, 1, 4),
+          "k_conv1d.bias": (16,), "v_conv1d.weight": (64, 1, 4), "v_conv1d.bias": (64,)}
+_QKV = {"q_proj.weight": (16, 16), "k_proj.weight": (16, 16), "v_proj.weight": (64, 16)}
 FLA_STATE = {
-    "q_proj.weight": (16, 16), "k_proj.weight": (16, 16), "v_proj.weight": (64, 16),
-    "a_proj.weight": (4, 16), "b_proj.weight": (4, 16), "A_log": (4,), "dt_bias": (4,),
-    "q_conv1d.weight": (16, 1, 4), "q_conv1d.bias": (16,), "k_conv1d.weight": (16, 1, 4), "k_conv1d.bias": (16,),
-    "v_conv1d.weight": (64, 1, 4), "v_conv1d.bias": (64,),
-    "g_proj.weight": (64, 16), "o_norm.weight": (16,), "o_proj.weight": (16, 64),
+    "GatedDeltaNet": {
+        **_QKV, "a_proj.weight": (4, 16), "b_proj.weight": (4, 16), "A_log": (4,), "dt_bias": (4,), **_CONVS,
+        "g_proj.weight": (64, 16), "o_norm.weight": (16,), "o_proj.weight": (16, 64)},
+    "KimiDeltaAttention": {
+        "A_log": (4,), "dt_bias": (32,), **_QKV, **_CONVS, "f_proj.0.weight": (16, 16), "f_proj.1.weight": (32, 16),
+        "b_proj.weight": (4, 16), "g_proj.0.weight": (16, 16), "g_proj.1.weight": (64, 16), "g_proj.1.bias": (64,),
+        "o_norm.weight": (16,), "o_proj.weight": (16, 64)},
 }
+# the projection a failing rank fails in after the halo exchange, before the delta rule
+_GATE_PROJ = {"GatedDeltaNet": "a_proj", "KimiDeltaAttention": "f_proj"}
 
 
-def _module(group, device="cpu"):
-    from allscan.layers import GatedDeltaNet
+def _module(group, device="cpu", kind="GatedDeltaNet"):
+    import allscan.layers
     torch.manual_seed(0)
-    m = GatedDeltaNet(**CFG, group=group).double().to(device)
+    m = getattr(allscan.layers, kind)(**CFG, group=group).double().to(device)
     with torch.no_grad():  # norm weights away from 1, so their gradients are checked as well
         m.o_norm.weight.uniform_(0.5, 1.5)
     return m
 
 
-def test_fla_state_dict_loads():
-    from allscan.layers import GatedDeltaNet
-    m = GatedDeltaNet(**CFG)
-    assert {k: tuple(v.shape) for k, v in m.state_dict().items()} == FLA_STATE
-    sd = {k: torch.randn(s) for k, s in FLA_STATE.items()}
+@pytest.mark.parametrize("kind", KINDS)
+def test_fla_state_dict_loads(kind):
+    import allscan.layers
+    m = getattr(allscan.layers, kind)(**CFG)
+    assert {k: tuple(v.shape) for k, v in m.state_dict().items()} == FLA_STATE[kind]
+    sd = {k: torch.randn(s) for k, s in FLA_STATE[kind].items()}
     m.load_state_dict(sd, strict=True)
     assert all(torch.equal(m.state_dict()[k], v) for k, v in sd.items())
+    try:
+        import fla.layers
+    except ImportError:  # fla needs Triton to import; the hand-written shapes above stand
+        return
+    theirs = getattr(fla.layers, kind)(**CFG)
+    assert {k: tuple(v.shape) for k, v in theirs.state_dict().items()} == FLA_STATE[kind]
+    m.load_state_dict(theirs.state_dict(), strict=True)
+
+
+def _fla_formula(m, x):
+    """fla 0.6.0's layer (``m``'s class, ``m``'s parameters) on one process, its formula written out in
+    float64: projections, silu of the causal depthwise convolutions, the l2-normalised q and k, the gates
+    as fla's kernels apply them, the token-by-token delta rule, the output norm, the output projection."""
+    from allscan.ops.delta.naive import recurrent_delta_rule_reference
+
+    B, T, _ = x.shape
+    H, HV, K, V = m.num_heads, m.num_v_heads, m.head_k_dim, m.head_v_dim
+
+    def conv(proj, c):
+        return F.silu(F.conv1d(proj(x).transpose(1, 2), c.weight, c.bias, padding=3, groups=c.weight.shape[0])
+                      [..., :T].transpose(1, 2))
+
+    q = conv(m.q_proj, m.q_conv1d).reshape(B, T, H, K)
+    k = conv(m.k_proj, m.k_conv1d).reshape(B, T, H, K)
+    v = conv(m.v_proj, m.v_conv1d).reshape(B, T, HV, V)
+    q, k = (t / (t.pow(2).sum(-1, keepdim=True) + 1e-6).sqrt() for t in (q, k))
+    beta = torch.sigmoid(m.b_proj(x))
+    if type(m).__name__ == "KimiDeltaAttention":
+        f = m.f_proj[1](m.f_proj[0](x)).reshape(B, T, HV, K) + m.dt_bias.reshape(HV, K)
+        g = -m.A_log.exp()[:, None] * F.softplus(f)
+        gate = torch.sigmoid(m.g_proj[1](m.g_proj[0](x)).reshape(B, T, HV, V))
+    else:
+        g = -m.A_log.exp() * F.softplus(m.a_proj(x) + m.dt_bias)
+        gate = F.silu(m.g_proj(x).reshape(B, T, HV, V))
+    o, _ = recurrent_delta_rule_reference(q, k, v, g, beta)
+    o = o * (o.pow(2).mean(-1, keepdim=True) + m.o_norm.eps).rsqrt() * m.o_norm.weight * gate
+    return m.o_proj(o.reshape(B, T, HV * V))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_module_computes_fla_layers_formula(kind):
+    from allscan.ops import LOCAL
+    m = _module(LOCAL, kind=kind)
+    x = torch.randn(2, 13, CFG["hidden_size"], dtype=torch.float64)
+    y, _, _ = m(x)
+    torch.testing.assert_close(y, _fla_formula(m, x), rtol=1e-10, atol=1e-12)
 
 
 def test_short_conv_is_fla_conv_cut_at_sequence_starts():
@@ -53,7 +111,7 @@ def test_short_conv_is_fla_conv_cut_at_sequence_starts():
     torch.testing.assert_close(m._short_conv(x, halo, 0, None), whole)
 
 
-def _check_ranks(rank, world, device="cpu"):
+def _check_ranks(rank, world, device="cpu", kind="GatedDeltaNet"):
     """gloo on CPU; with device="cuda", NCCL: the halo's and the matrix scan's C++ core."""
     import torch.distributed as dist
 
@@ -78,8 +136,8 @@ def _check_ranks(rank, world, device="cpu"):
         want_grad[:, T - 3:] = gg * (rank + 2)
     torch.testing.assert_close(xl.grad, want_grad)
 
-    ref = _module(LOCAL, device)
-    mods = {"default": _module(None, device), "world": _module(dist.group.WORLD, device)}
+    ref = _module(LOCAL, device, kind)
+    mods = {"default": _module(None, device, kind), "world": _module(dist.group.WORLD, device, kind)}
     cases = [None, torch.tensor([0, T, T + 2, N])]  # a cut on a rank boundary, one inside rank 1's shard
     for cu in cases:
         torch.manual_seed(2)
@@ -104,16 +162,18 @@ def _check_ranks(rank, world, device="cpu"):
 
 
 @pytest.mark.parametrize("world", [2, 3])
-def test_sharded_equals_one_process(world):
-    assert run_distributed(_check_ranks, world, timeout=120) == [True] * world
+@pytest.mark.parametrize("kind", KINDS)
+def test_sharded_equals_one_process(world, kind):
+    assert run_distributed(_check_ranks, world, "cpu", kind, timeout=120) == [True] * world
 
 
 @pytest.mark.gpu
-def test_sharded_equals_one_process_on_two_gpus():
+@pytest.mark.parametrize("kind", KINDS)
+def test_sharded_equals_one_process_on_two_gpus(kind):
     """The same check on CUDA tensors over NCCL (the halo's and the matrix scan's C++ core, fp64
-    states); the local work is the torch path (no fla-core backend yet)."""
+    states); the local work is the torch path (fla-core has no fp64 kernels)."""
     skip_unless_nccl_ranks(2)
-    assert run_distributed(_check_ranks, 2, "cuda", timeout=300, backend="nccl") == [True, True]
+    assert run_distributed(_check_ranks, 2, "cuda", kind, timeout=300, backend="nccl") == [True, True]
 
 
 def _halo_on_nccl(rank, world):
@@ -171,9 +231,9 @@ def test_halo_on_nccl_is_the_cores_watched_exchange_and_captures(world):
     assert run_distributed(_halo_on_nccl, world, backend="nccl", timeout=300) == [True] * world
 
 
-def _module_fails(rank, world, where):
+def _module_fails(rank, world, where, kind):
     """Rank 1 of 3 fails in the module's own work before its halo exchange (its inputs, its q
-    projection) or between the halo and the delta rule (the a projection, after the convolutions): it
+    projection) or between the halo and the delta rule (its gate projection, after the convolutions): it
     raises its error, its peers raise naming it (in the collective they wait in), and then the group
     gives every rank the gradients of a call before the failure."""
     import datetime
@@ -182,7 +242,7 @@ def _module_fails(rank, world, where):
     from failing_rank import outcome_when_a_layer_fails_on_rank_1
 
     group = dist.new_group(list(range(world)), timeout=datetime.timedelta(seconds=30))  # a hang fails, not waits
-    m = _module(group)
+    m = _module(group, kind=kind)
     torch.manual_seed(5)
     x = torch.randn(1, 4 * world, CFG["hidden_size"], dtype=torch.float64)[:, rank * 4:(rank + 1) * 4]
 
@@ -194,14 +254,16 @@ def _module_fails(rank, world, where):
         return [xs.grad] + [p.grad.clone() for p in m.parameters()]
 
     before = grads()
-    outcome = outcome_when_a_layer_fails_on_rank_1(m, x.clone().requires_grad_(), where)
+    outcome = outcome_when_a_layer_fails_on_rank_1(m, x.clone().requires_grad_(),
+                                                   _GATE_PROJ[kind] if where == "gate_proj" else where)
     assert all(torch.equal(a, b) for a, b in zip(grads(), before)), (rank, where)
     return outcome
 
 
-@pytest.mark.parametrize("where", ["attention_mask", "q_proj", "a_proj"])
-def test_a_rank_failing_in_the_modules_own_work_leaves_no_peer_waiting(where):
-    assert run_distributed(_module_fails, 3, where, timeout=120) == ["told", "raised", "told"]
+@pytest.mark.parametrize("where", ["attention_mask", "q_proj", "gate_proj"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_rank_failing_in_the_modules_own_work_leaves_no_peer_waiting(where, kind):
+    assert run_distributed(_module_fails, 3, where, kind, timeout=120) == ["told", "raised", "told"]
 
 
 def _halo_misuse(rank, world):
@@ -244,11 +306,11 @@ def test_halo_one_process_is_zeros():
         halo_exchange(x, -1)
 
 
-@pytest.mark.parametrize("layer", ["GatedDeltaNet", "GatedLinearAttention"])
+@pytest.mark.parametrize("layer", KINDS + ("GatedLinearAttention",))
 def test_unsupported_inputs_are_clear_errors(layer):
     import allscan.layers as L
     from allscan.ops import LOCAL
-    m = (L.GatedDeltaNet(**CFG, group=LOCAL) if layer == "GatedDeltaNet"
+    m = (getattr(L, layer)(**CFG, group=LOCAL) if layer in KINDS
          else L.GatedLinearAttention(hidden_size=16, num_heads=2, group=LOCAL))
     x = torch.randn(1, 8, 16)
     with pytest.raises(NotImplementedError, match=f"{layer}: attention_mask is not supported"):
@@ -257,3 +319,21 @@ def test_unsupported_inputs_are_clear_errors(layer):
         m(x, use_cache=True)
     with pytest.raises(ValueError, match=rf"{layer}: hidden_states must be \[B, T_local, 16\], got \(1, 8, 15\)"):
         m(torch.randn(1, 8, 15))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_bad_options_are_clear_errors(kind):
+    import allscan.layers as L
+    cls = getattr(L, kind)
+    with pytest.raises(ValueError, match=f"{kind}: num_v_heads=3 must be a multiple of num_heads=2"):
+        cls(**{**CFG, "num_v_heads": 3})
+    with pytest.raises(ValueError, match=f"{kind}: method must be one of"):
+        cls(**CFG, method="ring")
+    with pytest.raises(ValueError, match=f"{kind}: conv_size must be a positive int, got 0"):
+        cls(**{**CFG, "conv_size": 0})
+    if kind == "KimiDeltaAttention":
+        with pytest.raises(ValueError, match=r"KimiDeltaAttention: safe_gate=True needs lower_bound in \[-5, 0\), "
+                                             "got None"):
+            cls(**CFG, safe_gate=True)
+        m = cls(**CFG, safe_gate=True, lower_bound=-5.0)
+        assert torch.equal(m.A_log, torch.zeros(4)) and m.lower_bound == -5.0

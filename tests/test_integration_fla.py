@@ -20,10 +20,12 @@ from distributed import run_distributed, skip_unless_nccl_ranks  # noqa: E402
 pytest.importorskip("fla.models", reason="needs flash-linear-attention 0.6 (with triton and einops)")
 
 VOCAB = 61
+LAYERS = {"gla": "GatedLinearAttention", "gdn": "GatedDeltaNet", "kda": "KimiDeltaAttention"}  # allscan's
+MODULES = {"gla": "gla", "gdn": "gated_deltanet", "kda": "kda"}
 
 
 def tiny_model(kind: str, device: str = "cpu"):
-    """A 2-layer fla model of ``kind`` (gla, gdn, kda), seeded: the same weights on every rank. On
+    """A 2-layer fla model of ``kind`` (gla, gdn, kda, deltanet), seeded: the same weights on every rank. On
     CPU with fla's torch paths; fla's unfused SwiGLU still calls a Triton kernel, so there it is
     replaced by the same function in torch (per token, outside what ``sequence_parallel`` touches)."""
     import fla.models as m
@@ -38,8 +40,10 @@ def tiny_model(kind: str, device: str = "cpu"):
         model = m.GLAForCausalLM(m.GLAConfig(**common))
     elif kind == "gdn":
         model = m.GatedDeltaNetForCausalLM(m.GatedDeltaNetConfig(head_dim=16, **common))
-    else:
+    elif kind == "kda":
         model = m.KDAForCausalLM(m.KDAConfig(head_dim=16, **common))
+    else:
+        model = m.DeltaNetForCausalLM(m.DeltaNetConfig(**common))
     return model.float().to(device)
 
 
@@ -72,7 +76,7 @@ def _sp_equals_one_process(rank, world, kind, device="cpu"):
     res = {"same_objects": all(p is fla_params[n] for n, p in model.named_parameters()),
            "same_names": sorted(fla_params) == sorted(n for n, _ in model.named_parameters()),
            "layers": sorted({type(mod).__module__ + "." + type(mod).__name__ for mod in model.modules()
-                             if type(mod).__name__ in ("GatedLinearAttention", "GatedDeltaNet")}),
+                             if type(mod).__name__ in LAYERS.values()}),
            "use_cache": model.config.use_cache}
     shard = sp.shard_batch(ids, labels)
     logits = model(input_ids=shard.input_ids).logits
@@ -91,8 +95,7 @@ def _sp_equals_one_process(rank, world, kind, device="cpu"):
 def _check(results, kind, tol):
     for r in results:
         assert r["same_objects"] and r["same_names"], r
-        assert r["layers"] == [f"allscan.layers.{'gla' if kind == 'gla' else 'gated_deltanet'}."
-                               f"{'GatedLinearAttention' if kind == 'gla' else 'GatedDeltaNet'}"], r
+        assert r["layers"] == [f"allscan.layers.{MODULES[kind]}.{LAYERS[kind]}"], r
         assert r["use_cache"] is False, r
         got, want = r["loss"]
         assert abs(got - want) <= tol["loss"] * abs(want), r
@@ -100,14 +103,14 @@ def _check(results, kind, tol):
         assert r["grads"] < tol["grads"], r
 
 
-@pytest.mark.parametrize("kind", ["gla", "gdn"])
+@pytest.mark.parametrize("kind", ["gla", "gdn", "kda"])
 def test_fla_model_sequence_parallel_equals_one_process(kind):
     _check(run_distributed(_sp_equals_one_process, 2, kind, timeout=300), kind,
            {"loss": 1e-5, "logits": 1e-5, "grads": 1e-4})
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kind", ["gla", "gdn"])
+@pytest.mark.parametrize("kind", ["gla", "gdn", "kda"])
 def test_fla_model_sequence_parallel_equals_fla_on_gpus(kind):
     """Against fla's own model and kernels on the whole sequence (2 GPUs, NCCL). Gated DeltaNet's
     backward on Hopper needs tilelang (fla refuses Triton's there)."""
@@ -122,8 +125,8 @@ def test_fla_model_sequence_parallel_equals_fla_on_gpus(kind):
 def test_unsupported_fla_layer_is_named():
     from allscan.integrations import fla as sp
 
-    with pytest.raises(NotImplementedError, match=r"model.layers.0.attn \(KimiDeltaAttention\)"):
-        sp.sequence_parallel(tiny_model("kda"))
+    with pytest.raises(NotImplementedError, match=r"model.layers.0.attn \(DeltaNet\)"):
+        sp.sequence_parallel(tiny_model("deltanet"))
 
 
 def test_fla_layer_options_carry_over():
@@ -131,7 +134,7 @@ def test_fla_layer_options_carry_over():
     import fla.layers
 
     from allscan.integrations import fla as sp
-    from allscan.layers import GatedDeltaNet, GatedLinearAttention
+    from allscan.layers import GatedDeltaNet, GatedLinearAttention, KimiDeltaAttention
 
     old = fla.layers.GatedLinearAttention(hidden_size=48, expand_k=1.0, expand_v=0.5, num_heads=3, num_kv_heads=1,
                                           fuse_norm=False, gate_fn="sigmoid", norm_eps=1e-3, gate_logit_normalizer=8,
@@ -147,5 +150,14 @@ def test_fla_layer_options_carry_over():
     new = sp.sequence_parallel(old)
     assert isinstance(new, GatedDeltaNet)
     for name in ("num_heads", "num_v_heads", "head_v_dim", "use_gate", "conv_size", "allow_neg_eigval"):
+        assert getattr(new, name) == getattr(old, name), name
+    assert new.o_norm.eps == 1e-4
+    old = fla.layers.KimiDeltaAttention(hidden_size=32, head_dim=8, num_heads=2, num_v_heads=4, expand_v=1.5,
+                                        conv_size=3, conv_bias=True, allow_neg_eigval=True, safe_gate=True,
+                                        lower_bound=-4.0, norm_eps=1e-4, layer_idx=2)
+    new = sp.sequence_parallel(old)
+    assert isinstance(new, KimiDeltaAttention)
+    for name in ("num_heads", "num_v_heads", "head_v_dim", "conv_size", "conv_bias", "allow_neg_eigval", "safe_gate",
+                 "lower_bound", "layer_idx"):
         assert getattr(new, name) == getattr(old, name), name
     assert new.o_norm.eps == 1e-4

@@ -1,7 +1,7 @@
 """Sequence parallelism for flash-linear-attention (0.6.x) models: swap fla's layers for allscan's.
 
     from allscan.integrations import fla as sp
-    model = GLAForCausalLM(config).cuda()           # or GatedDeltaNetForCausalLM, or any model of fla layers
+    model = GLAForCausalLM(config).cuda()           # or GatedDeltaNetForCausalLM, KDAForCausalLM, hybrids of them
     sp.sequence_parallel(model, group)               # in place, before building the optimizer
     shard = sp.shard_batch(input_ids, labels, group=group)    # this rank's contiguous slice
     logits = model(input_ids=shard.input_ids).logits            # no labels: fla would shift them per shard
@@ -9,11 +9,12 @@
     loss.backward(); sp.sync_gradients(model, group)
 
 ``sequence_parallel`` replaces every ``fla.layers.GatedLinearAttention`` by
-:class:`allscan.layers.GatedLinearAttention` and every ``fla.layers.GatedDeltaNet`` by
-:class:`allscan.layers.GatedDeltaNet`, built with the same options and holding the very same
+:class:`allscan.layers.GatedLinearAttention`, every ``fla.layers.GatedDeltaNet`` by
+:class:`allscan.layers.GatedDeltaNet` and every ``fla.layers.KimiDeltaAttention`` by
+:class:`allscan.layers.KimiDeltaAttention`, built with the same options and holding the very same
 ``Parameter`` objects (so an optimizer or parameter hooks made before keep working, though the
 optimizer is best built after; forward hooks registered on the old layer modules do not carry over). Everything else in these models is per token. A model that holds any
-other fla sequence-mixing layer (softmax attention, KDA, ...) raises ``NotImplementedError`` naming it:
+other fla sequence-mixing layer (softmax attention, DeltaNet, ...) raises ``NotImplementedError`` naming it:
 run on a shard, it would silently compute something else. Caching is turned off (``config.use_cache``):
 sequence parallelism is for training and prefill.
 """
@@ -68,6 +69,13 @@ def _gdn_options(old) -> Dict:
                 output_gate_activation=getattr(old.o_norm, "activation", "swish"))
 
 
+def _kda_options(old) -> Dict:
+    return dict(hidden_size=old.hidden_size, expand_v=old.expand_v, head_dim=old.head_dim, num_heads=old.num_heads,
+                num_v_heads=old.num_v_heads, mode=old.mode, use_short_conv=old.use_short_conv,
+                allow_neg_eigval=old.allow_neg_eigval, safe_gate=old.safe_gate, lower_bound=old.lower_bound,
+                conv_size=old.conv_size, conv_bias=old.conv_bias, layer_idx=old.layer_idx, norm_eps=old.o_norm.eps)
+
+
 def _adopt_parameters(new: nn.Module, old: nn.Module) -> None:
     """Make ``new`` hold ``old``'s Parameter objects and buffers, name for name (same names and shapes)."""
     got = {n: p.shape for n, p in old.named_parameters()}
@@ -86,15 +94,16 @@ def _adopt_parameters(new: nn.Module, old: nn.Module) -> None:
 
 
 def sequence_parallel(model: nn.Module, group=None, *, method: str = "zeco") -> nn.Module:
-    """Swap ``model``'s fla GLA and Gated DeltaNet layers (in place) for allscan's, sequence-parallel over
-    ``group`` (None: the default process group, resolved at each call) with ``method`` (as in
-    ``zeco_gla`` / ``zeco_gated_delta_rule``). Returns ``model``. Raises NotImplementedError naming any
+    """Swap ``model``'s fla GLA, Gated DeltaNet and KDA layers (in place) for allscan's, sequence-parallel
+    over ``group`` (None: the default process group, resolved at each call) with ``method`` (as in
+    ``zeco_gla`` / ``zeco_gated_delta_rule`` / ``zeco_kda``). Returns ``model``. Raises NotImplementedError naming any
     other fla sequence-mixing layer the model holds."""
-    from allscan.layers import GatedDeltaNet, GatedLinearAttention
+    from allscan.layers import GatedDeltaNet, GatedLinearAttention, KimiDeltaAttention
 
     fla_layers = _fla_layers()
     swaps = {fla_layers.GatedLinearAttention: (GatedLinearAttention, _gla_options),
-             fla_layers.GatedDeltaNet: (GatedDeltaNet, _gdn_options)}
+             fla_layers.GatedDeltaNet: (GatedDeltaNet, _gdn_options),
+             fla_layers.KimiDeltaAttention: (KimiDeltaAttention, _kda_options)}
     todo, unsupported, seen = [], [], []
     for name, module in model.named_modules():
         kind = type(module)

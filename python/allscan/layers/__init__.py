@@ -1,6 +1,8 @@
 """Sequence-parallel attention layers built on allscan's collectives.
 
 - :mod:`allscan.layers.gla`: gated linear attention with ZeCO sequence parallelism (All-Scan).
+- :mod:`allscan.layers.gated_deltanet`, :mod:`allscan.layers.kda`: Gated DeltaNet and Kimi Delta Attention
+  (the matrix All-Scan), with fla's parameters.
 - :mod:`allscan.layers.ulysses`: Ulysses attention with head-chunked overlap (chunked all-to-all).
 """
 import importlib
@@ -10,6 +12,7 @@ _LAZY = {
     "GatedLinearAttention": "gla",
     "UlyssesAttention": "ulysses",
     "GatedDeltaNet": "gated_deltanet",
+    "KimiDeltaAttention": "kda",
     "zeco_gated_delta_rule": ".ops.delta",  # the ops themselves: allscan.ops.delta
     "zeco_kda": ".ops.delta",
 }
