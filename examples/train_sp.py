@@ -14,7 +14,7 @@ one process (the reference) and once more in two micro-batches of half the batch
 with another summation order: the noise floor of the dtype), and reports the largest relative loss
 difference of each against the reference over the run. Exits 1 when the sequence-parallel run is
 off by more than 1e-4 (fp32) or 1e-1 (bf16) and by more than twice the noise floor. Needs transformers 5.x (``pip install
-'transformers>=5,<6'``); ``--model gla|gdn`` needs flash-linear-attention 0.6 and a GPU (Triton).
+'transformers>=5,<6'``); ``--model gla|gdn|kda`` needs flash-linear-attention 0.6 and a GPU (Triton).
 """
 from __future__ import annotations
 
@@ -47,10 +47,16 @@ def _model(args, device, sequence_parallel=False):
 
         model = GLAForCausalLM(GLAConfig(vocab_size=args.vocab, hidden_size=args.hidden, num_heads=args.heads,
                                          num_hidden_layers=args.layers, fuse_cross_entropy=False))
-    else:
+    elif args.model == "gdn":
         from fla.models import GatedDeltaNetConfig, GatedDeltaNetForCausalLM
 
         model = GatedDeltaNetForCausalLM(GatedDeltaNetConfig(
+            vocab_size=args.vocab, hidden_size=args.hidden, num_heads=args.heads, head_dim=args.hidden // args.heads,
+            num_hidden_layers=args.layers, fuse_cross_entropy=False))
+    else:
+        from fla.models import KDAConfig, KDAForCausalLM
+
+        model = KDAForCausalLM(KDAConfig(
             vocab_size=args.vocab, hidden_size=args.hidden, num_heads=args.heads, head_dim=args.hidden // args.heads,
             num_hidden_layers=args.layers, fuse_cross_entropy=False))
     model = model.to(device=device, dtype=dtype)
@@ -86,9 +92,9 @@ def main():
     ap.add_argument("--lr", type=float, default=1e-2)
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--model", default="llama", choices=["llama", "gla", "gdn"],
-                    help="llama: transformers' Llama with Ulysses attention; gla / gdn: fla's GLA / Gated DeltaNet "
-                         "model with allscan's layers")
+    ap.add_argument("--model", default="llama", choices=["llama", "gla", "gdn", "kda"],
+                    help="llama: transformers' Llama with Ulysses attention; gla / gdn / kda: fla's GLA / Gated "
+                         "DeltaNet / KDA model with allscan's layers")
     ap.add_argument("--compare", action="store_true",
                     help="also train on one process (whole batch, and two half-batch micro-batches) and compare")
     args = ap.parse_args()

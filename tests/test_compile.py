@@ -94,15 +94,18 @@ def _module_compiled(rank, world, kind):
     """The layer modules with packed sequences, forward and backward under torch.compile(fullgraph=True):
     the output and every gradient equal eager. GatedDeltaNet (fla's parameters: projections, short
     convolutions with their halo exchange, the delta rule with in-kernel gate, l2norm and beta sigmoid,
-    gated RMSNorm), with opcheck of the halo's custom op; GatedLinearAttention (fla's parameters,
-    zeco_gla's ops)."""
-    from allscan.layers import GatedDeltaNet, GatedLinearAttention
+    gated RMSNorm), with opcheck of the halo's custom op; KimiDeltaAttention (the same with KDA's gate
+    per key dimension, its lower bound); GatedLinearAttention (fla's parameters, zeco_gla's ops)."""
+    from allscan.layers import GatedDeltaNet, GatedLinearAttention, KimiDeltaAttention
 
     torch._dynamo.reset()
     torch.manual_seed(0)
     if kind == "gdn":
         m = GatedDeltaNet(hidden_size=16, head_dim=8, num_heads=2, num_v_heads=4, expand_v=2, conv_size=4,
                           conv_bias=True)
+    elif kind == "kda":
+        m = KimiDeltaAttention(hidden_size=16, head_dim=8, num_heads=2, num_v_heads=4, expand_v=2, conv_size=4,
+                               lower_bound=-5.0)
     else:
         m = GatedLinearAttention(hidden_size=16, num_heads=2, expand_k=1.0, expand_v=1.0, gate_low_rank_dim=4)
     x = torch.randn(1, 24, 16, generator=torch.Generator().manual_seed(rank))
@@ -124,7 +127,7 @@ def _module_compiled(rank, world, kind):
 
 
 @pytest.mark.parametrize("world", [1, 3])
-@pytest.mark.parametrize("kind", ["gdn", "gla"])
+@pytest.mark.parametrize("kind", ["gdn", "kda", "gla"])
 def test_layer_module_fullgraph_compile_equals_eager(kind, world):
     for diff in run_distributed(_module_compiled, world, kind, timeout=300):
         assert diff <= 1e-5, diff
