@@ -484,6 +484,17 @@ def _check_mismatch(rank):
     d, _ = _data(5, "kda", 1, 16, H, 1, False)
     with pytest.raises(ValueError, match=r"options .*\(rank 0: 0, rank 1: 1\)"):
         zeco_kda(d["q"], d["k"], d["v"], d["g"], d["beta"], use_qk_l2norm_in_kernel=bool(rank))
+    # the gate's bound: another bound on one rank gates its shard differently (a silent wrong answer)
+    A_log = torch.zeros(H)
+    with pytest.raises(ValueError, match=r"lower_bound \(float64 bits; none: -1\) \(rank 0: -1, rank 1: "):
+        zeco_kda(d["q"], d["k"], d["v"], d["g"], d["beta"], use_gate_in_kernel=True, A_log=A_log,
+                 lower_bound=-3.0 if rank else None)
+    with pytest.raises(ValueError, match=r"lower_bound \(float64 bits; none: -1\)"):
+        zeco_kda(d["q"], d["k"], d["v"], d["g"], d["beta"], use_gate_in_kernel=True, A_log=A_log,
+                 lower_bound=-3.0 - rank)
+    with pytest.raises(ValueError, match=r"options .*\(rank 0: 2, rank 1: 18\)"):
+        zeco_kda(d["q"], d["k"], d["v"], d["g"], d["beta"], use_gate_in_kernel=True, A_log=A_log, lower_bound=-3.0,
+                 safe_gate=bool(rank))
     # a rank whose inputs need no gradient would run no backward (its peer would wait in the reverse scan)
     with pytest.raises(ValueError, match=r"inputs need gradients \(rank 0: 1, rank 1: 0\)"):
         zeco_kda(d["q"].requires_grad_(rank == 0), d["k"], d["v"], d["g"], d["beta"])

@@ -56,43 +56,88 @@ def test_fla_state_dict_loads(kind):
     m.load_state_dict(theirs.state_dict(), strict=True)
 
 
-def _fla_formula(m, x):
-    """fla 0.6.0's layer (``m``'s class, ``m``'s parameters) on one process, its formula written out in
-    float64: projections, silu of the causal depthwise convolutions, the l2-normalised q and k, the gates
-    as fla's kernels apply them, the token-by-token delta rule, the output norm, the output projection."""
-    from allscan.ops.delta.naive import recurrent_delta_rule_reference
-
+def _fla_formula(m, x, recurrence="allscan"):
+    """fla 0.6.0's layer (``m``'s class, options and parameters) on one process, its formula written out
+    in float64: projections, silu of the causal depthwise convolutions, the l2-normalised q and k, the
+    gates as fla's kernels apply them (``lower_bound``, ``allow_neg_eigval``), the token-by-token delta
+    rule (allscan's float64 reference, or ``recurrence="fla"``: fla's own naive one, in fp32), the
+    output norm, the output projection."""
     B, T, _ = x.shape
     H, HV, K, V = m.num_heads, m.num_v_heads, m.head_k_dim, m.head_v_dim
+    kda = type(m).__name__ == "KimiDeltaAttention"
 
     def conv(proj, c):
-        return F.silu(F.conv1d(proj(x).transpose(1, 2), c.weight, c.bias, padding=3, groups=c.weight.shape[0])
-                      [..., :T].transpose(1, 2))
+        if not m.use_short_conv:
+            return F.silu(proj(x))
+        y = F.conv1d(proj(x).transpose(1, 2), c.weight, c.bias, padding=m.conv_size - 1, groups=c.weight.shape[0])
+        return F.silu(y[..., :T].transpose(1, 2))
 
-    q = conv(m.q_proj, m.q_conv1d).reshape(B, T, H, K)
-    k = conv(m.k_proj, m.k_conv1d).reshape(B, T, H, K)
-    v = conv(m.v_proj, m.v_conv1d).reshape(B, T, HV, V)
+    q = conv(m.q_proj, getattr(m, "q_conv1d", None)).reshape(B, T, H, K)
+    k = conv(m.k_proj, getattr(m, "k_conv1d", None)).reshape(B, T, H, K)
+    v = conv(m.v_proj, getattr(m, "v_conv1d", None)).reshape(B, T, HV, V)
     q, k = (t / (t.pow(2).sum(-1, keepdim=True) + 1e-6).sqrt() for t in (q, k))
-    beta = torch.sigmoid(m.b_proj(x))
-    if type(m).__name__ == "KimiDeltaAttention":
+    beta = torch.sigmoid(m.b_proj(x)) * (2 if m.allow_neg_eigval else 1)
+    if kda:
         f = m.f_proj[1](m.f_proj[0](x)).reshape(B, T, HV, K) + m.dt_bias.reshape(HV, K)
-        g = -m.A_log.exp()[:, None] * F.softplus(f)
+        if m.lower_bound is None:
+            g = -m.A_log.exp()[:, None] * F.softplus(f)
+        else:
+            g = m.lower_bound * torch.sigmoid(m.A_log.exp()[:, None] * f)
         gate = torch.sigmoid(m.g_proj[1](m.g_proj[0](x)).reshape(B, T, HV, V))
     else:
         g = -m.A_log.exp() * F.softplus(m.a_proj(x) + m.dt_bias)
-        gate = F.silu(m.g_proj(x).reshape(B, T, HV, V))
-    o, _ = recurrent_delta_rule_reference(q, k, v, g, beta)
+        gate = m.o_norm._act(m.g_proj(x).reshape(B, T, HV, V)) if m.use_gate else 1
+    if recurrence == "allscan":
+        from allscan.ops.delta.naive import recurrent_delta_rule_reference
+
+        o, _ = recurrent_delta_rule_reference(q, k, v, g, beta)
+    elif kda:
+        from fla.ops.kda.naive import naive_recurrent_kda
+
+        o, _ = naive_recurrent_kda(q, k, v, g, beta)
+    else:  # fla's naive Gated DeltaNet takes no grouped value heads: q and k repeated here
+        from fla.ops.gated_delta_rule.naive import naive_recurrent_gated_delta_rule
+
+        q, k = (t.repeat_interleave(HV // H, dim=2) for t in (q, k))
+        o, _ = naive_recurrent_gated_delta_rule(q, k, v, beta, g)
+    o = o.to(x.dtype)
     o = o * (o.pow(2).mean(-1, keepdim=True) + m.o_norm.eps).rsqrt() * m.o_norm.weight * gate
     return m.o_proj(o.reshape(B, T, HV * V))
 
 
-@pytest.mark.parametrize("kind", KINDS)
-def test_module_computes_fla_layers_formula(kind):
+FORMULA_CASES = [
+    ("GatedDeltaNet", {}), ("GatedDeltaNet", {"allow_neg_eigval": True}), ("GatedDeltaNet", {"use_short_conv": False}),
+    ("GatedDeltaNet", {"num_v_heads": None, "use_gate": False, "conv_size": 3}),
+    ("GatedDeltaNet", {"output_gate_activation": "sigmoid"}),
+    ("KimiDeltaAttention", {}), ("KimiDeltaAttention", {"lower_bound": -3.0}),
+    ("KimiDeltaAttention", {"safe_gate": True, "lower_bound": -5.0}),
+    ("KimiDeltaAttention", {"allow_neg_eigval": True}), ("KimiDeltaAttention", {"use_short_conv": False}),
+    ("KimiDeltaAttention", {"num_v_heads": None, "conv_size": 2}),
+]
+
+
+@pytest.mark.parametrize("kind, options", FORMULA_CASES, ids=[f"{k}-{o}" for k, o in FORMULA_CASES])
+def test_module_computes_fla_layers_formula(kind, options):
+    import warnings
+
+    import allscan.layers
     from allscan.ops import LOCAL
-    m = _module(LOCAL, kind=kind)
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # use_short_conv=False warns, as fla's layer does
+        m = getattr(allscan.layers, kind)(**{**CFG, **options}, group=LOCAL).double()
+    with torch.no_grad():  # the gates away from their initial values, so a misplaced term shows
+        m.A_log.uniform_(-1.0, 1.0)
+        m.dt_bias.uniform_(-1.0, 1.0)
+        m.o_norm.weight.uniform_(0.5, 1.5)
     x = torch.randn(2, 13, CFG["hidden_size"], dtype=torch.float64)
     y, _, _ = m(x)
     torch.testing.assert_close(y, _fla_formula(m, x), rtol=1e-10, atol=1e-12)
+    try:
+        import fla.ops  # noqa: F401 - fla needs Triton to import; then its naive recurrences run on CPU
+    except ImportError:
+        return
+    torch.testing.assert_close(y, _fla_formula(m, x, "fla"), rtol=1e-4, atol=1e-6)
 
 
 def test_short_conv_is_fla_conv_cut_at_sequence_starts():

@@ -13,7 +13,10 @@
 :class:`allscan.layers.GatedDeltaNet` and every ``fla.layers.KimiDeltaAttention`` by
 :class:`allscan.layers.KimiDeltaAttention`, built with the same options and holding the very same
 ``Parameter`` objects (so an optimizer or parameter hooks made before keep working, though the
-optimizer is best built after; forward hooks registered on the old layer modules do not carry over). Everything else in these models is per token. A model that holds any
+optimizer is best built after; forward hooks registered on the old layer modules do not carry over).
+Swap after the weights are initialised or loaded: fla's ``_init_weights`` draws ``A_log`` and ``dt_bias``
+only inside its own layer classes, so a later ``model.init_weights()`` leaves allscan's layers' gate
+parameters as they are (their projections and norms are re-initialised as fla's are). Everything else in these models is per token. A model that holds any
 other fla sequence-mixing layer (softmax attention, DeltaNet, ...) raises ``NotImplementedError`` naming it:
 run on a shard, it would silently compute something else. Caching is turned off (``config.use_cache``):
 sequence parallelism is for training and prefill.

@@ -41,11 +41,11 @@ class GatedDeltaNet(DeltaRuleLayer):
                  conv_bias: bool = False, layer_idx: Optional[int] = None, norm_eps: float = 1e-5,
                  output_gate_activation: str = "swish", group=None, method: str = "zeco", **kwargs):
         super().__init__()
+        self._init_heads(hidden_size, expand_v, head_dim, num_heads, num_v_heads, mode, use_short_conv, conv_size,
+                         conv_bias, allow_neg_eigval, layer_idx, group, method)
         if output_gate_activation not in ("swish", "silu", "sigmoid"):
             raise ValueError("GatedDeltaNet: output_gate_activation must be 'swish', 'silu', or 'sigmoid', "
                              f"got {output_gate_activation!r}")
-        self._init_heads(hidden_size, expand_v, head_dim, num_heads, num_v_heads, mode, use_short_conv, conv_size,
-                         conv_bias, allow_neg_eigval, layer_idx, group, method)
         self.use_gate = use_gate
         self._init_projections()
         self.a_proj = nn.Linear(hidden_size, self.num_v_heads, bias=False)

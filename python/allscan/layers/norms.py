@@ -1,5 +1,6 @@
 """The norms of fla's layers in torch ops (``RMSNorm``, ``FusedRMSNormGated``), shared by the layers that
-load fla's state_dicts: 16-bit inputs are normalised in fp32, fp64 stays fp64 (gated form)."""
+load fla's state_dicts: 16-bit inputs are normalised in fp32, fp64 stays fp64. ``reset_parameters`` sets the
+weight to ones, as fla's modules do (fla's models call it when they initialise their weights)."""
 from __future__ import annotations
 
 import torch
@@ -26,6 +27,10 @@ class RMSNormGated(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size)) if elementwise_affine else None
         self._act = gate_activation(activation)
 
+    def reset_parameters(self):
+        if self.weight is not None:
+            nn.init.ones_(self.weight)
+
     def forward(self, x, g):
         acc = torch.promote_types(x.dtype, torch.float32)  # fp32 for 16-bit inputs, fp64 stays fp64
         y = F.rms_norm(x.to(acc), (self.hidden_size,), None if self.weight is None else self.weight.to(acc), self.eps)
@@ -40,6 +45,11 @@ class RMSNorm(nn.Module):
         self.hidden_size, self.eps = hidden_size, eps
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype)) if elementwise_affine else None
 
+    def reset_parameters(self):
+        if self.weight is not None:
+            nn.init.ones_(self.weight)
+
     def forward(self, x):
-        w = None if self.weight is None else self.weight.float()
-        return F.rms_norm(x.float(), (self.hidden_size,), w, self.eps).to(x.dtype)
+        acc = torch.promote_types(x.dtype, torch.float32)  # fp32 for 16-bit inputs, fp64 stays fp64
+        w = None if self.weight is None else self.weight.to(acc)
+        return F.rms_norm(x.to(acc), (self.hidden_size,), w, self.eps).to(x.dtype)

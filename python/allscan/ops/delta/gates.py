@@ -3,6 +3,7 @@ differentiates them, ``A_log`` and ``dt_bias`` included): the q/k l2 normalisati
 activations of ``chunk_gated_delta_rule`` / ``chunk_kda`` (fla-core 0.6.0's formulas)."""
 from __future__ import annotations
 
+import struct
 from dataclasses import dataclass
 from typing import Optional
 
@@ -60,7 +61,15 @@ class DeltaOptions:
     def flags(self) -> int:
         """The boolean options as one integer (for the cross-rank signature)."""
         return (int(bool(self.use_qk_l2norm_in_kernel)) | int(bool(self.use_gate_in_kernel)) << 1
-                | int(bool(self.use_beta_sigmoid_in_kernel)) << 2 | int(bool(self.allow_neg_eigval)) << 3)
+                | int(bool(self.use_beta_sigmoid_in_kernel)) << 2 | int(bool(self.allow_neg_eigval)) << 3
+                | int(bool(self.safe_gate)) << 4)
+
+    def lower_bound_bits(self) -> int:
+        """``lower_bound`` as the bits of its float64 (-1, a NaN's, for None): ranks gating with different
+        bounds would compute another sequence's states, so the signature compares it exactly."""
+        if self.lower_bound is None:
+            return -1
+        return struct.unpack("<q", struct.pack("<d", float(self.lower_bound)))[0]
 
 
 def activate(opts: DeltaOptions, q, k, g, beta, HV: int, dt: torch.dtype):

@@ -169,7 +169,7 @@ def _check_gate_options(op, per_key, HV, K, use_gate_in_kernel, A_log, dt_bias, 
                          f"got {lower_bound}")
 
 
-def _signature(q, v, segs, method, h0, flags, needs_grad):
+def _signature(q, v, segs, method, h0, opts, needs_grad):
     B, T, H, K = q.shape
     return [
         ("dtype", DTYPE_CODES[q.dtype]),
@@ -182,7 +182,8 @@ def _signature(q, v, segs, method, h0, flags, needs_grad):
         ("number of packed sequences", segs.num_seqs if segs.varlen else 0),
         ("method", METHODS.index(method)),
         ("initial_state given", int(h0 is not None)),
-        ("options (l2norm, gate, beta sigmoid, negative eigenvalues)", flags),
+        ("options (l2norm, gate, beta sigmoid, negative eigenvalues, safe gate)", opts.flags()),
+        ("lower_bound (float64 bits; none: -1)", opts.lower_bound_bits()),
         # a rank whose inputs need no gradient runs no backward: its peers would wait in the reverse scan
         ("inputs need gradients", int(needs_grad)),
     ]
@@ -219,7 +220,7 @@ def prepared(op, per_key, q, k, v, g, beta, group, scale, initial_state, output_
         signature = None
         if segs.world > 1:
             signature = check_across_ranks(group, q.device, op, _signature(q, v, segs, method, initial_state,
-                                                                           opts.flags(), needs_grad))
+                                                                           opts, needs_grad))
         return segs, signature
 
     tensors = None if cu_seqlens is not None else (q, k, v, g, beta, initial_state, A_log, dt_bias)
