@@ -401,7 +401,8 @@ def test_a_bad_argument_on_one_rank_reaches_the_other_on_nccl(op):
 def _own_work_fails(rank, world, op):
     """After a warm-up call (the signature checked and cached: in ``first`` mode no later call exchanges
     on the host), rank 1 fails in its own work before its part of a layer's collective: the shard's
-    states before the forward scan (GLA, Gated DeltaNet) or the buffers of Ulysses' all-to-alls. It
+    states before the forward scan (GLA, Gated DeltaNet), the buffers of Ulysses' all-to-alls, or a delta
+    module's q projection before its halo exchange (GatedDeltaNet, KimiDeltaAttention). It
     raises its own error and reports the call it skips on the fault board, which fails every rank's
     communicator within seconds, not the group's timeout: the next call on every rank raises
     ``CommunicatorError`` naming rank 1's error. A new group works afterwards."""
@@ -421,8 +422,24 @@ def _own_work_fails(rank, world, op):
     q, k, v = (torch.randn(1, T, H, K, generator=gen, dtype=dtype).to(dev) for _ in range(3))
     k = F.normalize(k, dim=-1)
 
+    modules = {}
+
+    def module(group):  # fp64: the torch backend; one module per group, the same weights on every rank
+        if group not in modules:
+            import allscan.layers
+
+            torch.manual_seed(0)
+            modules[group] = getattr(allscan.layers, op)(hidden_size=16, head_dim=8, num_heads=2, conv_size=4,
+                                                         group=group).double().to(dev)
+        return modules[group]
+
     def call(group):
         ins = [t.clone().requires_grad_(True) for t in (q, k, v)]
+        if op in ("GatedDeltaNet", "KimiDeltaAttention"):
+            x = torch.randn(1, T, 16, generator=gen, dtype=torch.float64).to(dev).requires_grad_(True)
+            module(group)(x)[0].sum().backward()
+            torch.cuda.synchronize()
+            return
         if op == "gla":  # fp64: the torch backend (ALLSCAN_GLA_BACKEND=torch, set by the test)
             o, _ = zeco_gla(*ins, torch.full((1, T, H, K), -0.1, dtype=torch.float64, device=dev), group)
         elif op == "gdn":  # fp64: the torch backend
@@ -435,8 +452,12 @@ def _own_work_fails(rank, world, op):
 
     call(dist.group.WORLD)
     owner, name = {"gla": (TorchGLA, "fwd_states"), "gdn": (TorchDelta, "states"),
-                   "ulysses": (U, "_forward_buffers")}[op]
-    real, original = getattr(owner, name), vars(owner)[name]
+                   "ulysses": (U, "_forward_buffers")}.get(op, (None, "forward"))
+    if owner is None:  # a module's projection: its forward replaced on this instance, then removed
+        owner = module(dist.group.WORLD).q_proj
+        real, original = owner.forward, None
+    else:
+        real, original = getattr(owner, name), vars(owner)[name]
 
     def failing(*args, **kwargs):
         if rank == 1:
@@ -455,7 +476,10 @@ def _own_work_fails(rank, world, op):
     try:
         first = outcome()
     finally:
-        setattr(owner, name, original)
+        if original is None:
+            del owner.forward
+        else:
+            setattr(owner, name, original)
     second = outcome()
     elapsed = time.monotonic() - t0
     fresh = dist.new_group(list(range(world)), backend="nccl")
@@ -464,7 +488,7 @@ def _own_work_fails(rank, world, op):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("op", ["gla", "gdn", "ulysses"])
+@pytest.mark.parametrize("op", ["gla", "gdn", "ulysses", "GatedDeltaNet", "KimiDeltaAttention"])
 def test_a_rank_failing_in_its_own_work_on_nccl_tells_its_peers(op, monkeypatch):
     skip_unless_nccl_ranks(2)
     monkeypatch.setenv("ALLSCAN_GLA_BACKEND", "torch")
