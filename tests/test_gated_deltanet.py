@@ -51,9 +51,14 @@ def test_fla_state_dict_loads(kind):
         import fla.layers
     except ImportError:  # fla needs Triton to import; the hand-written shapes above stand
         return
-    theirs = getattr(fla.layers, kind)(**CFG)
-    assert {k: tuple(v.shape) for k, v in theirs.state_dict().items()} == FLA_STATE[kind]
-    m.load_state_dict(theirs.state_dict(), strict=True)
+    torch.manual_seed(7)
+    theirs = getattr(fla.layers, kind)(**CFG).state_dict()
+    assert {k: tuple(v.shape) for k, v in theirs.items()} == FLA_STATE[kind]
+    m.load_state_dict(theirs, strict=True)
+    # built in fla's order with fla's initialisation: one seed draws fla's initial values
+    torch.manual_seed(7)
+    ours = getattr(allscan.layers, kind)(**CFG).state_dict()
+    assert list(ours) == list(theirs) and all(torch.equal(ours[k], theirs[k]) for k in ours)
 
 
 def _fla_formula(m, x, recurrence="allscan"):
