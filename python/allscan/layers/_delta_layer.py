@@ -48,8 +48,7 @@ def _first_visible(T: int, k: int, offset: int, cu_seqlens: Optional[torch.Tenso
 
 class DeltaRuleLayer(nn.Module):
     """The common part of fla's delta-rule layers. A subclass calls :meth:`_init_heads`, then builds its
-    parameters in fla's order, :meth:`_init_projections` and
-    :meth:`_init_convolutions` among them, and
+    parameters in fla's order (:meth:`_init_projections` and :meth:`_init_convolutions` among them), and
     defines ``_gates(hidden_states) -> (g, beta)`` (the gate logits its delta rule takes),
     ``_recurrence(q, k, v, g, beta, cu_seqlens) -> o`` (``[B, T, HV, head_v_dim]``) and
     ``_output(o, hidden_states)`` (the output norm and projection)."""
