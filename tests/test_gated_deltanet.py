@@ -61,12 +61,13 @@ def test_fla_state_dict_loads(kind):
     assert list(ours) == list(theirs) and all(torch.equal(ours[k], theirs[k]) for k in ours)
 
 
-def _fla_formula(m, x, recurrence="allscan"):
+def _fla_formula(m, x, recurrence="allscan", gate_activation="swish"):
     """fla 0.6.0's layer (``m``'s class, options and parameters) on one process, its formula written out
     in float64: projections, silu of the causal depthwise convolutions, the l2-normalised q and k, the
     gates as fla's kernels apply them (``lower_bound``, ``allow_neg_eigval``), the token-by-token delta
     rule (allscan's float64 reference, or ``recurrence="fla"``: fla's own naive one, in fp32), the
-    output norm, the output projection."""
+    output norm (Gated DeltaNet's gated by ``gate_activation``, the option the module was built with),
+    the output projection."""
     B, T, _ = x.shape
     H, HV, K, V = m.num_heads, m.num_v_heads, m.head_k_dim, m.head_v_dim
     kda = type(m).__name__ == "KimiDeltaAttention"
@@ -91,7 +92,8 @@ def _fla_formula(m, x, recurrence="allscan"):
         gate = torch.sigmoid(m.g_proj[1](m.g_proj[0](x)).reshape(B, T, HV, V))
     else:
         g = -m.A_log.exp() * F.softplus(m.a_proj(x) + m.dt_bias)
-        gate = m.o_norm._act(m.g_proj(x).reshape(B, T, HV, V)) if m.use_gate else 1
+        act = torch.sigmoid if gate_activation == "sigmoid" else F.silu  # fla: swish = silu
+        gate = act(m.g_proj(x).reshape(B, T, HV, V)) if m.use_gate else 1
     if recurrence == "allscan":
         from allscan.ops.delta.naive import recurrent_delta_rule_reference
 
@@ -137,12 +139,13 @@ def test_module_computes_fla_layers_formula(kind, options):
         m.o_norm.weight.uniform_(0.5, 1.5)
     x = torch.randn(2, 13, CFG["hidden_size"], dtype=torch.float64)
     y, _, _ = m(x)
-    torch.testing.assert_close(y, _fla_formula(m, x), rtol=1e-10, atol=1e-12)
+    act = options.get("output_gate_activation", "swish")
+    torch.testing.assert_close(y, _fla_formula(m, x, gate_activation=act), rtol=1e-10, atol=1e-12)
     try:
         import fla.ops  # noqa: F401 - fla needs Triton to import; then its naive recurrences run on CPU
     except ImportError:
         return
-    torch.testing.assert_close(y, _fla_formula(m, x, "fla"), rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(y, _fla_formula(m, x, "fla", act), rtol=1e-4, atol=1e-6)
 
 
 def test_short_conv_is_fla_conv_cut_at_sequence_starts():

@@ -16,9 +16,10 @@
 optimizer is best built after; forward hooks registered on the old layer modules do not carry over).
 Swap after the weights are initialised or loaded: fla's ``_init_weights`` draws ``A_log`` and ``dt_bias``
 only inside its own layer classes, so a later ``model.init_weights()`` leaves allscan's layers' gate
-parameters as they are (their projections and norms are re-initialised as fla's are). Everything else in these models is per token. A model that holds any
-other fla sequence-mixing layer (softmax attention, DeltaNet, ...) raises ``NotImplementedError`` naming it:
-run on a shard, it would silently compute something else. Caching is turned off (``config.use_cache``):
+parameters as they are (their projections and norms are re-initialised as fla's are). Everything else in
+these models is per token. A model that holds any other fla sequence-mixing layer (softmax attention,
+DeltaNet, ...) raises ``NotImplementedError`` naming it: run on a shard, it would silently compute
+something else. Caching is turned off (``config.use_cache``):
 sequence parallelism is for training and prefill.
 """
 from __future__ import annotations
@@ -99,8 +100,8 @@ def _adopt_parameters(new: nn.Module, old: nn.Module) -> None:
 def sequence_parallel(model: nn.Module, group=None, *, method: str = "zeco") -> nn.Module:
     """Swap ``model``'s fla GLA, Gated DeltaNet and KDA layers (in place) for allscan's, sequence-parallel
     over ``group`` (None: the default process group, resolved at each call) with ``method`` (as in
-    ``zeco_gla`` / ``zeco_gated_delta_rule`` / ``zeco_kda``). Returns ``model``. Raises NotImplementedError naming any
-    other fla sequence-mixing layer the model holds."""
+    ``zeco_gla`` / ``zeco_gated_delta_rule`` / ``zeco_kda``). Returns ``model``. Raises NotImplementedError
+    naming any other fla sequence-mixing layer the model holds."""
     from allscan.layers import GatedDeltaNet, GatedLinearAttention, KimiDeltaAttention
 
     fla_layers = _fla_layers()
