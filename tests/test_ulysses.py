@@ -72,6 +72,64 @@ def test_gqa_more_kv_heads(world, Hq, Hkv):
     run_distributed(_check_layer, world, 1, 3, Hq, Hkv, 4, True, list(range(1, Hq + 1)), None)
 
 
+def packed_reference(q, k, v, w, causal, bounds):
+    """:func:`reference` of each packed sequence on its own, joined (B = 1)."""
+    parts = [reference(q[:, a:b], k[:, a:b], v[:, a:b], w[:, a:b], causal, None)
+             for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
+    return tuple(torch.cat(p, 1) for p in zip(*parts))
+
+
+def _check_packed(rank, world, Sl, Hq, Hkv, causal, bounds, as_tensor):
+    S = Sl * world
+    q, k, v, w = _inputs(1, S, Hq, Hkv, 8, torch.float64, seed=7)
+    ro, rq, rk, rv = packed_reference(q, k, v, w, causal, bounds)
+    sl = slice(rank * Sl, (rank + 1) * Sl)
+    cu = torch.tensor(bounds) if as_tensor else list(bounds)
+    for C in (1, 2):
+        ql, kl, vl = (t[:, sl].clone().requires_grad_(True) for t in (q, k, v))
+        out = UlyssesAttention(num_chunks=C)(ql, kl, vl, causal=causal, cu_seqlens=cu)
+        torch.testing.assert_close(out, ro[:, sl], rtol=1e-10, atol=1e-10, msg=lambda m: f"output, C={C}: {m}")
+        (out * w[:, sl]).sum().backward()
+        for name, got, ref in (("dq", ql.grad, rq), ("dk", kl.grad, rk), ("dv", vl.grad, rv)):
+            torch.testing.assert_close(got, ref[:, sl], rtol=1e-10, atol=1e-10, msg=lambda m: f"{name}, C={C}: {m}")
+    # without cu_seqlens the same shard attends across the bounds: the test can tell the two apart
+    with torch.no_grad():
+        whole = UlyssesAttention(num_chunks=1)(q[:, sl], k[:, sl], v[:, sl], causal=causal)
+    return bool((whole - ro[:, sl]).abs().max() > 1e-3)
+
+
+@pytest.mark.parametrize("world,bounds", [(2, (0, 5, 12)), (3, (0, 4, 4, 9, 10, 12)), (4, (0, 3, 6, 9, 16))])
+@pytest.mark.parametrize("causal", [True, False])
+def test_packed_sequences_attend_each_on_its_own(world, bounds, causal):
+    """Sequences packed in one row (``cu_seqlens``), cut anywhere (on rank boundaries too, and an empty one)."""
+    Sl = bounds[-1] // world
+    differs = run_distributed(_check_packed, world, Sl, 2 * world, world, causal, bounds, world % 2 == 0)
+    assert any(differs)
+
+
+def _packed_errors(rank, world):
+    x = torch.zeros(1, 3, 2, 4)
+    layer = UlyssesAttention(num_chunks=1)
+    for cu, match in (([0, 4], r"rise from 0 to the whole sequence's length 6"),
+                      ([0, 4, 2, 6], "rise from 0"), (torch.tensor([0.0, 6.0]), "1-D integer tensor"),
+                      ([0, 2.5, 6], "must hold integers")):
+        with pytest.raises(ValueError, match=match):
+            layer(x, x, x, causal=True, cu_seqlens=cu)
+    with pytest.raises(ValueError, match="batch size must be 1"):
+        layer(torch.zeros(2, 3, 2, 4), torch.zeros(2, 3, 2, 4), torch.zeros(2, 3, 2, 4), cu_seqlens=[0, 6])
+    # ranks passing different bounds: every rank raises, naming the field
+    with pytest.raises(ValueError, match="ranks disagree on cu_seqlens checksum"):
+        layer(x, x, x, causal=True, cu_seqlens=[0, 2 + rank, 6])
+    # one rank's bad bounds reach the other
+    with pytest.raises(ValueError, match=r"rise from 0" if rank == 1 else r"rank\(s\) \[1\] rejected their own"):
+        layer(x, x, x, causal=True, cu_seqlens=[0, 6] if rank == 0 else [0, 5])
+    return True
+
+
+def test_packed_sequences_errors_name_the_argument_on_every_rank():
+    assert run_distributed(_packed_errors, 2, timeout=60) == [True, True]
+
+
 def _weights_and_nograd(rank, world):
     B, Sl, H, D = 1, 4, 6, 4
     S = Sl * world

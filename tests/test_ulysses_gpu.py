@@ -39,7 +39,8 @@ def _layer(rank, world, dtype_name, cases):
     tol = 3e-3 if dtype == torch.bfloat16 else 1e-5
     dev = torch.device("cuda", torch.cuda.current_device())
     report = []
-    for (B, S, Hq, Hkv, D, causal, C, weights) in cases:
+    for (B, S, Hq, Hkv, D, causal, C, weights, *packed) in cases:
+        bounds = packed[0] if packed else (0, S)
         g = torch.Generator(device=dev).manual_seed(1234)
         mk = lambda h: torch.randn(B, S, h, D, generator=g, device=dev, dtype=torch.float32).to(dtype)  # noqa: E731
         q, k, v, w = mk(Hq), mk(Hkv), mk(Hkv), mk(Hq)
@@ -48,15 +49,17 @@ def _layer(rank, world, dtype_name, cases):
         rep = Hq // Hkv
         qr = q.clone().requires_grad_(True)
         kr, vr = (t.repeat_interleave(rep, 2).requires_grad_(True) for t in (k, v))
-        o_ref = F.scaled_dot_product_attention(qr.transpose(1, 2), kr.transpose(1, 2), vr.transpose(1, 2),
-                                               is_causal=causal).transpose(1, 2)
+        o_ref = torch.cat([F.scaled_dot_product_attention(qr[:, a:b].transpose(1, 2), kr[:, a:b].transpose(1, 2),
+                                                          vr[:, a:b].transpose(1, 2), is_causal=causal).transpose(1, 2)
+                           for a, b in zip(bounds[:-1], bounds[1:]) if b > a], 1)
         (o_ref.float() * w.float()).sum().backward()
         dk_ref, dv_ref = (t.grad.view(B, S, Hkv, rep, D).float().sum(3).to(dtype) for t in (kr, vr))
         Sl = S // world
         sl = slice(rank * Sl, (rank + 1) * Sl)
         ql, kl, vl = (t[:, sl].clone().requires_grad_(True) for t in (q, k, v))
         layer = UlyssesAttention(num_chunks=C, chunk_weights=weights)
-        out = layer(ql, kl, vl, causal=causal)
+        cu = torch.tensor(packed[0], device=dev, dtype=torch.int32) if packed else None
+        out = layer(ql, kl, vl, causal=causal, cu_seqlens=cu)
         (out.float() * w[:, sl].float()).sum().backward()
         torch.cuda.synchronize()
         errs = {
@@ -65,7 +68,7 @@ def _layer(rank, world, dtype_name, cases):
             "dk": _rms_ratio(kl.grad, dk_ref[:, sl]),
             "dv": _rms_ratio(vl.grad, dv_ref[:, sl]),
         }
-        report.append(((B, S, Hq, Hkv, D, causal, C, weights), layer.last_info["num_chunks"], errs))
+        report.append(((B, S, Hq, Hkv, D, causal, C, weights, *packed), layer.last_info["num_chunks"], errs))
         for name, e in errs.items():
             assert e <= tol, f"{dtype_name} case {(B, S, Hq, Hkv, D, causal, C, weights)}: {name} RMS error ratio {e:.3g} > {tol}"
     return report
@@ -82,6 +85,9 @@ _CASES = [
     (2, 1024, 6, 3, 64, True, 3, None),       # GQA with unaligned chunks (k/v grads summed across chunks)
     (1, 2048, 8, 8, 128, True, 4, [1, 2, 2, 1]),
     (1, 4096, 8, 8, 128, True, "auto", None),
+    # packed sequences (cu_seqlens), one bound on the rank boundary, attended each on its own
+    (1, 2048, 8, 2, 128, True, 4, None, (0, 300, 1024, 1500, 2048)),
+    (1, 4096, 8, 8, 128, True, "auto", None, (0, 700, 4096)),
 ]
 
 

@@ -24,6 +24,7 @@ On CPU (or any non-NCCL group) the same code runs sequentially through the torch
 """
 from __future__ import annotations
 
+import zlib
 from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
@@ -103,11 +104,12 @@ def _first_last_maps(chunks, world):
 
 
 class _ChunkPlan:
-    def __init__(self, group, world, me, B, Sl, Hq, Hkv, D, num_chunks, weights, causal, scale):
+    def __init__(self, group, world, me, B, Sl, Hq, Hkv, D, num_chunks, weights, causal, scale, bounds=None):
         self.group, self.world, self.me = group, world, me
         self.B, self.Sl, self.Hq, self.Hkv, self.D = B, Sl, Hq, Hkv, D
         self.q_per_kv = Hq // Hkv
         self.causal, self.scale = causal, scale
+        self.bounds = bounds  # packed sequences' global bounds (a tuple of ints), or None: one sequence
         q_maps = chunk_head_ranges(Hq, world, num_chunks, weights)
         chunks = []
         for qm in q_maps:
@@ -147,10 +149,18 @@ def _expand_kv(ch: _Chunk, k: torch.Tensor, v: torch.Tensor):
 
 
 def _sdpa(plan: _ChunkPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """SDPA on [B, S, n, D] tensors (k, v already expanded) -> [B, S, n, D] contiguous."""
+    """SDPA on [B, S, n, D] tensors (k, v already expanded) -> [B, S, n, D] contiguous; with packed
+    sequences, one SDPA per sequence (no token attends across a sequence's bounds)."""
+    if plan.bounds is None:
+        return _sdpa_one(plan, q, k, v).contiguous()
+    pairs = [(a, b) for a, b in zip(plan.bounds[:-1], plan.bounds[1:]) if b > a]
+    return torch.cat([_sdpa_one(plan, q[:, a:b], k[:, a:b], v[:, a:b]) for a, b in pairs], 1)
+
+
+def _sdpa_one(plan: _ChunkPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                        is_causal=plan.causal, scale=plan.scale)
-    return o.transpose(1, 2).contiguous()
+    return o.transpose(1, 2)
 
 
 def _attend(plan: _ChunkPlan, ch: _Chunk, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -535,10 +545,10 @@ def _measure(plan_args, q, k, v, train: bool = False, min_gain_measured: float =
     """Measure (collectively) attention and all-to-all costs at 1 head and all heads per rank, agree
     on the maxima across ranks, choose C from the model, then time the layer at that C against C = 1
     (forward+backward when ``train``) and keep the faster."""
-    group, world, me, B, Sl, Hq, Hkv, D, causal, scale, max_chunks = plan_args
+    group, world, me, B, Sl, Hq, Hkv, D, causal, scale, max_chunks, bounds = plan_args
     n_min = min(hi - lo for lo, hi in split_heads(0, Hq, world))
-    full = _ChunkPlan(group, world, me, B, Sl, Hq, Hkv, D, 1, None, causal, scale)
-    one = _ChunkPlan(group, world, me, B, Sl, Hq, Hkv, D, max(1, n_min), None, causal, scale) if n_min > 1 else full
+    full = _ChunkPlan(group, world, me, B, Sl, Hq, Hkv, D, 1, None, causal, scale, bounds)
+    one = _ChunkPlan(group, world, me, B, Sl, Hq, Hkv, D, max(1, n_min), None, causal, scale, bounds) if n_min > 1 else full
     S = Sl * world
 
     def att_time(pl):
@@ -616,8 +626,8 @@ def _time_candidates(plan_args, q, k, v, candidates, train: bool, reps: int = 5)
     """Median ms of the whole layer (forward, or forward+backward when ``train``) at each C, the
     candidates interleaved so that drift (clocks, other work) hits them alike; the maxima over ranks
     (collective: every rank runs the same candidates in the same order)."""
-    group, world, me, B, Sl, Hq, Hkv, D, causal, scale, _ = plan_args
-    plans = {c: _ChunkPlan(group, world, me, B, Sl, Hq, Hkv, D, c, None, causal, scale) for c in candidates}
+    group, world, me, B, Sl, Hq, Hkv, D, causal, scale, _, bounds = plan_args
+    plans = {c: _ChunkPlan(group, world, me, B, Sl, Hq, Hkv, D, c, None, causal, scale, bounds) for c in candidates}
     if train:
         qg, kg, vg = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
         dout = torch.randn_like(q)
@@ -681,22 +691,50 @@ def _check_inputs(q, k, v, world):
     return B, Sl, Hq, Hkv, D
 
 
-def signature(q, k, causal: bool, scale: Optional[float], num_chunks: int, needs_grad: bool):
+def signature(q, k, causal: bool, scale: Optional[float], num_chunks: int, needs_grad: bool,
+              bounds: Optional[Tuple[int, ...]] = None):
     """The fields every rank's call must agree on (``num_chunks`` 0: "auto"), for ``check_across_ranks``."""
     B, Sl, Hq, D = q.shape
     return [("batch B", B), ("local sequence length S_local", Sl), ("query heads", Hq), ("k/v heads", k.shape[2]),
             ("head_dim D", D), ("dtype", DTYPE_CODES[q.dtype]), ("causal", int(bool(causal))),
             ("scale (x1e9)", int(round((scale or 0.0) * 1e9))), ("num_chunks (0 auto)", int(num_chunks)),
-            ("needs grad", int(needs_grad))]
+            ("needs grad", int(needs_grad)), ("packed sequences (0: cu_seqlens None)", 0 if bounds is None else len(bounds) - 1),
+            ("cu_seqlens checksum", 0 if bounds is None else zlib.crc32(repr(tuple(bounds)).encode()))]
+
+
+def packed_bounds(cu_seqlens, B: int, S: int, op: str = _OP) -> Optional[Tuple[int, ...]]:
+    """``cu_seqlens`` (a 1-D integer tensor or sequence, the packed sequences' offsets in the whole
+    sequence of ``S`` tokens, the same on every rank) as a tuple of ints, checked (a tensor on a GPU is
+    read once: a device synchronisation); None stays None."""
+    if cu_seqlens is None:
+        return None
+    if isinstance(cu_seqlens, torch.Tensor):
+        if cu_seqlens.dim() != 1 or cu_seqlens.dtype.is_floating_point or cu_seqlens.dtype.is_complex:
+            raise ValueError(f"{op}: cu_seqlens must be a 1-D integer tensor, got {cu_seqlens.dtype} of shape "
+                             f"{tuple(cu_seqlens.shape)}")
+        bounds = tuple(int(b) for b in cu_seqlens.tolist())
+    else:
+        bounds = tuple(cu_seqlens)
+        if not all(isinstance(b, int) and not isinstance(b, bool) for b in bounds):
+            raise ValueError(f"{op}: cu_seqlens must hold integers, got {cu_seqlens!r}")
+    if B != 1:
+        raise ValueError(f"{op}: with cu_seqlens the batch size must be 1 (the sequences packed in one row), got {B}")
+    if len(bounds) < 2 or bounds[0] != 0 or bounds[-1] != S or any(b > c for b, c in zip(bounds, bounds[1:])):
+        raise ValueError(f"{op}: cu_seqlens must rise from 0 to the whole sequence's length {S} (the local length "
+                         f"times the group size), got {list(bounds)}")
+    return bounds
 
 
 def ulysses_attention(q, k, v, group=None, *, causal: bool = False, scale: Optional[float] = None,
                       num_chunks: Union[int, str] = "auto", chunk_weights: Optional[Sequence[float]] = None,
-                      max_chunks: Optional[int] = None, return_info: bool = False):
+                      max_chunks: Optional[int] = None, cu_seqlens=None, return_info: bool = False):
     """Functional form of :class:`UlyssesAttention` (see there). Traced by torch.compile it is plain
-    Ulysses with one head chunk (:mod:`allscan.ops.ulysses_traced`)."""
+    Ulysses with one head chunk (:mod:`allscan.ops.ulysses_traced`), without packed sequences."""
     group = normalize_group(group)
     if torch.compiler.is_compiling():
+        if cu_seqlens is not None:
+            raise NotImplementedError(f"{_OP}: packed sequences (cu_seqlens) under torch.compile are not supported "
+                                      "(the bounds would be read on the host and specialise the graph); call it eagerly")
         from .ulysses_traced import traced_attention
 
         chunks = 0 if num_chunks == "auto" else num_chunks
@@ -716,6 +754,7 @@ def ulysses_attention(q, k, v, group=None, *, causal: bool = False, scale: Optio
         if chunk_weights is not None and (num_chunks == "auto" or len(chunk_weights) != num_chunks
                                           or any(w <= 0 for w in chunk_weights)):
             raise ValueError("UlyssesAttention: chunk_weights needs an int num_chunks and one positive weight per chunk")
+        bounds = packed_bounds(cu_seqlens, B, Sl * world)
     except (ValueError, TypeError) as e:
         # The other ranks may be in the signature exchange: join it, so they raise too.
         announce_invalid(group, q.device if isinstance(q, torch.Tensor) else torch.device("cpu"), _OP, str(e))
@@ -723,27 +762,29 @@ def ulysses_attention(q, k, v, group=None, *, causal: bool = False, scale: Optio
     # A mismatch raises on every rank instead of hanging in an all-to-all.
     check_across_ranks(group, q.device, _OP, signature(q, k, causal, scale, 0 if num_chunks == "auto" else num_chunks,
                                                        torch.is_grad_enabled() and any(t.requires_grad
-                                                                                       for t in (q, k, v))))
+                                                                                       for t in (q, k, v)), bounds))
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     info = None
     if num_chunks == "auto":
         if q.is_cuda and world > 1 and _use_streams(q):
             train = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+            # measured once per shape: packed sequences (whose bounds change from batch to batch) are timed
+            # as one sequence
             key = (group.group_name, B, Sl, Hq, Hkv, D, q.dtype, bool(causal), scale, max_chunks, train)
             hit = _AUTO_CACHE.get(key)
             if hit is None:
                 with torch.no_grad():
-                    hit = _measure((group, world, me, B, Sl, Hq, Hkv, D, causal, scale, max_chunks), q, k, v,
+                    hit = _measure((group, world, me, B, Sl, Hq, Hkv, D, causal, scale, max_chunks, None), q, k, v,
                                    train=train)
                 _AUTO_CACHE[key] = hit
             num_chunks, info = hit
         else:
             num_chunks = 1  # no second stream: nothing to overlap
     pkey = (group.group_name, world, me, B, Sl, Hq, Hkv, D, int(num_chunks),
-            tuple(chunk_weights) if chunk_weights is not None else None, bool(causal), scale)
+            tuple(chunk_weights) if chunk_weights is not None else None, bool(causal), scale, bounds)
     plan = _PLANS.get(pkey)
     if plan is None:
-        plan = _ChunkPlan(group, world, me, B, Sl, Hq, Hkv, D, int(num_chunks), chunk_weights, causal, scale)
+        plan = _ChunkPlan(group, world, me, B, Sl, Hq, Hkv, D, int(num_chunks), chunk_weights, causal, scale, bounds)
         _PLANS[pkey] = plan
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
         out = _UlyssesFn.apply(q, k, v, plan)
