@@ -95,8 +95,10 @@ def _module_compiled(rank, world, kind):
     the output and every gradient equal eager. GatedDeltaNet (fla's parameters: projections, short
     convolutions with their halo exchange, the delta rule with in-kernel gate, l2norm and beta sigmoid,
     gated RMSNorm), with opcheck of the halo's custom op; KimiDeltaAttention (the same with KDA's gate
-    per key dimension, its lower bound); GatedLinearAttention (fla's parameters, zeco_gla's ops)."""
-    from allscan.layers import GatedDeltaNet, GatedLinearAttention, KimiDeltaAttention
+    per key dimension, its lower bound); GatedLinearAttention (fla's parameters, zeco_gla's ops); Attention
+    (fla's softmax attention layer: rotary at global positions, Ulysses' traced ops; one sequence per row,
+    packed sequences refused under compile)."""
+    from allscan.layers import Attention, GatedDeltaNet, GatedLinearAttention, KimiDeltaAttention
 
     torch._dynamo.reset()
     torch.manual_seed(0)
@@ -106,10 +108,18 @@ def _module_compiled(rank, world, kind):
     elif kind == "kda":
         m = KimiDeltaAttention(hidden_size=16, head_dim=8, num_heads=2, num_v_heads=4, expand_v=2, conv_size=4,
                                lower_bound=-5.0)
+    elif kind == "attention":
+        m = Attention(hidden_size=16, num_heads=4, num_kv_heads=2, qkv_bias=True, qk_norm=True)
     else:
         m = GatedLinearAttention(hidden_size=16, num_heads=2, expand_k=1.0, expand_v=1.0, gate_low_rank_dim=4)
     x = torch.randn(1, 24, 16, generator=torch.Generator().manual_seed(rank))
     cu = _packed(world)
+    if kind == "attention":
+        if world > 1:
+            # (torch.compile reports the error raised while tracing as its own exception type)
+            with pytest.raises(Exception, match=r"packed sequences \(cu_seqlens\) under torch.compile"):
+                torch.compile(m, fullgraph=True, backend="aot_eager")(x, cu_seqlens=cu)
+        cu = None
     got = {}
     for name, f in (("eager", m), ("compiled", torch.compile(m, fullgraph=True, backend="aot_eager"))):
         m.zero_grad()
@@ -127,7 +137,7 @@ def _module_compiled(rank, world, kind):
 
 
 @pytest.mark.parametrize("world", [1, 3])
-@pytest.mark.parametrize("kind", ["gdn", "kda", "gla"])
+@pytest.mark.parametrize("kind", ["gdn", "kda", "gla", "attention"])
 def test_layer_module_fullgraph_compile_equals_eager(kind, world):
     for diff in run_distributed(_module_compiled, world, kind, timeout=300):
         assert diff <= 1e-5, diff

@@ -4,6 +4,7 @@
 - :mod:`allscan.layers.gated_deltanet`, :mod:`allscan.layers.kda`: Gated DeltaNet and Kimi Delta Attention
   (the matrix All-Scan), with fla's parameters.
 - :mod:`allscan.layers.ulysses`: Ulysses attention with head-chunked overlap (chunked all-to-all).
+- :mod:`allscan.layers.attention`: softmax attention with fla's parameters (projections, rotary), on Ulysses.
 """
 import importlib
 
@@ -11,6 +12,7 @@ _LAZY = {
     "zeco_gla": "gla",
     "GatedLinearAttention": "gla",
     "UlyssesAttention": "ulysses",
+    "Attention": "attention",
     "GatedDeltaNet": "gated_deltanet",
     "KimiDeltaAttention": "kda",
     "zeco_gated_delta_rule": ".ops.delta",  # the ops themselves: allscan.ops.delta
