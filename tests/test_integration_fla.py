@@ -3,7 +3,9 @@
 CPU (gloo): fla's own layers run Triton kernels only, so the reference is the same swapped model on
 one process; the model's other parts run fla's torch code (``fuse_*=False``) and the swapped layers
 allscan's CPU kernels. GPU (``gpu``, NCCL, 2 GPUs): the reference is fla's model untouched, its own
-kernels on the whole sequence (Triton dots in IEEE fp32). Checked: the swap keeps fla's Parameter
+kernels on the whole sequence (Triton dots in IEEE fp32). The hybrid model's softmax attention layer
+(fla's ``Attention``) calls flash-attn, which neither test machine has: ``flash_attn_func`` is stood in
+for by SDPA (:func:`sdpa_flash_attn_func`, the same arithmetic flash-attn documents for these arguments). Checked: the swap keeps fla's Parameter
 objects and options; at SP = 2 the loss, logits and every parameter gradient equal the reference's;
 a model with a layer allscan cannot run sequence-parallel raises naming it. Skips where
 flash-linear-attention 0.6 cannot be imported (it needs Triton and einops installed).
@@ -20,17 +22,40 @@ from distributed import run_distributed, skip_unless_nccl_ranks  # noqa: E402
 pytest.importorskip("fla.models", reason="needs flash-linear-attention 0.6 (with triton and einops)")
 
 VOCAB = 61
-LAYERS = {"gla": "GatedLinearAttention", "gdn": "GatedDeltaNet", "kda": "KimiDeltaAttention"}  # allscan's
-MODULES = {"gla": "gla", "gdn": "gated_deltanet", "kda": "kda"}
+# allscan's layers each model holds after the swap
+LAYERS = {"gla": ["gla.GatedLinearAttention"], "gdn": ["gated_deltanet.GatedDeltaNet"],
+          "kda": ["kda.KimiDeltaAttention"], "gdn_hybrid": ["attention.Attention", "gated_deltanet.GatedDeltaNet"],
+          "kda_hybrid": ["attention.Attention", "kda.KimiDeltaAttention"]}
+KINDS = sorted(LAYERS)
+MIXERS = {"GatedLinearAttention", "GatedDeltaNet", "KimiDeltaAttention", "Attention"}  # fla's names and allscan's
+
+
+def sdpa_flash_attn_func(q, k, v, causal=False, window_size=(-1, -1), softmax_scale=None):
+    """flash-attn's ``flash_attn_func`` for what fla's ``Attention`` passes without a window: ``[B, T, H, D]``
+    inputs, grouped k/v heads (query head h reads k/v head h // (H / H_kv)), causal or not."""
+    assert tuple(window_size) == (-1, -1), window_size
+    groups = q.shape[2] // k.shape[2]
+    k, v = k.repeat_interleave(groups, dim=2), v.repeat_interleave(groups, dim=2)
+    o = torch.nn.functional.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                                         is_causal=causal, scale=softmax_scale)
+    return o.transpose(1, 2)
+
+
+def stand_in_for_flash_attn():
+    import fla.layers.attn
+
+    fla.layers.attn.flash_attn_func = sdpa_flash_attn_func
 
 
 def tiny_model(kind: str, device: str = "cpu"):
-    """A 2-layer fla model of ``kind`` (gla, gdn, kda, deltanet), seeded: the same weights on every rank. On
-    CPU with fla's torch paths; fla's unfused SwiGLU still calls a Triton kernel, so there it is
-    replaced by the same function in torch (per token, outside what ``sequence_parallel`` touches)."""
+    """A 2-layer fla model of ``kind`` (gla, gdn, kda, deltanet; gdn_hybrid, kda_hybrid: that linear layer,
+    then softmax attention with grouped k/v heads), seeded: the same weights on every rank. On CPU with fla's torch
+    paths; fla's unfused SwiGLU still calls a Triton kernel, so there it is replaced by the same function
+    in torch (per token, outside what ``sequence_parallel`` touches)."""
     import fla.models as m
     import fla.modules.mlp
 
+    stand_in_for_flash_attn()
     if device == "cpu":
         fla.modules.mlp.swiglu = lambda gate, y: torch.nn.functional.silu(gate) * y
     torch.manual_seed(0)
@@ -40,6 +65,12 @@ def tiny_model(kind: str, device: str = "cpu"):
         model = m.GLAForCausalLM(m.GLAConfig(**common))
     elif kind == "gdn":
         model = m.GatedDeltaNetForCausalLM(m.GatedDeltaNetConfig(head_dim=16, **common))
+    elif kind.endswith("_hybrid"):
+        attn = dict(layers=[1], num_heads=4, num_kv_heads=2, rope_theta=500.0)
+        if kind == "gdn_hybrid":
+            model = m.GatedDeltaNetForCausalLM(m.GatedDeltaNetConfig(head_dim=16, attn=attn, **common))
+        else:
+            model = m.KDAForCausalLM(m.KDAConfig(head_dim=16, attn=attn, **common))
     elif kind == "kda":
         model = m.KDAForCausalLM(m.KDAConfig(head_dim=16, **common))
     else:
@@ -76,7 +107,7 @@ def _sp_equals_one_process(rank, world, kind, device="cpu"):
     res = {"same_objects": all(p is fla_params[n] for n, p in model.named_parameters()),
            "same_names": sorted(fla_params) == sorted(n for n, _ in model.named_parameters()),
            "layers": sorted({type(mod).__module__ + "." + type(mod).__name__ for mod in model.modules()
-                             if type(mod).__name__ in LAYERS.values()}),
+                             if type(mod).__name__ in MIXERS}),
            "use_cache": model.config.use_cache}
     shard = sp.shard_batch(ids, labels)
     logits = model(input_ids=shard.input_ids).logits
@@ -95,7 +126,7 @@ def _sp_equals_one_process(rank, world, kind, device="cpu"):
 def _check(results, kind, tol):
     for r in results:
         assert r["same_objects"] and r["same_names"], r
-        assert r["layers"] == [f"allscan.layers.{MODULES[kind]}.{LAYERS[kind]}"], r
+        assert r["layers"] == [f"allscan.layers.{name}" for name in LAYERS[kind]], r
         assert r["use_cache"] is False, r
         got, want = r["loss"]
         assert abs(got - want) <= tol["loss"] * abs(want), r
@@ -103,19 +134,19 @@ def _check(results, kind, tol):
         assert r["grads"] < tol["grads"], r
 
 
-@pytest.mark.parametrize("kind", ["gla", "gdn", "kda"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_fla_model_sequence_parallel_equals_one_process(kind):
     _check(run_distributed(_sp_equals_one_process, 2, kind, timeout=300), kind,
            {"loss": 1e-5, "logits": 1e-5, "grads": 1e-4})
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kind", ["gla", "gdn", "kda"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_fla_model_sequence_parallel_equals_fla_on_gpus(kind):
     """Against fla's own model and kernels on the whole sequence (2 GPUs, NCCL). Gated DeltaNet's
     backward on Hopper needs tilelang (fla refuses Triton's there)."""
     skip_unless_nccl_ranks(2)
-    if kind == "gdn" and torch.cuda.get_device_capability() >= (9, 0):
+    if kind.startswith("gdn") and torch.cuda.get_device_capability() >= (9, 0):
         pytest.importorskip("tilelang", reason="fla's Gated DeltaNet backward on Hopper needs tilelang")
     os.environ["TRITON_F32_DEFAULT"] = "ieee"  # inherited by the spawned ranks: fla's fp32 dots exact
     _check(run_distributed(_sp_equals_one_process, 2, kind, "cuda", backend="nccl", timeout=400), kind,
@@ -129,12 +160,26 @@ def test_unsupported_fla_layer_is_named():
         sp.sequence_parallel(tiny_model("deltanet"))
 
 
+def test_sliding_window_attention_is_refused_before_any_swap():
+    import fla.models as m
+
+    from allscan.integrations import fla as sp
+
+    stand_in_for_flash_attn()
+    config = m.GatedDeltaNetConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_heads=2, head_dim=16,
+                                   attn=dict(layers=[1], num_heads=4, window_size=32))
+    model = m.GatedDeltaNetForCausalLM(config)
+    with pytest.raises(NotImplementedError, match=r"window_size=32 \(sliding-window attention\)"):
+        sp.sequence_parallel(model)
+    assert not any(type(mod).__module__.startswith("allscan.") for mod in model.modules())
+
+
 def test_fla_layer_options_carry_over():
     """A standalone fla layer with non-default options becomes allscan's layer with the same options."""
     import fla.layers
 
     from allscan.integrations import fla as sp
-    from allscan.layers import GatedDeltaNet, GatedLinearAttention, KimiDeltaAttention
+    from allscan.layers import Attention, GatedDeltaNet, GatedLinearAttention, KimiDeltaAttention
 
     old = fla.layers.GatedLinearAttention(hidden_size=48, expand_k=1.0, expand_v=0.5, num_heads=3, num_kv_heads=1,
                                           fuse_norm=False, gate_fn="sigmoid", norm_eps=1e-3, gate_logit_normalizer=8,
@@ -161,3 +206,16 @@ def test_fla_layer_options_carry_over():
                  "lower_bound", "layer_idx"):
         assert getattr(new, name) == getattr(old, name), name
     assert new.o_norm.eps == 1e-4
+    stand_in_for_flash_attn()
+    old = fla.layers.Attention(hidden_size=48, num_heads=6, num_kv_heads=2, qkv_bias=True, qk_norm=True,
+                               rope_theta=1e6, max_position_embeddings=4096, layer_idx=3)
+    params = dict(old.named_parameters())
+    new = sp.sequence_parallel(old)
+    assert isinstance(new, Attention)
+    for name in ("hidden_size", "num_heads", "num_kv_heads", "head_dim", "qkv_bias", "qk_norm", "rope_theta",
+                 "max_position_embeddings", "layer_idx"):
+        assert getattr(new, name) == getattr(old, name), name
+    assert all(p is params[n] for n, p in new.named_parameters()) and sorted(params) == sorted(
+        n for n, _ in new.named_parameters())
+    assert new.rotary.inv_freq is old.rotary.inv_freq and torch.equal(new.rotary.inv_freq,
+                                                                       new.rotary._compute_inv_freq())

@@ -10,15 +10,17 @@
 
 ``sequence_parallel`` replaces every ``fla.layers.GatedLinearAttention`` by
 :class:`allscan.layers.GatedLinearAttention`, every ``fla.layers.GatedDeltaNet`` by
-:class:`allscan.layers.GatedDeltaNet` and every ``fla.layers.KimiDeltaAttention`` by
-:class:`allscan.layers.KimiDeltaAttention`, built with the same options and holding the very same
+:class:`allscan.layers.GatedDeltaNet`, every ``fla.layers.KimiDeltaAttention`` by
+:class:`allscan.layers.KimiDeltaAttention` and every softmax ``fla.layers.Attention`` (the attention
+layers of fla's hybrid models, ``config.attn``) by :class:`allscan.layers.Attention` (Ulysses; full
+causal attention only: a sliding ``window_size`` is refused), built with the same options and holding the very same
 ``Parameter`` objects (so an optimizer or parameter hooks made before keep working, though the
 optimizer is best built after; forward hooks registered on the old layer modules do not carry over).
 Swap after the weights are initialised or loaded: fla's ``_init_weights`` draws ``A_log`` and ``dt_bias``
 only inside its own layer classes, so a later ``model.init_weights()`` leaves allscan's layers' gate
 parameters as they are (their projections and norms are re-initialised as fla's are). Everything else in
-these models is per token. A model that holds any other fla sequence-mixing layer (softmax attention,
-DeltaNet, ...) raises ``NotImplementedError`` naming it: run on a shard, it would silently compute
+these models is per token. A model that holds any other fla sequence-mixing layer (DeltaNet, ...) raises
+``NotImplementedError`` naming it, before anything is swapped: run on a shard, it would silently compute
 something else. Caching is turned off (``config.use_cache``):
 sequence parallelism is for training and prefill.
 """
@@ -80,6 +82,16 @@ def _kda_options(old) -> Dict:
                 conv_size=old.conv_size, conv_bias=old.conv_bias, layer_idx=old.layer_idx, norm_eps=old.o_norm.eps)
 
 
+def _attention_options(old) -> Dict:
+    rotary = old.rotary
+    if rotary.scale_base is not None or rotary.interleaved or not rotary.pos_idx_in_fp32:
+        raise NotImplementedError(f"sequence_parallel: {type(old).__name__} with rotary embeddings other than fla's "
+                                  f"default ({rotary!r}) is not supported")
+    return dict(hidden_size=old.hidden_size, num_heads=old.num_heads, num_kv_heads=old.num_kv_heads,
+                qkv_bias=old.qkv_bias, qk_norm=old.qk_norm, window_size=old.window_size, rope_theta=old.rope_theta,
+                max_position_embeddings=old.max_position_embeddings, layer_idx=old.layer_idx)
+
+
 def _adopt_parameters(new: nn.Module, old: nn.Module) -> None:
     """Make ``new`` hold ``old``'s Parameter objects and buffers, name for name (same names and shapes)."""
     got = {n: p.shape for n, p in old.named_parameters()}
@@ -98,16 +110,19 @@ def _adopt_parameters(new: nn.Module, old: nn.Module) -> None:
 
 
 def sequence_parallel(model: nn.Module, group=None, *, method: str = "zeco") -> nn.Module:
-    """Swap ``model``'s fla GLA, Gated DeltaNet and KDA layers (in place) for allscan's, sequence-parallel
-    over ``group`` (None: the default process group, resolved at each call) with ``method`` (as in
-    ``zeco_gla`` / ``zeco_gated_delta_rule`` / ``zeco_kda``). Returns ``model``. Raises NotImplementedError
-    naming any other fla sequence-mixing layer the model holds."""
-    from allscan.layers import GatedDeltaNet, GatedLinearAttention, KimiDeltaAttention
+    """Swap ``model``'s fla GLA, Gated DeltaNet, KDA and softmax attention layers (in place) for allscan's,
+    sequence-parallel over ``group`` (None: the default process group, resolved at each call); the linear
+    layers with ``method`` (as in ``zeco_gla`` / ``zeco_gated_delta_rule`` / ``zeco_kda``). Returns ``model``.
+    Raises NotImplementedError naming any other fla sequence-mixing layer the model holds, or an option
+    allscan's layer cannot run, before anything is swapped."""
+    from allscan.layers import Attention, GatedDeltaNet, GatedLinearAttention, KimiDeltaAttention
 
     fla_layers = _fla_layers()
-    swaps = {fla_layers.GatedLinearAttention: (GatedLinearAttention, _gla_options),
-             fla_layers.GatedDeltaNet: (GatedDeltaNet, _gdn_options),
-             fla_layers.KimiDeltaAttention: (KimiDeltaAttention, _kda_options)}
+    linear = dict(method=method)
+    swaps = {fla_layers.GatedLinearAttention: (GatedLinearAttention, _gla_options, linear),
+             fla_layers.GatedDeltaNet: (GatedDeltaNet, _gdn_options, linear),
+             fla_layers.KimiDeltaAttention: (KimiDeltaAttention, _kda_options, linear),
+             fla_layers.Attention: (Attention, _attention_options, {})}
     todo, unsupported, seen = [], [], []
     for name, module in model.named_modules():
         kind = type(module)
@@ -123,9 +138,11 @@ def sequence_parallel(model: nn.Module, group=None, *, method: str = "zeco") -> 
         raise NotImplementedError("sequence_parallel: these fla sequence-mixing layers have no sequence-parallel "
                                   "allscan layer (run on a shard they would compute something else): "
                                   + ", ".join(unsupported))
-    for name, old in todo:
-        cls, options = swaps[type(old)]
-        new = cls(**options(old), group=group, method=method)
+    built = []
+    for name, old in todo:  # every new layer first: an option allscan cannot run raises before any swap
+        cls, options, extra = swaps[type(old)]
+        built.append((name, old, cls(**options(old), group=group, **extra)))
+    for name, old, new in built:
         _adopt_parameters(new, old)
         new.train(old.training)
         if name:
