@@ -60,8 +60,10 @@ def _module(seed=0, **kw):
     return mod
 
 
-def _sharded_equals_formula(rank, world, B, T, bounds):
-    mod = _module(num_chunks=2)
+def _sharded_equals_formula(rank, world, B, T, bounds, local=False):
+    from allscan.ops import LOCAL
+
+    mod = _module(num_chunks=2, **({"group": LOCAL} if local else {}))
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(B, T, HIDDEN, generator=gen, dtype=torch.float64)
     w = torch.randn(B, T, HIDDEN, generator=gen, dtype=torch.float64)
@@ -95,6 +97,12 @@ def test_sharded_layer_equals_its_formula(world):
 def test_sharded_layer_with_packed_sequences_equals_its_formula(world, bounds):
     """Packed sequences cut anywhere: at a rank's start (2 ranks: 6), inside shards, an empty one."""
     assert all(run_distributed(_sharded_equals_formula, world, 1, 12, bounds))
+
+
+@pytest.mark.parametrize("bounds", [None, (0, 4, 4, 9, 12)])
+def test_one_process_layer_equals_its_formula(bounds):
+    """``group=LOCAL``: one process, its own attention (no Ulysses), packed or not."""
+    assert _sharded_equals_formula(0, 1, 1, 12, bounds, local=True)
 
 
 def test_rotary_equals_fla_reference():

@@ -239,7 +239,9 @@ def _until_error(call, limit=20.0, naming=None):
 
 def _switch(rank, world, case):
     """Both ranks check two signatures whose transfers have the same bytes; then rank 1 calls with
-    the other one. Its result must be NaN (never a wrong number) and both ranks must raise soon."""
+    the other one. Its result must be NaN (never a wrong number) and both ranks must raise soon.
+    ``ulysses``: the two signatures differ in Ulysses' own arguments only (causal or not; the same
+    all-to-alls), which its all-to-alls' in-band signature carries."""
     import torch.distributed as dist
 
     import allscan
@@ -247,9 +249,15 @@ def _switch(rank, world, case):
     device = f"cuda:{torch.cuda.current_device()}"
     group = dist.new_group([0, 1], timeout=datetime.timedelta(seconds=30))
     x = torch.arange(1.0, 17.0, device=device) * (rank + 1)
-    shapes = {"matrix": ((1, 4, 4), (4, 2, 2)), "a2a": ((1, 2, 2, 4), (1, 4, 2, 2))}.get(case, ((2, 8), (4, 4)))
+    shapes = {"matrix": ((1, 4, 4), (4, 2, 2)), "a2a": ((1, 2, 2, 4), (1, 4, 2, 2)),
+              "ulysses": (True, False)}.get(case, ((2, 8), (4, 4)))
 
     def call(shape):
+        if case == "ulysses":  # shape: causal or not; [1, S_local 4, 2 heads, D 2]
+            from allscan.layers import UlyssesAttention
+
+            q = x.view(1, 4, 2, 2)
+            return UlyssesAttention(group, num_chunks=1)(q, q, q, causal=shape)
         if case == "a2a":  # the same bytes to each peer: [1, S_local, 2 heads, D] with S_local * D = 8
             return allscan.a2a.scatter_heads(x.view(shape), group)
         if case == "matrix":
@@ -263,20 +271,23 @@ def _switch(rank, world, case):
     torch.cuda.synchronize()
     dist.barrier(group)
     mine = shapes[rank]
-    y = call(mine).cpu()
+    try:
+        y = call(mine).cpu()
+    except allscan.CommunicatorError as e:  # Ulysses: its second all-to-all may already refuse
+        return dict(returned=False, nan=False, finite=False, outcome=(type(e).__name__, str(e)), elapsed=0.0)
     outcome, elapsed = _until_error(lambda: call(mine))
-    return dict(nan=bool(torch.isnan(y).all()), finite=bool(torch.isfinite(y).all()), outcome=outcome,
+    return dict(returned=True, nan=bool(torch.isnan(y).all()), finite=bool(torch.isfinite(y).all()), outcome=outcome,
                 elapsed=elapsed)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("case", ["exclusive", "inclusive", "matrix", "a2a"])
+@pytest.mark.parametrize("case", ["exclusive", "inclusive", "matrix", "a2a", "ulysses"])
 def test_a_cached_signature_switch_on_nccl_gives_nan_and_raises_on_both_ranks(case):
     skip_unless_nccl_ranks(2)
     r0, r1 = run_distributed(_switch, 2, case, backend="nccl", timeout=120)
-    if case == "a2a":  # both ranks receive: both find the other signature
+    if case in ("a2a", "ulysses"):  # both ranks receive: both find the other signature
         for r in (r0, r1):
-            assert r["nan"] and r["outcome"] and r["outcome"][0] == "CommunicatorError", r
+            assert (r["nan"] or not r["returned"]) and r["outcome"] and r["outcome"][0] == "CommunicatorError", r
             assert "different arguments" in r["outcome"][1] and r["elapsed"] < 3.0, r
         return
     assert r0["finite"], r0  # the head received nothing: its result is its own

@@ -174,6 +174,18 @@ def test_sliding_window_attention_is_refused_before_any_swap():
     assert not any(type(mod).__module__.startswith("allscan.") for mod in model.modules())
 
 
+def test_parameters_that_do_not_match_leave_the_model_untouched():
+    """A layer whose parameters differ from allscan's (another fla version, say) raises before any swap:
+    the layers before it in the model stay fla's too."""
+    from allscan.integrations import fla as sp
+
+    model = tiny_model("gdn_hybrid")
+    model.model.layers[1].attn.extra = torch.nn.Parameter(torch.zeros(3))
+    with pytest.raises(RuntimeError, match="Attention's parameters do not match allscan's layer"):
+        sp.sequence_parallel(model)
+    assert not any(type(mod).__module__.startswith("allscan.") for mod in model.modules())
+
+
 def test_fla_layer_options_carry_over():
     """A standalone fla layer with non-default options becomes allscan's layer with the same options."""
     import fla.layers

@@ -92,8 +92,10 @@ def _check_packed(rank, world, Sl, Hq, Hkv, causal, bounds, as_tensor):
         (out * w[:, sl]).sum().backward()
         for name, got, ref in (("dq", ql.grad, rq), ("dk", kl.grad, rk), ("dv", vl.grad, rv)):
             torch.testing.assert_close(got, ref[:, sl], rtol=1e-10, atol=1e-10, msg=lambda m: f"{name}, C={C}: {m}")
-    # without cu_seqlens the same shard attends across the bounds: the test can tell the two apart
-    with torch.no_grad():
+    with torch.no_grad():  # inference: no graph kept (another path through the chunks)
+        out = UlyssesAttention(num_chunks=2)(q[:, sl], k[:, sl], v[:, sl], causal=causal, cu_seqlens=cu)
+        torch.testing.assert_close(out, ro[:, sl], rtol=1e-10, atol=1e-10, msg=lambda m: f"no grad: {m}")
+        # without cu_seqlens the same shard attends across the bounds: the test can tell the two apart
         whole = UlyssesAttention(num_chunks=1)(q[:, sl], k[:, sl], v[:, sl], causal=causal)
     return bool((whole - ro[:, sl]).abs().max() > 1e-3)
 
@@ -128,6 +130,28 @@ def _packed_errors(rank, world):
 
 def test_packed_sequences_errors_name_the_argument_on_every_rank():
     assert run_distributed(_packed_errors, 2, timeout=60) == [True, True]
+
+
+def _packed_checked_every_call(rank, world):
+    """Where signatures are checked once (NCCL in ``first`` mode, emulated here on gloo), packed calls still
+    exchange on every call: ranks switching to different bounds each checked before raise, and a rank's
+    bad bounds reach its peers in that exchange instead of leaving them waiting."""
+    import allscan._contract as contract
+
+    contract._on_nccl = lambda group, device: True  # check once per signature, as on NCCL
+    x = torch.zeros(1, 3, 2, 4)
+    layer = UlyssesAttention(num_chunks=1)
+    for cu in ([0, 2, 6], [0, 4, 6]):  # both signatures checked, on both ranks
+        layer(x, x, x, causal=True, cu_seqlens=cu)
+    with pytest.raises(ValueError, match="ranks disagree on cu_seqlens checksum"):
+        layer(x, x, x, causal=True, cu_seqlens=[0, 2, 6] if rank == 0 else [0, 4, 6])
+    with pytest.raises(ValueError, match=r"rise from 0" if rank == 1 else r"rank\(s\) \[1\] rejected their own"):
+        layer(x, x, x, causal=True, cu_seqlens=[0, 2, 6] if rank == 0 else [0, 2, 5])
+    return True
+
+
+def test_packed_sequences_checked_on_every_call_where_signatures_are_checked_once():
+    assert run_distributed(_packed_checked_every_call, 2, timeout=60) == [True, True]
 
 
 def _weights_and_nograd(rank, world):

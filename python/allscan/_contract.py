@@ -324,13 +324,17 @@ def _show(name: str, value: int) -> str:
     return DTYPE_NAMES.get(value, "none") if name.endswith("dtype") else str(value)
 
 
-def check_across_ranks(group, device: torch.device, op: str, fields: Sequence[Tuple[str, int]]) -> Optional[tuple]:
+def check_across_ranks(group, device: torch.device, op: str, fields: Sequence[Tuple[str, int]], *,
+                       every_call: bool = False) -> Optional[tuple]:
     """Raise ``ValueError`` on every rank if the ranks of ``group`` pass different ``fields``
     ((name, int) pairs, at most 28) to ``op``, naming each field that differs and every rank's value.
 
     Obeys ``settings.check`` (``first`` and ``trust``: on NCCL once per signature and group, cached
     in an LRU of :data:`MAX_CHECKED_SIGNATURES`, elsewhere every call; ``always``: every call;
-    ``never``: no check). The fields include whether this rank sends the in-band signature
+    ``never``: no check). ``every_call``: exchange on every call in ``first`` and ``trust`` too, for
+    calls whose signatures change from call to call (their fields read on the host anyway), so that
+    neither a mismatch between signatures each checked before nor a rank's local failure (it joins
+    with :func:`announce_invalid` ``every_call``) can pass unseen. The fields include whether this rank sends the in-band signature
     (``first``/``always`` do, ``trust`` does not): ranks that disagree on it would mismatch in NCCL.
     Under CUDA graph capture it exchanges nothing: a signature checked before capture passes, a new
     one raises ``RuntimeError``. Collective whenever it exchanges. Returns the signature's key where
@@ -348,7 +352,7 @@ def check_across_ranks(group, device: torch.device, op: str, fields: Sequence[Tu
         seen = ref is not None and ref() is group
         if seen:
             _checked.move_to_end(key)
-    once = mode in ("first", "trust") and _on_nccl(group, device)
+    once = mode in ("first", "trust") and _on_nccl(group, device) and not every_call
     if seen and once:
         return key
     if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
@@ -422,17 +426,18 @@ def _raise_on_difference(op: str, fields, rows, me: int) -> None:
         + "; ".join(parts) + f". Every rank must pass the same shapes, dtypes and options (this is rank {me})")
 
 
-def announce_invalid(group, device: torch.device, op: str, reason: str = "") -> None:
+def announce_invalid(group, device: torch.device, op: str, reason: str = "", *, every_call: bool = False) -> None:
     """A rank whose own arguments failed a local check joins the exchange its peers make in the
-    current mode (see :func:`peers_exchange`), with a marker that makes them raise instead of
-    waiting for it. Where the peers do not exchange (NCCL in ``first`` mode: they may be waiting in a
+    current mode (see :func:`peers_exchange`; ``every_call``: the peers' :func:`check_across_ranks`
+    exchanges on every call, in every mode but ``never``), with a marker that makes them raise instead
+    of waiting for it. Where the peers do not exchange (NCCL in ``first`` mode: they may be waiting in a
     call this rank will not make) it reports ``reason`` on the fault board (``allscan._faults``)
     instead. Nothing under capture, or alone."""
     if dist.get_world_size(group) == 1:
         return
     if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         return  # nothing runs before the graph is replayed
-    if not peers_exchange(group, device):
+    if not (peers_exchange(group, device) or (every_call and settings.check != "never")):
         from . import _comm  # noqa: PLC0415 - _comm imports this module
 
         _comm.report_local_error(group, device, f"allscan.{op}: {reason or 'its own arguments failed a check'}")

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from typing import Dict
 
+import torch
 import torch.nn as nn
 
 from .batch import IGNORE_INDEX, BatchShard, causal_lm_loss, reduce_loss, shard_batch, sync_gradients  # noqa: F401
@@ -93,7 +94,8 @@ def _attention_options(old) -> Dict:
 
 
 def _adopt_parameters(new: nn.Module, old: nn.Module) -> None:
-    """Make ``new`` hold ``old``'s Parameter objects and buffers, name for name (same names and shapes)."""
+    """Make ``new`` (built on the meta device) hold ``old``'s Parameter objects and buffers, name for name
+    (same names and shapes); raise if any of its own is left (it would hold no data)."""
     got = {n: p.shape for n, p in old.named_parameters()}
     want = {n: p.shape for n, p in new.named_parameters()}
     if got != want:
@@ -107,6 +109,10 @@ def _adopt_parameters(new: nn.Module, old: nn.Module) -> None:
         source = old.get_submodule(owner) if owner else old
         (new.get_submodule(owner) if owner else new).register_buffer(
             leaf, b, persistent=leaf not in source._non_persistent_buffers_set)
+    left = [n for n, t in (*new.named_parameters(), *new.named_buffers()) if t is not None and t.is_meta]
+    if left:
+        raise RuntimeError(f"sequence_parallel: allscan's {type(new).__name__} has tensors {type(old).__name__} lacks: "
+                           f"{left}; is fla 0.6.x installed?")
 
 
 def sequence_parallel(model: nn.Module, group=None, *, method: str = "zeco") -> nn.Module:
@@ -139,11 +145,16 @@ def sequence_parallel(model: nn.Module, group=None, *, method: str = "zeco") -> 
                                   "allscan layer (run on a shard they would compute something else): "
                                   + ", ".join(unsupported))
     built = []
-    for name, old in todo:  # every new layer first: an option allscan cannot run raises before any swap
+    for name, old in todo:
+        # every new layer first, holding the old one's tensors: an option allscan cannot run or parameters
+        # that do not match raise before anything is swapped; built on the meta device, so no layer's own
+        # parameters are ever allocated or initialised
         cls, options, extra = swaps[type(old)]
-        built.append((name, old, cls(**options(old), group=group, **extra)))
-    for name, old, new in built:
+        with torch.device("meta"):
+            new = cls(**options(old), group=group, **extra)
         _adopt_parameters(new, old)
+        built.append((name, old, new))
+    for name, old, new in built:
         new.train(old.training)
         if name:
             owner, _, leaf = name.rpartition(".")

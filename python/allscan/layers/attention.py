@@ -6,7 +6,8 @@ hybrid models (Gated DeltaNet or KDA layers with some softmax attention layers b
 embeddings), so its state_dict loads. On a shard of the sequence it rotates q and k at their global
 positions (the shard's offset in the whole sequence, restarting at each packed sequence's start), and
 its attention is :func:`allscan.ops.ulysses.ulysses_attention`, causal: what fla's layer computes (with
-flash-attn) on the whole sequence.
+flash-attn) on the whole sequence, in its arithmetic (fp64 inputs stay fp64 throughout, as in allscan's
+other layers, where fla's rotary kernel would compute in fp32).
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import torch.nn.functional as F
 
 from allscan.ops import sequence_parallel_group
 from allscan.ops._launch import own_work
+from allscan.ops.ulysses import packed_bounds, refuse_packed_while_tracing, ulysses_attention
 
 from ._inputs import check_layer_inputs
 from .norms import RMSNorm
@@ -33,8 +35,8 @@ class Attention(nn.Module):
     contiguous shard ``[B, T_local, hidden_size]`` (the same T_local on every rank) and returns
     ``(o, None, None)`` as fla's layer does; packed sequences (``cu_seqlens``: offsets in the whole sequence,
     the same on every rank, B = 1) as fla's layer takes them, each attended on its own with its rotary
-    positions from its start. Not supported: ``window_size`` (sliding windows), padding masks, caches, and
-    packed sequences under torch.compile."""
+    positions from its start (under torch.compile such a call runs eagerly: a graph break). Not supported:
+    ``window_size`` (sliding windows), padding masks, caches."""
 
     def __init__(self, hidden_size: int = 2048, num_heads: int = 32, num_kv_heads: Optional[int] = None,
                  qkv_bias: bool = False, qk_norm: bool = False, window_size: Optional[int] = None,
@@ -72,33 +74,37 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, dtype=torch.float32)
         self.rotary = RotaryEmbedding(self.head_dim, base=rope_theta)
 
-    def _rotated_qkv(self, hidden_states, attention_mask, past_key_values, use_cache, cu_seqlens, rank):
-        """The input checks, then q, k (rotated at their global positions) and v, ``[B, T_local, heads, D]``."""
+    def _rotated_qkv(self, hidden_states, attention_mask, past_key_values, use_cache, cu_seqlens, rank, world):
+        """The input checks, then q, k (rotated at their global positions) and v, ``[B, T_local, heads, D]``,
+        and the packed sequences' bounds (None: one sequence per row)."""
         name = type(self).__name__
         check_layer_inputs(name, hidden_states, self.hidden_size, attention_mask, past_key_values, use_cache)
         B, T, _ = hidden_states.shape
+        bounds = packed_bounds(cu_seqlens, B, T * world, name)
         q = self.q_proj(hidden_states).view(B, T, self.num_heads, self.head_dim)
         k = self.k_proj(hidden_states).view(B, T, self.num_kv_heads, self.head_dim)
         v = self.v_proj(hidden_states).view(B, T, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(q, k, _positions(rank * T, T, cu_seqlens, hidden_states.device))
-        return q, k, v
+        q, k = self.rotary(q, k, _positions(rank * T, T, bounds, hidden_states.device))
+        return q, k, v, bounds
 
     def forward(self, hidden_states: torch.Tensor, attention_mask=None, past_key_values=None,
                 output_attentions: bool = False, use_cache: bool = False, cu_seqlens=None, **kwargs):
         name = type(self).__name__
+        if cu_seqlens is not None and torch.compiler.is_compiling():
+            refuse_packed_while_tracing(name)
         pg = sequence_parallel_group(self.group, name)
-        rank = 0 if pg is None else torch.distributed.get_rank(pg)
-        # before Ulysses' first collective: if it raises, the peers waiting there are told
-        q, k, v = own_work(pg, name, "its projections", self._rotated_qkv, hidden_states, attention_mask,
-                           past_key_values, use_cache, cu_seqlens, rank)
+        rank, world = (0, 1) if pg is None else (torch.distributed.get_rank(pg), torch.distributed.get_world_size(pg))
+        # before Ulysses' first collective: if it raises, the peers waiting there are told (packed calls:
+        # in the check Ulysses then makes on every call)
+        q, k, v, bounds = own_work(pg, name, "its projections", self._rotated_qkv, hidden_states, attention_mask,
+                                   past_key_values, use_cache, cu_seqlens, rank, world,
+                                   every_call=cu_seqlens is not None)
         if pg is None:
-            o = _causal_attention(q, k, v, cu_seqlens)
+            o = _causal_attention(q, k, v, bounds)
         else:
-            from allscan.ops.ulysses import ulysses_attention
-
-            o = ulysses_attention(q, k, v, pg, causal=True, num_chunks=self.num_chunks, cu_seqlens=cu_seqlens)
+            o = ulysses_attention(q, k, v, pg, causal=True, num_chunks=self.num_chunks, cu_seqlens=bounds)
         B, T = hidden_states.shape[:2]
         return self.o_proj(o.reshape(B, T, self.hidden_size)), None, None
 
@@ -107,24 +113,22 @@ class Attention(nn.Module):
                 f"num_chunks={self.num_chunks!r}")
 
 
-def _positions(offset: int, T: int, cu_seqlens, device) -> torch.Tensor:
+def _positions(offset: int, T: int, bounds, device) -> torch.Tensor:
     """The rotary positions of global tokens ``offset .. offset + T - 1``: from each packed sequence's start."""
     pos = torch.arange(offset, offset + T, device=device)
-    if cu_seqlens is None:
+    if bounds is None:
         return pos
-    cu = cu_seqlens.to(device=device, dtype=torch.long)
+    cu = torch.tensor(bounds, dtype=torch.long).to(device, non_blocking=True)
     return pos - cu[torch.searchsorted(cu, pos, right=True) - 1]
 
 
-def _causal_attention(q, k, v, cu_seqlens):
+def _causal_attention(q, k, v, bounds):
     """One process: causal SDPA over ``[B, T, H, D]`` (k, v heads repeated for grouped queries), each
     packed sequence on its own."""
-    from allscan.ops.ulysses import packed_bounds
-
     groups = q.shape[2] // k.shape[2]
     if groups > 1:
         k, v = k.repeat_interleave(groups, dim=2), v.repeat_interleave(groups, dim=2)
-    bounds = packed_bounds(cu_seqlens, q.shape[0], q.shape[1], "Attention") or (0, q.shape[1])
+    bounds = bounds or (0, q.shape[1])
     parts = [F.scaled_dot_product_attention(q[:, a:b].transpose(1, 2), k[:, a:b].transpose(1, 2),
                                             v[:, a:b].transpose(1, 2), is_causal=True).transpose(1, 2)
              for a, b in zip(bounds[:-1], bounds[1:]) if b > a]

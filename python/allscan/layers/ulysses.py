@@ -20,7 +20,7 @@ class UlyssesAttention(torch.nn.Module):
     attention (``torch.nn.functional.scaled_dot_product_attention``) over the whole sequence.
     ``cu_seqlens``: sequences packed in one row (B = 1), their offsets in the whole sequence (the same on
     every rank; a GPU tensor is read once per call); each is attended on its own, one SDPA call per
-    sequence (eager only). Differentiable in q, k and v; the backward is pipelined like the forward.
+    sequence (compared across ranks on every call; under torch.compile left to eager). Differentiable in q, k and v; the backward is pipelined like the forward.
 
     ``num_chunks``: an int forces the number of head chunks C (1 = plain Ulysses). ``"auto"`` measures,
     once per shape (and per forward-only / training use), the attention and all-to-all costs at one

@@ -88,26 +88,30 @@ def announce_device(group) -> torch.device:
     return torch.device("cpu")
 
 
-def tell_peers_of_failure(group, op: str, step: str, error: BaseException) -> None:
+def tell_peers_of_failure(group, op: str, step: str, error: BaseException, *, every_call: bool = False) -> None:
     """A rank whose own work before its part of ``op`` raised (out of memory, say) tells its peers as a
-    rank with bad arguments does (:func:`allscan._contract.announce_invalid`), so that they
-    raise instead of waiting in ``op`` until the timeout; the caller re-raises ``error``."""
-    announce_invalid(group, announce_device(group), op, f"{step} failed: {type(error).__name__}: {error}")
+    rank with bad arguments does (:func:`allscan._contract.announce_invalid`; ``every_call``: the
+    peers' check exchanges on every call), so that they raise instead of waiting in ``op`` until the
+    timeout; the caller re-raises ``error``."""
+    announce_invalid(group, announce_device(group), op, f"{step} failed: {type(error).__name__}: {error}",
+                     every_call=every_call)
 
 
-def own_work(group, op: str, step: str, work, *args):
+def own_work(group, op: str, step: str, work, *args, every_call: bool = False):
     """``work(*args)``: a layer's own work before its peers' next collective of the same call (``group``
     as :func:`allscan.ops.sequence_parallel_group` returns it: None for one process). If it raises, the
     peers are told (:func:`tell_peers_of_failure`), so that they raise in that collective instead of
     waiting for this rank until the timeout, and the error is re-raised. Only before a collective every
     rank makes next: after a layer's last collective the peers' next one may be anything, torch's own
-    included. While torch.compile traces, plainly ``work(*args)`` (the trace runs no collective)."""
+    included. ``every_call``: the peers' next collective checks its arguments on every call
+    (:func:`allscan._contract.check_across_ranks`). While torch.compile traces, plainly ``work(*args)``
+    (the trace runs no collective)."""
     if group is None or torch.compiler.is_compiling():
         return work(*args)
     try:
         return work(*args)
     except Exception as e:
-        tell_peers_of_failure(group, op, step, e)
+        tell_peers_of_failure(group, op, step, e, every_call=every_call)
         raise
 
 

@@ -253,21 +253,25 @@ def _cpp_a2a(direction: int, xs: Sequence[torch.Tensor], maps: Sequence[HeadMap]
 
 def a2a_multi(direction: int, xs: Sequence[torch.Tensor], maps: Sequence[Sequence[Range]], num_heads: Sequence[int],
               group=None, *, outs: Optional[Sequence[torch.Tensor]] = None, accumulate: Optional[Sequence[bool]] = None,
-              names: Optional[Sequence[str]] = None, stream=None, event=None, check: bool = True) -> List[torch.Tensor]:
+              names: Optional[Sequence[str]] = None, stream=None, event=None, check: bool = True,
+              call_signature: int = 0) -> List[torch.Tensor]:
     """Scatter-heads (direction 0) or gather-heads (1) of up to 4 tensors in one collective.
 
     ``outs`` (optional) are written in place (gather: only the heads some rank holds; with
     ``accumulate[t]`` added to). ``stream`` (CUDA only): enqueue there instead of on the current
-    stream; ``event`` is then recorded on it after the call. No autograd (see :func:`scatter_heads`).
+    stream; ``event`` is then recorded on it after the call. ``call_signature``: a hash of the calling
+    op's own arguments (Ulysses: causal, scale, packing), folded into the in-band signature on the
+    core, so that ranks switching to different signatures each checked before are caught as ranks
+    switching the all-to-all's own shapes are. No autograd (see :func:`scatter_heads`).
     """
-    args = (direction, xs, maps, num_heads, group, outs, accumulate, names, stream, event, check)
+    args = (direction, xs, maps, num_heads, group, outs, accumulate, names, stream, event, check, call_signature)
     if torch.compiler.is_compiling():  # traced into a graph: no host-thread bookkeeping there
         return _a2a_multi(*args)
     with one_thread(group, "a2a") as busy:
         return _a2a_multi(*args[:4], busy.group, *args[5:])
 
 
-def _a2a_multi(direction, xs, maps, num_heads, group, outs, accumulate, names, stream, event, check):
+def _a2a_multi(direction, xs, maps, num_heads, group, outs, accumulate, names, stream, event, check, call_signature):
     group = _comm.normalize_group(group)
     names = list(names) if names is not None else [f"tensors[{i}]" for i in range(len(xs))]
     accumulate = list(accumulate) if accumulate is not None else [False] * len(xs)
@@ -303,8 +307,9 @@ def _a2a_multi(direction, xs, maps, num_heads, group, outs, accumulate, names, s
             check_across_ranks(group, xs[0].device, op, fields)
         # The in-band signature travels whether or not this call checked on the host (the Ulysses
         # layer checks once per forward, then moves its chunks with check=False).
+        in_band = fields + [("call signature", call_signature)] if call_signature else fields
         return _cpp_a2a(direction, xs, maps, num_heads, group, outs, accumulate, stream, event,
-                        signature_hash(op, fields) if signs else 0)
+                        signature_hash(op, in_band) if signs else 0)
     on_stream = stream is not None and xs[0].is_cuda
     with torch.cuda.stream(stream) if on_stream else contextlib.nullcontext():
         try:

@@ -24,6 +24,7 @@ On CPU (or any non-NCCL group) the same code runs sequentially through the torch
 """
 from __future__ import annotations
 
+import operator
 import zlib
 from typing import Dict, List, Optional, Sequence, Tuple, Union
 
@@ -110,6 +111,8 @@ class _ChunkPlan:
         self.q_per_kv = Hq // Hkv
         self.causal, self.scale = causal, scale
         self.bounds = bounds  # packed sequences' global bounds (a tuple of ints), or None: one sequence
+        # what the all-to-alls' in-band signature carries besides their shapes (a2a_multi)
+        self.call_signature = zlib.crc32(repr((bool(causal), scale, bounds, num_chunks, weights)).encode()) or 1
         q_maps = chunk_head_ranges(Hq, world, num_chunks, weights)
         chunks = []
         for qm in q_maps:
@@ -372,7 +375,8 @@ def _forward(plan: _ChunkPlan, q, k, v, keep_graph: bool, streams: Optional[bool
     def scatter(c, stream):
         ch = chunks[c]
         a2a_multi(SCATTER, [q, k, v], [ch.q_map, ch.new_map, ch.new_map], [plan.Hq, plan.Hkv, plan.Hkv],
-                       group, outs=list(ins[c]), stream=stream, check=check, names=["q", "k", "v"])
+                  group, outs=list(ins[c]), stream=stream, check=check, call_signature=plan.call_signature,
+                  names=["q", "k", "v"])
 
     def attend(c):
         ch = chunks[c]
@@ -394,7 +398,7 @@ def _forward(plan: _ChunkPlan, q, k, v, keep_graph: bool, streams: Optional[bool
     def gather(c, oc, stream):
         ch = chunks[c]
         a2a_multi(GATHER, [oc], [ch.q_map], [plan.Hq], group, outs=[out], stream=stream, check=check,
-                       names=["attention output"])
+                  call_signature=plan.call_signature, names=["attention output"])
 
     _run_pipeline(len(chunks), scatter, attend, gather, cuda, failed=failed)
     del ins
@@ -448,7 +452,7 @@ def _backward(plan: _ChunkPlan, graphs, dout, needs):
     def scatter(c, stream):
         ch = chunks[c]
         a2a_multi(SCATTER, [dout], [ch.q_map], [plan.Hq], group, outs=[douts[c]], stream=stream,
-                       check=check, names=["output gradient"])
+                  check=check, call_signature=plan.call_signature, names=["output gradient"])
 
     def attend(c):
         ch = chunks[c]
@@ -474,12 +478,14 @@ def _backward(plan: _ChunkPlan, graphs, dout, needs):
         acc = plan.kv_accumulate
         if not acc:
             a2a_multi(GATHER, list(res), [ch.q_map, ch.kv_map, ch.kv_map], [plan.Hq, plan.Hkv, plan.Hkv],
-                           group, outs=[dq, dk, dv], stream=stream, check=check, names=["dq", "dk", "dv"])
+                      group, outs=[dq, dk, dv], stream=stream, check=check, call_signature=plan.call_signature,
+                      names=["dq", "dk", "dv"])
         else:
             a2a_multi(GATHER, [res[0]], [ch.q_map], [plan.Hq], group, outs=[dq], stream=stream, check=check,
-                           names=["dq"])
+                      call_signature=plan.call_signature, names=["dq"])
             a2a_multi(GATHER, list(res[1:]), [ch.done_map, ch.done_map], [plan.Hkv, plan.Hkv], group,
-                           outs=[dk, dv], accumulate=[True, True], stream=stream, check=check, names=["dk", "dv"])
+                      outs=[dk, dv], accumulate=[True, True], stream=stream, check=check,
+                      call_signature=plan.call_signature, names=["dk", "dv"])
 
     _run_pipeline(len(chunks), scatter, attend, gather, cuda, failed=failed)
     if plan.kv_accumulate:
@@ -702,6 +708,13 @@ def signature(q, k, causal: bool, scale: Optional[float], num_chunks: int, needs
             ("cu_seqlens checksum", 0 if bounds is None else zlib.crc32(repr(tuple(bounds)).encode()))]
 
 
+def refuse_packed_while_tracing(op: str) -> None:
+    """Packed sequences while torch.compile traces: the bounds are read on the host and would specialise
+    the graph, so such a call is left to eager (a graph break; ``fullgraph=True`` raises this)."""
+    raise NotImplementedError(f"{op}: packed sequences (cu_seqlens) under torch.compile are not traced (the bounds "
+                              "are read on the host); without fullgraph=True the call runs eagerly")
+
+
 def packed_bounds(cu_seqlens, B: int, S: int, op: str = _OP) -> Optional[Tuple[int, ...]]:
     """``cu_seqlens`` (a 1-D integer tensor or sequence, the packed sequences' offsets in the whole
     sequence of ``S`` tokens, the same on every rank) as a tuple of ints, checked (a tensor on a GPU is
@@ -714,9 +727,12 @@ def packed_bounds(cu_seqlens, B: int, S: int, op: str = _OP) -> Optional[Tuple[i
                              f"{tuple(cu_seqlens.shape)}")
         bounds = tuple(int(b) for b in cu_seqlens.tolist())
     else:
-        bounds = tuple(cu_seqlens)
-        if not all(isinstance(b, int) and not isinstance(b, bool) for b in bounds):
-            raise ValueError(f"{op}: cu_seqlens must hold integers, got {cu_seqlens!r}")
+        try:
+            if any(isinstance(b, bool) for b in cu_seqlens):
+                raise TypeError
+            bounds = tuple(operator.index(b) for b in cu_seqlens)  # ints, NumPy's included
+        except TypeError:
+            raise ValueError(f"{op}: cu_seqlens must hold integers, got {cu_seqlens!r}") from None
     if B != 1:
         raise ValueError(f"{op}: with cu_seqlens the batch size must be 1 (the sequences packed in one row), got {B}")
     if len(bounds) < 2 or bounds[0] != 0 or bounds[-1] != S or any(b > c for b, c in zip(bounds, bounds[1:])):
@@ -733,8 +749,7 @@ def ulysses_attention(q, k, v, group=None, *, causal: bool = False, scale: Optio
     group = normalize_group(group)
     if torch.compiler.is_compiling():
         if cu_seqlens is not None:
-            raise NotImplementedError(f"{_OP}: packed sequences (cu_seqlens) under torch.compile are not supported "
-                                      "(the bounds would be read on the host and specialise the graph); call it eagerly")
+            refuse_packed_while_tracing(_OP)
         from .ulysses_traced import traced_attention
 
         chunks = 0 if num_chunks == "auto" else num_chunks
@@ -756,13 +771,16 @@ def ulysses_attention(q, k, v, group=None, *, causal: bool = False, scale: Optio
             raise ValueError("UlyssesAttention: chunk_weights needs an int num_chunks and one positive weight per chunk")
         bounds = packed_bounds(cu_seqlens, B, Sl * world)
     except (ValueError, TypeError) as e:
-        # The other ranks may be in the signature exchange: join it, so they raise too.
-        announce_invalid(group, q.device if isinstance(q, torch.Tensor) else torch.device("cpu"), _OP, str(e))
+        # The other ranks may be in the signature exchange: join it, so they raise too. Packed calls
+        # exchange on every call (their bounds change from batch to batch and are read on the host anyway).
+        announce_invalid(group, q.device if isinstance(q, torch.Tensor) else torch.device("cpu"), _OP, str(e),
+                         every_call=cu_seqlens is not None)
         raise
     # A mismatch raises on every rank instead of hanging in an all-to-all.
     check_across_ranks(group, q.device, _OP, signature(q, k, causal, scale, 0 if num_chunks == "auto" else num_chunks,
                                                        torch.is_grad_enabled() and any(t.requires_grad
-                                                                                       for t in (q, k, v)), bounds))
+                                                                                       for t in (q, k, v)), bounds),
+                       every_call=bounds is not None)
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     info = None
     if num_chunks == "auto":
