@@ -334,8 +334,9 @@ def check_across_ranks(group, device: torch.device, op: str, fields: Sequence[Tu
     ``never``: no check). ``every_call``: exchange on every call in ``first`` and ``trust`` too, for
     calls whose signatures change from call to call (their fields read on the host anyway), so that
     neither a mismatch between signatures each checked before nor a rank's local failure (it joins
-    with :func:`announce_invalid` ``every_call``) can pass unseen. The fields include whether this rank sends the in-band signature
-    (``first``/``always`` do, ``trust`` does not): ranks that disagree on it would mismatch in NCCL.
+    with :func:`announce_invalid` ``every_call``) can pass unseen. The fields include whether this
+    rank sends the in-band signature (``first``/``always`` do, ``trust`` does not): ranks that
+    disagree on it would mismatch in NCCL.
     Under CUDA graph capture it exchanges nothing: a signature checked before capture passes, a new
     one raises ``RuntimeError``. Collective whenever it exchanges. Returns the signature's key where
     it is checked once (NCCL, ``first``/``trust``), for :func:`still_checked`; else None."""

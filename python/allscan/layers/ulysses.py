@@ -20,7 +20,8 @@ class UlyssesAttention(torch.nn.Module):
     attention (``torch.nn.functional.scaled_dot_product_attention``) over the whole sequence.
     ``cu_seqlens``: sequences packed in one row (B = 1), their offsets in the whole sequence (the same on
     every rank; a GPU tensor is read once per call); each is attended on its own, one SDPA call per
-    sequence (compared across ranks on every call; under torch.compile left to eager). Differentiable in q, k and v; the backward is pipelined like the forward.
+    sequence (compared across ranks on every call; under torch.compile left to eager). Differentiable
+    in q, k and v; the backward is pipelined like the forward.
 
     ``num_chunks``: an int forces the number of head chunks C (1 = plain Ulysses). ``"auto"`` measures,
     once per shape (and per forward-only / training use), the attention and all-to-all costs at one
@@ -28,8 +29,9 @@ class UlyssesAttention(torch.nn.Module):
     pipeline time, then times the layer at that C against C = 1 (forward, or forward+backward when
     the inputs need gradients) and keeps C only if it is at least 1% faster; 1 when overlap cannot
     pay (always 1 on CPU, where there is no second stream). ``last_info["auto"]`` holds the
-    measurements (packed sequences are timed as one sequence). The first call of a shape runs the layer about a dozen times to measure (for
-    training on copies of q, k, v: one extra forward's memory, once). ``chunk_weights`` (with an int C)
+    measurements (packed sequences are timed as one sequence). The first call of a shape runs the
+    layer about a dozen times to measure (for training on copies of q, k, v: one extra forward's
+    memory, once). ``chunk_weights`` (with an int C)
     sizes the chunks unequally, e.g. ``[1, 2, 2, 1]``: the first scatter and the last gather are the
     exposed ones, so small end chunks hide more.
     """

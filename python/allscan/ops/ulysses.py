@@ -554,7 +554,9 @@ def _measure(plan_args, q, k, v, train: bool = False, min_gain_measured: float =
     group, world, me, B, Sl, Hq, Hkv, D, causal, scale, max_chunks, bounds = plan_args
     n_min = min(hi - lo for lo, hi in split_heads(0, Hq, world))
     full = _ChunkPlan(group, world, me, B, Sl, Hq, Hkv, D, 1, None, causal, scale, bounds)
-    one = _ChunkPlan(group, world, me, B, Sl, Hq, Hkv, D, max(1, n_min), None, causal, scale, bounds) if n_min > 1 else full
+    one = full
+    if n_min > 1:
+        one = _ChunkPlan(group, world, me, B, Sl, Hq, Hkv, D, max(1, n_min), None, causal, scale, bounds)
     S = Sl * world
 
     def att_time(pl):
@@ -704,7 +706,8 @@ def signature(q, k, causal: bool, scale: Optional[float], num_chunks: int, needs
     return [("batch B", B), ("local sequence length S_local", Sl), ("query heads", Hq), ("k/v heads", k.shape[2]),
             ("head_dim D", D), ("dtype", DTYPE_CODES[q.dtype]), ("causal", int(bool(causal))),
             ("scale (x1e9)", int(round((scale or 0.0) * 1e9))), ("num_chunks (0 auto)", int(num_chunks)),
-            ("needs grad", int(needs_grad)), ("packed sequences (0: cu_seqlens None)", 0 if bounds is None else len(bounds) - 1),
+            ("needs grad", int(needs_grad)),
+            ("packed sequences (0: cu_seqlens None)", 0 if bounds is None else len(bounds) - 1),
             ("cu_seqlens checksum", 0 if bounds is None else zlib.crc32(repr(tuple(bounds)).encode()))]
 
 
