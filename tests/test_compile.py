@@ -96,8 +96,8 @@ def _module_compiled(rank, world, kind):
     convolutions with their halo exchange, the delta rule with in-kernel gate, l2norm and beta sigmoid,
     gated RMSNorm), with opcheck of the halo's custom op; KimiDeltaAttention (the same with KDA's gate
     per key dimension, its lower bound); GatedLinearAttention (fla's parameters, zeco_gla's ops); Attention
-    (fla's softmax attention layer: rotary at global positions, Ulysses' traced ops; one sequence per row,
-    packed sequences refused under compile)."""
+    (fla's softmax attention layer: rotary at global positions, Ulysses' traced ops; one sequence per row:
+    a packed call is left to eager, a graph break that fullgraph refuses)."""
     from allscan.layers import Attention, GatedDeltaNet, GatedLinearAttention, KimiDeltaAttention
 
     torch._dynamo.reset()
