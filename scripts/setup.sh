@@ -27,7 +27,9 @@ if ! $PY -c "import torch" 2>/dev/null; then
     $PY -m pip install -q "torch==2.13.0"
   else
     step "installing torch 2.13.0 (CPU build, about 200 MB)"
-    $PY -m pip install -q "torch==2.13.0" --index-url https://download.pytorch.org/whl/cpu
+    # The CPU build from a local wheel or index when one serves it, else from PyTorch's CPU index.
+    $PY -m pip install -q "torch==2.13.0+cpu" 2>/dev/null \
+      || $PY -m pip install -q "torch==2.13.0" --index-url https://download.pytorch.org/whl/cpu
   fi
 fi
 # Optional: the Hugging Face integration's tests and examples/train_sp.py (they skip without it).
