@@ -230,3 +230,26 @@ def _run_once_per_signature(rank, world):
 
 def test_signature_checked_once_skips_until_evicted():
     run_distributed(_run_once_per_signature, 2, timeout=120)
+
+
+def _run_packed_cuts_differ(rank, world):
+    """Ranks passing different packed cuts (the same number of sequences) raise on every rank, also where
+    each cut was checked before and the signature check is otherwise once per signature (NCCL's rules,
+    emulated on gloo): packed calls compare their whole cut on every call."""
+    contract._on_nccl = lambda group, device: True
+    torch.manual_seed(0)
+    q, k, v, g = _gla(T=16)
+    qd, kd, vd, gd, beta = _gdn(T=16)
+    cut_a, cut_b = torch.tensor([0, 5, 32]), torch.tensor([0, 20, 32])
+    for cu in (cut_a, cut_b):  # each cut alike on both ranks: checked, cached
+        zeco_gla(q, k, v, g, dist.group.WORLD, cu_seqlens=cu)
+        zeco_gated_delta_rule(qd, kd, vd, gd, beta, group=dist.group.WORLD, cu_seqlens=cu)
+    mine = cut_a if rank == 0 else cut_b
+    with pytest.raises(ValueError, match=r"packed sequence boundaries"):
+        zeco_gla(q, k, v, g, dist.group.WORLD, cu_seqlens=mine)
+    with pytest.raises(ValueError, match=r"packed sequence boundaries"):
+        zeco_gated_delta_rule(qd, kd, vd, gd, beta, group=dist.group.WORLD, cu_seqlens=mine)
+
+
+def test_ranks_with_different_packed_cuts_raise_on_every_rank():
+    run_distributed(_run_packed_cuts_differ, 2, timeout=120)

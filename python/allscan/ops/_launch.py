@@ -30,16 +30,17 @@ def check_num_blocks(what: str, num_blocks) -> None:
                          f"state's elements anyway), got {num_blocks}")
 
 
-def validated_group(group, tensor, op: str, validate):
+def validated_group(group, tensor, op: str, validate, *, every_call: bool = False):
     """The group (None: the default group) once ``validate()`` (the local argument checks) passed. A
     rank whose checks fail tells its peers (so their signature exchange fails too) and re-raises; not
-    while torch.compile traces (the trace runs no collective: the ops check again when they run)."""
+    while torch.compile traces (the trace runs no collective: the ops check again when they run).
+    ``every_call``: the peers' signature check exchanges on every call (``check_across_ranks``)."""
     group = _comm.normalize_group(group)
     try:
         validate()
     except (TypeError, ValueError) as e:
         if isinstance(tensor, torch.Tensor) and not torch.compiler.is_compiling():
-            announce_invalid(group, announce_device(group), op, str(e))
+            announce_invalid(group, announce_device(group), op, str(e), every_call=every_call)
         raise
     return group
 

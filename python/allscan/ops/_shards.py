@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import hashlib
 import threading
 import weakref
 from typing import Callable, Optional, Tuple
@@ -88,6 +89,7 @@ class ShardSegments:
             self.continued = self.rank > 0
             self.starts_inside = False
             self.num_seqs = B
+            self.digest = 0
             return
         if B != 1:
             raise ValueError(f"{op}: with cu_seqlens the batch size must be 1 (packed sequences), got B={B}")
@@ -112,6 +114,9 @@ class ShardSegments:
         self.continued = off not in cuset
         self.starts_inside = (not self.continued) or len(cut) > 2
         self.num_seqs = len(cu) - 1
+        # the whole cut, for the signature compared across ranks: ranks cutting differently would
+        # pass states between different sequences (62 bits: the exchange carries signed int64)
+        self.digest = int.from_bytes(hashlib.blake2b(repr(cu).encode(), digest_size=8).digest(), "little") >> 2
 
     @property
     def nseg(self):

@@ -180,6 +180,7 @@ def _signature(q, v, segs, method, h0, opts, needs_grad):
         ("V", v.shape[3]),
         ("T_local (packed sequences, fla_cp)", T if segs.varlen or method == "fla_cp" else 0),
         ("number of packed sequences", segs.num_seqs if segs.varlen else 0),
+        ("packed sequence boundaries (hash; none: 0)", segs.digest),
         ("method", METHODS.index(method)),
         ("initial_state given", int(h0 is not None)),
         ("options (l2norm, gate, beta sigmoid, negative eigenvalues, safe gate)", opts.flags()),
@@ -203,6 +204,8 @@ def prepared(op, per_key, q, k, v, g, beta, group, scale, initial_state, output_
     opts = DeltaOptions(per_key, bool(use_qk_l2norm_in_kernel), bool(use_gate_in_kernel), A_log, dt_bias,
                         bool(use_beta_sigmoid_in_kernel), bool(allow_neg_eigval), bool(safe_gate), lower_bound)
 
+    packed = cu_seqlens is not None  # the cut changes from batch to batch: compared on every call
+
     def check():
         segs = None
 
@@ -216,11 +219,11 @@ def prepared(op, per_key, q, k, v, g, beta, group, scale, initial_state, output_
         if group is None:
             validate()
         else:
-            validated_group(group, q, op, validate)
+            validated_group(group, q, op, validate, every_call=packed)
         signature = None
         if segs.world > 1:
             signature = check_across_ranks(group, q.device, op, _signature(q, v, segs, method, initial_state,
-                                                                           opts, needs_grad))
+                                                                           opts, needs_grad), every_call=packed)
         return segs, signature
 
     tensors = None if cu_seqlens is not None else (q, k, v, g, beta, initial_state, A_log, dt_bias)

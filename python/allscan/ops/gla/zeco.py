@@ -482,6 +482,7 @@ def _signature(q, v, g, h0, segs: ShardSegments, method, needs_grad):
         ("V", v.shape[3]),
         ("g (0 none, 1 [B, T, H], 2 [B, T, H, K])", 0 if g is None else g.dim() - 2),
         ("number of packed sequences", segs.num_seqs if segs.varlen else 0),
+        ("packed sequence boundaries (hash; none: 0)", segs.digest),
         ("method", METHODS.index(method)),
         ("initial_state given", int(h0 is not None)),
         # a rank whose inputs need no gradient runs no backward: its peers would wait in the reverse scan
@@ -503,11 +504,12 @@ def checked_segments(group, q, k, v, g, h0, cu_seqlens, method, needs_grad) -> S
         if group is None:
             validate()
             return segs[0], None
-        validated_group(group, q, "zeco_gla", validate)
+        packed = cu_seqlens is not None  # the cut changes from batch to batch: compared on every call
+        validated_group(group, q, "zeco_gla", validate, every_call=packed)
         signature = None
         if segs[0].world > 1:
             signature = check_across_ranks(group, q.device, "zeco_gla",
-                                           _signature(q, v, g, h0, segs[0], method, needs_grad))
+                                           _signature(q, v, g, h0, segs[0], method, needs_grad), every_call=packed)
         return segs[0], signature
 
     return checked_cut("zeco_gla", group, q.device if isinstance(q, torch.Tensor) else None,
