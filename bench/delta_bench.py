@@ -452,7 +452,7 @@ def main():
                          "split by stage without a profiler")
     ap.add_argument("--graph", action="store_true", help="also time each row captured in a CUDA graph (not fla_cp)")
     ap.add_argument("--model", action="store_true", help="print the per-rank cost model and exit (no GPU)")
-    # fla's own autotuning by default: the floor is fla as its users run it (bench/README.md, seventeenth run)
+    # fla's own autotuning by default: the floor is fla as its users run it (bench/README.md, delta_bench.py)
     add_fla_autotune_option(ap, default="full")
     add_stand_in_option(ap)
     args = ap.parse_args()

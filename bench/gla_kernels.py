@@ -1,6 +1,6 @@
 """Tile sweep of the incoming-state kernels of sequence-parallel GLA on one GPU.
 
-    python3 bench/gla_kernels.py --out bench/results/<run>/gla [--fla-autotune full] [--kernels out,fwd,bwd]
+    python3 bench/gla_kernels.py --out DIR [--fla-autotune full] [--kernels out,fwd,bwd]
 
 For T in --tlocal (B = 1, H = 16, K = V = 128, bf16 inputs, Triton's default fp32 dot precision),
 times ``output_with_state`` (the chunk output with the incoming state folded in) next to fla's

@@ -10,7 +10,7 @@ graph). ``--side-fill`` replaces the scans by a fill of their output on a side s
 priority (a side branch without allscan's core), to tell the branch from the collective. Prints the
 kernels longer than 100 us and the gaps over 3 us (``--all``: every kernel), then the span.
 B = 1, H = 16, K = V = 128, bf16. Used to find why captured zeco cost more than its kernels
-(bench/README.md, eleventh run).
+(bench/README.md, graph_timeline.py).
 """
 import argparse
 import importlib

@@ -187,7 +187,8 @@ def test_fla_hybrid_model_with_packed_sequences_equals_fla_on_gpus(kind):
     """Packed sequences (``cu_seqlens``) through fla's hybrid model against fla's own on the whole row. A
     sequence crossing the rank boundary is chunked from the boundary on rank 1, from its start in fla's
     call: other roundings, so the logits' bound is looser than unpacked (both models' fp32 logits are
-    about 1e-4 from the fp64 answer, allscan's no further than fla's: bench/README.md, thirty-fifth run)."""
+    about 1e-4 from the fp64 answer, allscan's no further than fla's: bench/README.md, "Accuracy against
+    the fp64 answer")."""
     skip_unless_nccl_ranks(2)
     if kind.startswith("gdn") and torch.cuda.get_device_capability() >= (9, 0):
         pytest.importorskip("tilelang", reason="fla's Gated DeltaNet backward on Hopper needs tilelang")

@@ -5,7 +5,7 @@ fla-core 0.6 routes each kernel entry point through ``fla.backends.dispatch`` on
 Ascend, Gluon, intra-card CP) whether it is available, enabled and implements the function, and runs
 the Triton function it wraps when none does. For most entry points on a CUDA machine none does, and
 the question costs host time on every launch; allscan's layers launch a dozen of them per fwd+bwd
-(issue 14, bench/README.md "Twenty-second run"). :func:`direct` asks it once.
+(issue 14; bench/README.md, "Measurements behind design choices"). :func:`direct` asks it once.
 
 A backend registered for an entry point after allscan resolved it (an fla module imported later, an
 ``FLA_*`` switch set later) is not seen by allscan's calls; fla registers the backends of an entry

@@ -241,7 +241,7 @@ def _backward_steps(q, k, v, g, beta, factors, opts, scale, h0, do, finals, dt, 
     does the opposite, recomputing before it issues its scan, which overlaps its intra-chunk backward
     instead: here the recomputation is the only long step before the one that needs the scan's result,
     and it slows down beside the scan's work by less than the work takes; bench/README.md,
-    twenty-sixth run.)"""
+    "Measurements behind design choices".)"""
     fla = _fns()
     vl = dict(cu_seqlens=cu, chunk_indices=ci)
     if opts.per_key:

@@ -15,7 +15,7 @@ incoming state folded in, while the intra-chunk part runs as the state is in fli
 The dots take fp32 operands whatever the input dtype (Triton's default fp32 precision: tf32, or IEEE
 fp32 with TRITON_F32_DEFAULT=ieee), or fp32 split into bf16 hi/lo halves: the incoming state is the
 sum of everything before the shard and ``q * 2^G * scale`` is not representable in bf16, so rounding
-both to bf16 (as a bf16 dot would) adds two bf16 roundings to the output (bench/README.md, "ZeCO GLA").
+both to bf16 (as a bf16 dot would) adds two bf16 roundings to the output (bench/README.md, gla_kernels.py).
 Tile sizes and their timings: bench/gla_kernels.py and bench/README.md.
 """
 from __future__ import annotations
@@ -290,7 +290,7 @@ def _fwd_o_state_kernel(q, v, gc, h, A, off, S, o, cu_seqlens, chunk_indices, sc
 
 
 # The output kernel with the state folded in: the fastest of bench/gla_kernels.py's sweep on an H200
-# at T_local 4K-16K (bench/README.md, nineteenth run).
+# at T_local 4K-16K (bench/README.md, gla_kernels.py).
 FWD_O_TILES = dict(BK=64, BV=128, num_warps=4, num_stages=2)
 
 
