@@ -152,6 +152,76 @@ def test_unknown_attribute():
         settings.chek  # noqa: B018
 
 
+def _unknown_warnings(record):
+    return [str(w.message) for w in record if "is not an allscan variable" in str(w.message)]
+
+
+def test_an_unknown_variable_warns_once_naming_the_nearest(clean_env):
+    clean_env.setattr(_contract, "_warned_unknown", set())
+    clean_env.setenv("ALLSCAN_CHEK", "always")
+    clean_env.setenv("ALLSCAN_GLA_FUSE", "0")
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        settings.reload()
+        assert settings.check == "first"  # ignored
+        settings.reload()  # read again: no second warning
+    got = _unknown_warnings(record)
+    assert len(got) == 2, got
+    assert got[0].startswith("ALLSCAN_CHEK is set but is not an allscan variable") and "did you mean ALLSCAN_CHECK?" in got[0]
+    assert got[1].startswith("ALLSCAN_GLA_FUSE is set") and "did you mean ALLSCAN_GLA_FUSED?" in got[1]
+
+
+def test_variables_that_are_not_settings_do_not_warn(clean_env):
+    clean_env.setattr(_contract, "_warned_unknown", set())
+    for name in list(_contract.NOT_SETTINGS) + [v.name for v in VARIABLES if v.attr]:
+        clean_env.setenv(name, "")  # empty = unset, for the settings
+    clean_env.setenv("ALLSCAN_TEST_RANKS_PER_GPU", "2")
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        settings.reload()
+    assert _unknown_warnings(record) == []
+
+
+def test_the_unknown_variable_warning_comes_at_the_first_read():
+    code = ("import warnings, allscan\n"
+            "warnings.simplefilter('always')\n"
+            "print('imported', flush=True)\n"
+            "allscan.settings.check\n"
+            "allscan.settings.comm\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ALLSCAN_")}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env=dict(env, ALLSCAN_CHEK="always", ALLSCAN_TEST_RANKS_PER_GPU="2"))
+    assert out.returncode == 0, out.stderr
+    assert out.stderr.count("is not an allscan variable") == 1, out.stderr
+    assert "ALLSCAN_CHEK is set but is not an allscan variable, so it is ignored; did you mean ALLSCAN_CHECK?" in out.stderr
+
+
+# Names that look like variables in the project's code but are no environment variables.
+_NOT_ENVIRONMENT = {"ALLSCAN_KERNELS", "ALLSCAN_BUILD_BENCH", "ALLSCAN_BUILD_PYTHON", "ALLSCAN_PERF_MPI",
+                    "ALLSCAN_VERSION_", "ALLSCAN_VERSION_MAJOR", "ALLSCAN_VERSION_MINOR", "ALLSCAN_VERSION_PATCH"}
+
+
+def test_every_allscan_variable_the_project_uses_is_known():
+    """The ALLSCAN_* names in the project's Python and shell code: settings, or listed as read but
+    not settings (so that no one of them warns as unknown)."""
+    import re
+
+    root = os.path.join(os.path.dirname(__file__), "..")
+    known = {v.name for v in VARIABLES} | set(_contract.NOT_SETTINGS) | _NOT_ENVIRONMENT
+    found = {}
+    for top in ("python", "tests", "bench", "scripts", "examples"):
+        for dirpath, _, files in os.walk(os.path.join(root, top)):
+            for fname in files:
+                path = os.path.join(dirpath, fname)
+                if not fname.endswith((".py", ".sh")) or os.path.samefile(path, __file__):
+                    continue
+                with open(path, errors="replace") as f:
+                    for name in re.findall(r"\bALLSCAN_[A-Z0-9_]+", f.read()):
+                        found.setdefault(name, os.path.relpath(path, root))
+    unknown = {name: where for name, where in found.items() if name not in known}
+    assert not unknown, f"add these to VARIABLES or NOT_SETTINGS in allscan._contract: {unknown}"
+
+
 def test_readme_table_is_the_variables_table():
     with open(README) as f:
         text = f.read()

@@ -2,13 +2,15 @@
 
 - :data:`DTYPE_CODES`: torch dtype -> the core's dtype code (from ``allscan._C``); the only table.
 - :data:`settings`: every ``ALLSCAN_*`` environment variable, read and validated once, at first use
-  (:data:`VARIABLES` lists them; README.md's table mirrors it, a test keeps the two equal).
+  (:data:`VARIABLES` lists them; README.md's table mirrors it, a test keeps the two equal); an
+  unknown ``ALLSCAN_*`` name in the environment gets a warning naming the nearest known one.
 - :func:`check_across_ranks`: the one cross-rank signature check every collective runs before it
   communicates, so that ranks passing different shapes raise instead of hanging; and
   :func:`announce_invalid` for a rank whose own arguments failed a local check.
 """
 from __future__ import annotations
 
+import difflib
 import functools
 import hashlib
 import math
@@ -33,6 +35,7 @@ __all__ = [
     "VARIABLES",
     "settings",
     "markdown_table",
+    "NOT_SETTINGS",
     "MAX_CHECKED_SIGNATURES",
     "check_across_ranks",
     "still_checked",
@@ -212,6 +215,27 @@ VARIABLES: Tuple[Variable, ...] = (
 
 _A2A_CHECK_ALIAS = {"auto": "first", "always": "always", "never": "never"}
 
+# ``ALLSCAN_*`` variables the project reads that are not settings: not warned about as unknown.
+NOT_SETTINGS = {
+    "ALLSCAN_TEST_RANKS_PER_GPU": "tests/distributed.py: NCCL ranks that may share one GPU in the tests",
+    "ALLSCAN_TEST_BACKEND": "tests/test_fla_dispatch.py: the switch of a test backend registered with fla",
+}
+_warned_unknown: set = set()  # unknown names warned about in this process (each once)
+
+
+def _warn_unknown_variables() -> None:
+    """Warn, once per name and process, of an ``ALLSCAN_*`` variable in the environment that is no
+    setting (a misspelling is otherwise ignored without a word), naming the nearest known one."""
+    known = [v.name for v in VARIABLES] + list(NOT_SETTINGS)
+    for name in sorted(os.environ):
+        if not name.startswith("ALLSCAN_") or name in known or name in _warned_unknown:
+            continue
+        _warned_unknown.add(name)
+        nearest = difflib.get_close_matches(name, known, n=1, cutoff=0.0)
+        hint = f"; did you mean {nearest[0]}?" if nearest else ""
+        warnings.warn(f"{name} is set but is not an allscan variable, so it is ignored{hint} "
+                      f"(README.md lists the ALLSCAN_* variables)", UserWarning, stacklevel=4)
+
 
 def _env(name: str) -> Optional[str]:
     v = os.environ.get(name)
@@ -220,7 +244,8 @@ def _env(name: str) -> Optional[str]:
 
 class Settings:
     """Every ``ALLSCAN_*`` variable, read and validated together at the first attribute access
-    (``ValueError`` naming the variable on a value it does not know); :meth:`reload` re-reads.
+    (``ValueError`` naming the variable on a value it does not know; a warning naming the nearest
+    known variable for an ``ALLSCAN_*`` name that is none); :meth:`reload` re-reads.
     Attributes may be assigned (``allscan.set_check_every_call`` sets ``check``)."""
 
     _lock = threading.Lock()
@@ -241,6 +266,7 @@ class Settings:
         self._load()
 
     def _load(self) -> None:
+        _warn_unknown_variables()
         values = {}
         for var in VARIABLES:
             if var.attr:
