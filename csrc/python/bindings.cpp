@@ -4,6 +4,7 @@
 #include <pybind11/stl.h>
 
 #include <cuda_runtime.h>
+#include <dlfcn.h>
 
 #include <cstdint>
 #include <mutex>
@@ -24,6 +25,17 @@ namespace {
 
 using allscan_py::check;
 using allscan_py::ptr;
+
+// NCCL is bound lazily (CMakeLists.txt): before the first NCCL call, allscan._nccl.load() puts a
+// libnccl.so.2 in the global scope. A call without one would end the process in the dynamic linker;
+// this raises instead.
+bool ncclLoaded() { return dlsym(RTLD_DEFAULT, "ncclGetVersion") != nullptr; }
+
+void requireNccl() {
+  if (!ncclLoaded())
+    throw std::runtime_error("allscan: the NCCL library is not loaded (allscan._nccl.load() loads it: the NCCL "
+                             "torch loaded, else the nvidia-nccl wheel's)");
+}
 
 void checkNccl(ncclResult_t r, const char* what) {
   if (r != ncclSuccess) throw std::runtime_error(std::string("allscan: ") + what + ": " + ncclGetErrorString(r));
@@ -106,7 +118,9 @@ PYBIND11_MODULE(_C, m) {
   m.def("version", &allscanGetVersion);
   // The NCCL headers this module was compiled against; the library loaded at run time may differ.
   m.attr("NCCL_VERSION_COMPILED") = static_cast<int>(NCCL_VERSION_CODE);
+  m.def("nccl_loaded", &ncclLoaded);
   m.def("nccl_version", []() {
+    requireNccl();
     int v = 0;
     checkNccl(ncclGetVersion(&v), "ncclGetVersion");
     return v;
@@ -114,11 +128,13 @@ PYBIND11_MODULE(_C, m) {
 
   // Owned NCCL communicators (when torch's cannot be borrowed).
   m.def("nccl_get_unique_id", []() {
+    requireNccl();
     ncclUniqueId id;
     checkNccl(ncclGetUniqueId(&id), "ncclGetUniqueId");
     return py::bytes(id.internal, sizeof(id.internal));
   });
   m.def("nccl_comm_init_rank", [](int nranks, py::bytes id_bytes, int rank) {
+    requireNccl();
     std::string s = id_bytes;
     if (s.size() != sizeof(ncclUniqueId)) throw py::value_error("allscan: id: expected " + std::to_string(sizeof(ncclUniqueId)) + " bytes");
     ncclUniqueId id;
@@ -164,6 +180,7 @@ PYBIND11_MODULE(_C, m) {
     return n;
   });
   m.def("comm_create", [](std::uintptr_t nccl) {
+    requireNccl();
     allscanComm_t c = nullptr;
     check(allscanCommCreate(ptr<ncclComm>(nccl), &c));
     return reinterpret_cast<std::uintptr_t>(c);

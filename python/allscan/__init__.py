@@ -8,33 +8,21 @@ CPU tensors (or any other backend) through a pure torch.distributed implementati
 """
 from __future__ import annotations
 
-import ctypes
-import importlib.util
 import os
+import sys
 
-import torch  # noqa: F401  (import torch first: its libnccl.so.2 is the one the core uses)
+import torch  # noqa: F401  (import torch first: the NCCL it loads is the one the core uses)
 
+# The core binds NCCL lazily (allscan._nccl loads it before the first communicator): import its module
+# with lazy binding, so that it loads where no NCCL is installed.
+_dlopen_flags = sys.getdlopenflags()
+sys.setdlopenflags((_dlopen_flags & ~os.RTLD_NOW) | os.RTLD_LAZY)
+try:
+    from . import _C  # noqa: E402
+finally:
+    sys.setdlopenflags(_dlopen_flags)
 
-def _preload_nccl() -> None:
-    """Make sure one libnccl.so.2 is loaded before the core is: torch's when torch loaded one,
-    else the nvidia-nccl wheel's (CPU builds of torch load none)."""
-    try:
-        with open("/proc/self/maps") as f:
-            if "libnccl.so" in f.read():
-                return
-    except OSError:
-        return
-    spec = importlib.util.find_spec("nvidia.nccl")
-    if spec is None or not spec.submodule_search_locations:
-        return
-    lib = os.path.join(list(spec.submodule_search_locations)[0], "lib", "libnccl.so.2")
-    if os.path.exists(lib):
-        ctypes.CDLL(lib, mode=ctypes.RTLD_GLOBAL)
-
-
-_preload_nccl()
-
-from . import _C, a2a  # noqa: E402
+from . import a2a  # noqa: E402
 from ._C import CommunicatorError  # noqa: E402  (a group's NCCL communicator failed: mismatch, a peer's report)
 from ._C import CommunicatorTimeout  # noqa: E402  (a CommunicatorError: a collective on NCCL timed out)
 from ._contract import settings  # noqa: E402

@@ -24,7 +24,7 @@ from typing import Dict, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from . import _C, _faults
+from . import _C, _faults, _nccl
 from ._contract import settings
 
 __all__ = [
@@ -348,6 +348,7 @@ def get_communicator(group, device: torch.device) -> Communicator:
             "CUDA graph is being captured; call allscan once before capturing"
         )
 
+    _nccl.load()  # the core's NCCL, bound at its first call (allscan._nccl)
     nccl = _borrow_torch_comm(group, device) if settings.comm == "borrowed" else 0
     owned = nccl == 0
     if owned:

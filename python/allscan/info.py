@@ -15,11 +15,11 @@ import torch
 
 OPTIONAL = {  # package -> what allscan uses it for, and the extra that installs it
     "fla-core": "GLA / Gated DeltaNet / KDA kernels on GPU (allscan[gla])",
-    "flash-linear-attention": "fla's layers and models, for the integrations (allscan[gla])",
+    "flash-linear-attention": "fla's layers and models, for the integrations (allscan[fla])",
     "triton": "fla's and allscan's Triton kernels",
     "tilelang": "fla's gated delta-rule backward on Hopper with Triton < 3.7.1",
     "yunchang": "the Ulysses benchmark's comparison (allscan[bench])",
-    "transformers": "the Hugging Face integration",
+    "transformers": "the Hugging Face integration (allscan[hf])",
     "matplotlib": "benchmark plots (allscan[bench])",
 }
 
@@ -99,11 +99,12 @@ def _paths() -> Dict[str, str]:
 
 def report() -> Dict:
     import allscan
-    from allscan import _C
+    from allscan import _C, _nccl
     from allscan._contract import VARIABLES, settings
 
     loaded = None
     try:
+        _nccl.load()
         loaded = int(_C.nccl_version())
     except Exception:  # noqa: BLE001 - reported as not loaded
         pass
