@@ -36,9 +36,13 @@ def _phase(name, calls, step, sync, cuda):
     wrong = 0
     marks = {}
     t_first = t_last = 0.0
+    loud = os.environ.get("RANK", "0") == "0"  # progress from one rank: a long soak is not a silent one
     t0 = time.perf_counter()
     for i in range(calls):
         wrong += step(i)
+        if loud and (i + 1) % tenth == 0:
+            print(f"soak.py: {name}: {i + 1}/{calls} calls, {time.perf_counter() - t0:.0f} s, {wrong} wrong",
+                  file=sys.stderr, flush=True)
         if i + 1 == tenth:
             sync()
             t_first = (time.perf_counter() - t0) / tenth

@@ -118,8 +118,17 @@ def test_stage_clock_times_wrapped_calls_and_restores_them():
     assert ScanHandle(x).wait() is x  # a complete handle gives its result
     with pytest.raises(RuntimeError, match="not initialised"):
         allscan.scan(x)  # the wrapper passes a call's failure through, timed
-    with pytest.raises(Exception):
-        FlaDelta.fold_state_grad(None, None)
-    assert set(clock.ms) == {"step fold_state_grad", "scan", "wait"} and all(v >= 0 for v in clock.ms.values())
+
+    class Steps:  # a static step that fails: the wrapper passes its error through, timed
+        @staticmethod
+        def fail(reason):
+            raise ValueError(f"step failed: {reason}")
+
+    failing = Steps.__dict__["fail"]
+    clock.wrap(Steps, "fail", "step fail", static=True)
+    with pytest.raises(ValueError, match="step failed: on purpose"):
+        Steps.fail("on purpose")
+    assert set(clock.ms) == {"step fail", "scan", "wait"} and all(v >= 0 for v in clock.ms.values())
     clock.restore()
     assert (FlaDelta.__dict__["fold_state_grad"], allscan.scan, ScanHandle.wait) == originals
+    assert Steps.__dict__["fail"] is failing

@@ -71,6 +71,7 @@ int main(int argc, char** argv) {
   EXPECT(std::strcmp(allscanA2AGetLastError(), allscanGetLastError()) == 0);
   std::printf("a2a last error: %s\n", allscanA2AGetLastError());
   if (argc > 1 && std::strcmp(argv[1], "--gpu") == 0) return runGpu();
-  std::printf("consumer ok (allscan %d)\n", allscanGetVersion());
+  const int v = allscanGetVersion();  // MAJOR * 10000 + MINOR * 100 + PATCH
+  std::printf("consumer ok (allscan %d.%d.%d)\n", v / 10000, v / 100 % 100, v % 100);
   return 0;
 }
