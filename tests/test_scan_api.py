@@ -40,8 +40,18 @@ X = torch.randn(2, 3, 4)
         (dict(num_blocks=-2), ValueError, "num_blocks must be None"),
         (dict(num_blocks=True), ValueError, "num_blocks must be None"),
         (dict(num_blocks=2.0), ValueError, "num_blocks must be None"),
-        (dict(num_blocks=2 ** 63), ValueError, r"num_blocks must be at most 2147483647 .*got 9223372036854775808"),
-        (dict(transition=torch.ones(2, 3, 3), num_blocks=2 ** 31), ValueError, "num_blocks must be at most"),
+        # the README's bound: up to 64 blocks (allscanMaxBlocks), the device path's CTA count up to 128
+        (dict(num_blocks=65), ValueError, r"allscan.scan: num_blocks must be at most 64 \(the pipeline's blocks, "
+                                          r"from 1 to 64; .*got 65"),
+        (dict(num_blocks=10 ** 6), ValueError, r"num_blocks must be at most 64 .*got 1000000"),
+        (dict(num_blocks=2 ** 63), ValueError, r"num_blocks must be at most 64 .*got 9223372036854775808"),
+        (dict(num_blocks=65, method="serial"), ValueError, "num_blocks must be at most 64"),
+        (dict(num_blocks=65, method="allgather"), ValueError, "num_blocks must be at most 64"),
+        (dict(num_blocks=129, method="device"), ValueError,
+         r"num_blocks must be at most 128 with method='device' \(its CTA count, from 1 to 128; .*got 129"),
+        (dict(transition=torch.ones(2, 3, 3), num_blocks=65), ValueError,
+         r"allscan.scan: num_blocks must be at most 64 .*got 65"),
+        (dict(transition=torch.ones(2, 3, 3), num_blocks=2 ** 31), ValueError, "num_blocks must be at most 64"),
         (dict(group=42), TypeError, "group must be a torch.distributed ProcessGroup"),
     ],
 )
@@ -51,6 +61,13 @@ def test_bad_arguments(single_rank, kwargs, exc, match):
     tensor = args.pop("tensor")
     with pytest.raises(exc, match=match):
         allscan.scan(tensor, **args)
+
+
+@pytest.mark.parametrize("kwargs", [dict(num_blocks=64), dict(num_blocks=64, method="serial"),
+                                    dict(num_blocks=128, method="device"),
+                                    dict(transition=torch.eye(3).expand(2, 3, 3), num_blocks=64)])
+def test_largest_block_counts_are_taken(single_rank, kwargs):
+    assert torch.equal(allscan.scan(X, **kwargs), torch.zeros_like(X))  # one rank: the exclusive scan is zero
 
 
 def test_not_initialised_message():

@@ -9,25 +9,31 @@ from typing import List
 
 import torch
 
-from .. import _comm
+from .. import _C, _comm
 from .._contract import announce_invalid, settings
 
 __all__ = ["validated_group", "traced_refusal", "or_empty", "absent", "nccl_preflight", "announce_device", "tell_peers_of_failure", "own_work", "stream_ptr", "plan_cache", "plan_is_current",
-           "forget_plans", "PlanCache", "MAX_PLANS", "check_num_blocks", "MAX_NUM_BLOCKS"]
+           "forget_plans", "PlanCache", "MAX_PLANS", "check_num_blocks", "MAX_BLOCKS", "MAX_DEVICE_CTAS"]
 
 
-MAX_NUM_BLOCKS = 2 ** 31 - 1  # the core's block count is a C int
+MAX_BLOCKS = _C.MAX_BLOCKS  # the pipeline's blocks (allscanMaxBlocks); the serial and all-gather methods use one
+MAX_DEVICE_CTAS = 128  # method="device": its CTA count (kMaxCtas, csrc/allscan/device_scan_kernel.cuh)
 
 
-def check_num_blocks(what: str, num_blocks) -> None:
-    """``num_blocks`` of a scan: None (auto) or an int in [1, MAX_NUM_BLOCKS]."""
+def check_num_blocks(what: str, num_blocks, method: str) -> None:
+    """``num_blocks`` of a scan with ``method`` (already checked): None (auto) or an int from 1 to
+    :data:`MAX_BLOCKS`, or to :data:`MAX_DEVICE_CTAS` for ``method="device"`` (its CTA count)."""
     if num_blocks is None:
         return
     if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 1:
         raise ValueError(f"{what}: num_blocks must be None (auto) or a positive int, got {num_blocks!r}")
-    if num_blocks > MAX_NUM_BLOCKS:
-        raise ValueError(f"{what}: num_blocks must be at most {MAX_NUM_BLOCKS} (larger counts are capped to the "
-                         f"state's elements anyway), got {num_blocks}")
+    if method == "device":
+        if num_blocks > MAX_DEVICE_CTAS:
+            raise ValueError(f"{what}: num_blocks must be at most {MAX_DEVICE_CTAS} with method='device' (its CTA "
+                             f"count, from 1 to {MAX_DEVICE_CTAS}; None: one per 64 KiB), got {num_blocks}")
+    elif num_blocks > MAX_BLOCKS:
+        raise ValueError(f"{what}: num_blocks must be at most {MAX_BLOCKS} (the pipeline's blocks, from 1 to "
+                         f"{MAX_BLOCKS}; None: chosen from the link model), got {num_blocks}")
 
 
 def validated_group(group, tensor, op: str, validate, *, every_call: bool = False):

@@ -74,7 +74,7 @@ def _validate(tensor, transition, init, method, num_blocks, gamma=None) -> None:
             raise ValueError(f"{_WHAT}: init is on {init.device}, the tensor on {tensor.device}")
     if method not in METHODS:
         raise ValueError(f"{_WHAT}: method must be one of {METHODS}, got {method!r}")
-    check_num_blocks(_WHAT, num_blocks)
+    check_num_blocks(_WHAT, num_blocks, method)
 
 
 def _dims(x: torch.Tensor) -> Tuple[int, int, int]:

@@ -73,7 +73,7 @@ def _validate(tensor, gamma, init, method, num_blocks) -> None:
             )
     if method not in METHODS:
         raise ValueError(f"allscan.scan: method must be one of {METHODS}, got {method!r}")
-    check_num_blocks("allscan.scan", num_blocks)
+    check_num_blocks("allscan.scan", num_blocks, method)
 
 
 def _signature(x, g, init, reverse, inclusive, num_blocks, method) -> List[Tuple[str, int]]:
