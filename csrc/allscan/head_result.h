@@ -19,7 +19,7 @@ namespace detail {
 // bandwidth a self copy would share. Zeros come from the communicator's zeroed buffer
 // (ensureZeros; without it, the side path); the side path runs in series after the send when
 // asked or when its buffers are not 16-byte aligned.
-// Measurements: bench/README.md, "the head's own result" (second to fourth runs).
+// Measurements: bench/README.md, "Measurements behind design choices", "The head's own result".
 class HeadResult {
  public:
   // Chooses the path (ALLSCAN_HEAD_FILL, the size, the zero buffer, the alignment). y null: the

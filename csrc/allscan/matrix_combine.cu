@@ -20,7 +20,7 @@ using detail::quietNan;
 
 // An FFMA GEMM in the accumulation dtype: an fp32 state must match a float64 chain to ~1e-6
 // relative, which TF32 tensor cores (10-bit mantissa) cannot give; 3xTF32 on tensor cores was
-// measured slower than this kernel at every tested size (bench/README.md, eighteenth run).
+// measured slower than this kernel at every tested size (bench/README.md, "The combine kernel").
 // Output tile TILE x TILE per CTA of 256 threads (TILE/16 x TILE/16 outputs per thread): 64 x 64 when
 // there are enough of them to fill the GPU, else 32 x 32 (4x the CTAs: a pipeline block of a few
 // [128, 128] entries is a few dozen CTAs).
