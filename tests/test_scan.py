@@ -14,7 +14,8 @@ DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
 STATE = (2, 3, 5, 7)  # 210 elements: no block count divides it evenly
 # Decay shapes: None (plain prefix sum), every prefix of the state's shape.
 DECAYS = [None, (), (2,), (2, 3), (2, 3, 5), STATE]
-METHODS = [("pipelined", None), ("pipelined", 1), ("pipelined", 2), ("pipelined", 3), ("pipelined", 1000),
+# (method, num_blocks): auto, one, two, three blocks, the most (64: more are refused), serial, all-gather.
+METHODS = [("pipelined", None), ("pipelined", 1), ("pipelined", 2), ("pipelined", 3), ("pipelined", 64),
            ("serial", None), ("allgather", None)]
 TOL = {torch.float32: 1e-5, torch.float64: 1e-12, torch.bfloat16: 5e-2, torch.float16: 5e-3}
 
