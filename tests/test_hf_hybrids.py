@@ -1,0 +1,216 @@
+"""transformers' linear-attention hybrids made sequence-parallel by ``allscan.integrations.hf_hybrids``, fp64, CPU.
+
+The reference is transformers' own model, untouched, on one process and the whole sequence, on its torch paths
+(transformers falls back to them for CPU tensors even with fla installed). Its torch delta rule computes in fp32
+whatever the inputs; for an fp64 reference the test runs that same function (its source, from the installed
+modeling file) with the upcast made one to the inputs' dtype (:func:`fp64_delta_rule`). Checked, for each family
+in one spawn of 3 gloo ranks: SP = 3 (the default group) and SP = 2 (a subgroup) give the reference's loss and
+every parameter gradient (summed over the group) to 1e-6 relative, B = 2 rows; the rewiring keeps every Parameter
+object; a cache asked for at call time raises on every rank. Without a spawn: a model with a sequence mixer
+allscan does not know raises naming it and is left as it was; the call-time refusals by name; on one process
+(``LOCAL``) the rewired model equals the original.
+"""
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from distributed import run_distributed  # noqa: E402
+
+transformers = pytest.importorskip("transformers", minversion="5.0")
+
+VOCAB = 61
+T = 24  # divisible by 2 and 3; 8 tokens a rank at SP = 3 (the halo needs conv_size - 1 = 3)
+FAMILIES = ["qwen3_next", "qwen3_5", "olmo_hybrid", "kimi_linear"]
+# the delta rule each family's linear layer calls, as a name in its modeling module
+DELTA_RULE = {"qwen3_next": "torch_chunk_gated_delta_rule", "qwen3_5": "torch_chunk_gated_delta_rule",
+              "olmo_hybrid": "torch_chunk_gated_delta_rule", "kimi_linear": "chunk_kimi_delta_attention"}
+LINEAR = {"qwen3_next": "Qwen3NextGatedDeltaNet", "qwen3_5": "Qwen3_5GatedDeltaNet",
+          "olmo_hybrid": "OlmoHybridGatedDeltaNet", "kimi_linear": "KimiLinearDeltaAttention"}
+
+
+def _modeling(kind):
+    import importlib
+
+    return importlib.import_module(f"transformers.models.{kind}.modeling_{kind}")
+
+
+def fp64_delta_rule(kind):
+    """Point the family's modeling module at its own torch delta rule computing in the inputs' dtype: the
+    function's source with ``torch.float32`` (and KDA's ``.float()``) made the inputs' dtype. Test only."""
+    mod = _modeling(kind)
+    name = DELTA_RULE[kind]
+    src = open(mod.__file__).read()
+    start = src.index(f"\ndef {name}(") + 1
+    code = src[start:src.index("\n\n\n", start)]
+    assert "initial_dtype = query.dtype" in code
+    code = code.replace("torch.float32", "initial_dtype").replace(".float()", ".to(initial_dtype)")
+    namespace = dict(vars(mod))
+    exec(compile(code, mod.__file__, "exec"), namespace)  # noqa: S102
+    setattr(mod, name, namespace[name])
+
+
+def tiny_model(kind, seed=0):
+    """A 2-layer model of ``kind`` (a linear-attention layer, then softmax attention), seeded, fp64; fewer key
+    than value heads for Gated DeltaNet, MLA with a value head narrower than its query/key heads for Kimi."""
+    tf = transformers
+    torch.manual_seed(seed)
+    common = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, layer_types=["linear_attention", "full_attention"],
+                  pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    gdn = dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
+               linear_conv_kernel_dim=4)
+    if kind == "qwen3_next":
+        model = tf.Qwen3NextForCausalLM(tf.Qwen3NextConfig(
+            head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+            shared_expert_intermediate_size=16, **gdn, **common))
+    elif kind == "qwen3_5":
+        model = tf.Qwen3_5ForCausalLM(tf.Qwen3_5TextConfig(head_dim=8, **gdn, **common))
+    elif kind == "olmo_hybrid":
+        model = tf.OlmoHybridForCausalLM(tf.OlmoHybridConfig(**gdn, **common))
+    elif kind == "kimi_linear":
+        model = tf.KimiLinearForCausalLM(tf.KimiLinearConfig(
+            mlp_layer_types=["dense", "sparse"], kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=4,
+            qk_nope_head_dim=8, v_head_dim=8, linear_num_heads=2, linear_head_dim=8, linear_conv_kernel_dim=4,
+            num_local_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, n_group=1, topk_group=1,
+            **{**common, "num_key_value_heads": 4}))
+    else:
+        raise ValueError(kind)
+    if hasattr(model, "set_experts_implementation"):
+        model.set_experts_implementation("eager")  # grouped_mm has no fp64
+    return model.double()
+
+
+def _batch(B=2):
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, VOCAB, (B, T), generator=gen)
+    labels = ids.clone()
+    labels[1, :3] = -100
+    return ids, labels
+
+
+def _grads(model):
+    return {n: (p.grad if p.grad is not None else torch.zeros_like(p)) for n, p in model.named_parameters()}
+
+
+def _rel(a, b):
+    return ((a - b).norm() / b.norm().clamp_min(1e-300)).item()
+
+
+def _sp_equals_one_process(rank, world, kind):
+    import torch.distributed as dist
+
+    from allscan.integrations import hf_hybrids as sp
+
+    fp64_delta_rule(kind)
+    ids, labels = _batch()
+    ref = tiny_model(kind)
+    whole = sp.BatchShard(ids, None, torch.nn.functional.pad(labels[:, 1:], (0, 1), value=sp.IGNORE_INDEX),
+                          int((labels[:, 1:] != sp.IGNORE_INDEX).sum()))
+    ref_logits = ref(input_ids=ids, use_cache=False).logits
+    ref_loss = sp.causal_lm_loss(ref_logits, whole)
+    ref_loss.backward()
+    ref_grads = _grads(ref)
+
+    pair = dist.new_group([0, 1])  # every rank takes part in making it
+    res = {}
+    for P, group in ((world, None), (2, pair)):
+        if rank >= P:
+            continue
+        model = tiny_model(kind)
+        before = dict(model.named_parameters())
+        assert sp.sequence_parallel(model, group) is model
+        r = {"same_objects": all(p is before[n] for n, p in model.named_parameters())
+             and sorted(before) == sorted(n for n, _ in model.named_parameters()),
+             "rewired": [type(m).__name__ for m in model.modules()
+                         if isinstance(m.__dict__.get("forward"), sp.SequenceParallelForward)],
+             "use_cache": model.config.use_cache}
+        shard = sp.shard_batch(ids, labels, group=group)
+        logits = model(input_ids=shard.input_ids, position_ids=shard.position_ids).logits
+        loss = sp.causal_lm_loss(logits, shard)
+        loss.backward()
+        sp.sync_gradients(model, group)
+        Tl = T // P
+        r["loss"] = abs(sp.reduce_loss(loss, group).item() - ref_loss.item()) / abs(ref_loss.item())
+        r["logits"] = _rel(logits, ref_logits[:, rank * Tl:(rank + 1) * Tl])
+        grads = _grads(model)
+        r["grads"] = max(_rel(grads[n], ref_grads[n]) for n in ref_grads)
+        r["worst"] = max(ref_grads, key=lambda n: _rel(grads[n], ref_grads[n]))
+        # a cache asked for at call time: refused on every rank, by name
+        try:
+            model(input_ids=shard.input_ids, position_ids=shard.position_ids, use_cache=True)
+            r["cache"] = "no error"
+        except NotImplementedError as e:
+            r["cache"] = str(e)
+        res[P] = r
+    return res
+
+
+def _check(results, kind):
+    for rank, res in enumerate(results):
+        for P, r in res.items():
+            assert r["same_objects"] and r["rewired"] == [LINEAR[kind]] and r["use_cache"] is False, (rank, P, r)
+            assert r["loss"] <= 1e-6 and r["grads"] <= 1e-6 and r["logits"] <= 1e-6, (rank, P, r)
+            assert "use_cache=True is not supported" in r["cache"], (rank, P, r)
+    assert sorted(results[0]) == [2, 3] and sorted(results[2]) == [3]
+
+
+@pytest.mark.parametrize("kind", FAMILIES)
+def test_family_sequence_parallel_equals_one_process(kind):
+    results = run_distributed(_sp_equals_one_process, 3, kind, timeout=900)
+    print(kind, [{P: {k: r[k] for k in ("loss", "grads", "logits", "worst")} for P, r in res.items()}
+                 for res in results])  # shown with -s: the errors seen
+    _check(results, kind)
+
+
+def test_unknown_sequence_mixer_is_named_and_nothing_changes():
+    from allscan.integrations import hf_hybrids as sp
+
+    tf = transformers
+    config = tf.NemotronHConfig(vocab_size=VOCAB, hidden_size=32, layers_block_type=["mamba", "attention"],
+                                num_attention_heads=4, num_key_value_heads=2, head_dim=8, intermediate_size=48,
+                                ssm_state_size=8, mamba_num_heads=4, mamba_head_dim=8, n_groups=1, conv_kernel=4,
+                                expand=1, use_mamba_kernels=False)
+    model = tf.NemotronHForCausalLM(config)
+    impl = model.config._attn_implementation
+    with pytest.raises(NotImplementedError, match=r"model.layers.0.mixer \(NemotronHMamba2Mixer\)"):
+        sp.sequence_parallel(model)
+    assert model.config._attn_implementation == impl and not model._forward_pre_hooks
+
+    # a supported family with one module it does not know: refused, the known layers left as they were
+    model = tiny_model("qwen3_5")
+    model.model.layers[1].mlp.extra = torch.nn.Conv1d(4, 4, kernel_size=3, groups=4)
+    with pytest.raises(NotImplementedError, match=r"model.layers.1.mlp \(Qwen3_5MLP: a Conv1d of kernel \(3,\)\)"):
+        sp.sequence_parallel(model)
+    assert not sp.is_sequence_parallel(model) and model.config._attn_implementation == impl
+    assert not model._forward_pre_hooks and model.config.use_cache is True
+
+
+def test_one_process_equals_original_and_call_time_refusals():
+    """``LOCAL``: the rewired model (convolution, delta rule, attention all of this process) equals transformers'
+    own; what sequence parallelism cannot run is refused by name at the call."""
+    from allscan.integrations import hf_hybrids as sp
+    from allscan.ops import LOCAL
+
+    kind = "qwen3_5"
+    fp64_delta_rule(kind)
+    ids, _ = _batch()
+    ref = tiny_model(kind)
+    want = ref(input_ids=ids, use_cache=False).logits
+    model = tiny_model(kind)
+    sp.sequence_parallel(model, LOCAL)
+    got = model(input_ids=ids).logits
+    assert _rel(got, want) <= 1e-12
+    for kwargs, match in [(dict(use_cache=True), "use_cache=True"),
+                          (dict(past_key_values=transformers.DynamicCache(config=model.config)), "a KV or recurrent"),
+                          (dict(output_attentions=True), "output_attentions=True"),
+                          (dict(labels=ids), "labels are not supported"),
+                          (dict(attention_mask=torch.ones_like(ids).index_fill_(1, torch.tensor([0]), 0)), "padding"),
+                          (dict(position_ids=torch.tensor([list(range(10)) + list(range(T - 10))] * 2)), "packed")]:
+        with pytest.raises(NotImplementedError, match=match):
+            model(input_ids=ids, **kwargs)
+    with pytest.raises(NotImplementedError, match="generation is not supported"):
+        model.generate(ids, max_new_tokens=2)
+    assert _rel(model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits, want) <= 1e-12  # checks reset
