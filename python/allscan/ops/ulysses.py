@@ -323,6 +323,19 @@ def _report_failure(plan: "_ChunkPlan", like: torch.Tensor, phase: str):
     return failed
 
 
+DOUBLE_BACKWARD_REFUSED = (
+    f"{_OP}: double backward (a backward with create_graph=True, e.g. for a gradient penalty) is not supported: "
+    "its backward (all-to-alls around each head chunk's attention backward) is not differentiable. Take the "
+    "gradients without create_graph=True, or use one-process attention where second-order gradients are needed")
+
+
+def _graph_kept() -> bool:
+    """Whether the backward running now keeps its graph (``retain_graph=True``): the per-chunk graphs are
+    then kept for the next backward. True where torch cannot tell (keeping is always correct)."""
+    keep = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
+    return True if keep is None else bool(keep())
+
+
 class _UlyssesFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, plan: _ChunkPlan):
@@ -333,9 +346,14 @@ class _UlyssesFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout):
+        # The per-chunk graphs are freed as the backward consumes them unless the graph is retained (a
+        # second backward then runs through them again); a backward without retain_graph frees them, so a
+        # next one raises torch's "backward through the graph a second time" error first.
         plan, graphs = ctx.plan, ctx.graphs
-        dq, dk, dv = _backward(plan, graphs, dout, ctx.needs_input_grad)
-        ctx.graphs = None
+        retain = _graph_kept()
+        dq, dk, dv = _backward(plan, graphs, dout, ctx.needs_input_grad, retain)
+        if not retain:
+            ctx.graphs = None
         return dq, dk, dv, None
 
 
@@ -434,7 +452,11 @@ def _backward_buffers(plan: _ChunkPlan, dout):
     return dout, dq, dk, dv, douts, acc_k, acc_v
 
 
-def _backward(plan: _ChunkPlan, graphs, dout, needs):
+def _backward(plan: _ChunkPlan, graphs, dout, needs, retain: bool = False):
+    """dq, dk, dv (None where ``needs`` says none is wanted) from the per-chunk graphs the forward kept;
+    ``retain``: keep those graphs for another backward (``retain_graph=True``), else free each once used.
+    Refused (every rank runs the same graph, so every rank raises, before any all-to-all) under
+    ``create_graph=True``: the gradients it returns are not differentiable."""
     B, Sl, D, P = plan.B, plan.Sl, plan.D, plan.world
     S = Sl * P
     group = plan.group
@@ -444,6 +466,8 @@ def _backward(plan: _ChunkPlan, graphs, dout, needs):
     check = _chunks_checked(group, dout)
     me = plan.me
     try:
+        if torch.is_grad_enabled():  # the engine runs a backward in grad mode only for create_graph=True
+            raise RuntimeError(DOUBLE_BACKWARD_REFUSED)
         dout, dq, dk, dv, douts, acc_k, acc_v = _backward_buffers(plan, dout)
     except Exception as e:
         failed(None, e)
@@ -462,8 +486,9 @@ def _backward(plan: _ChunkPlan, graphs, dout, needs):
                 return dout.new_empty(B, S, 0, D), acc_k[:, :, :0], acc_v[:, :, :0]
             return tuple(dout.new_empty(B, S, 0, D) for _ in range(3))
         oc, qc, kc, vc = g
-        gq, gk, gv = torch.autograd.grad(oc, (qc, kc, vc), douts[c])
-        graphs[c] = None
+        gq, gk, gv = torch.autograd.grad(oc, (qc, kc, vc), douts[c], retain_graph=retain)
+        if not retain:
+            graphs[c] = None
         if not plan.kv_accumulate:
             return gq.contiguous(), gk.contiguous(), gv.contiguous()
         idx = ch.index(gk.device, ch.kv_lo - plan.kv_lo)
