@@ -5,10 +5,12 @@ The reference is transformers' own model, untouched, on one process and the whol
 whatever the inputs; for an fp64 reference the test runs that same function (its source, from the installed
 modeling file) with the upcast made one to the inputs' dtype (:func:`fp64_delta_rule`). Checked, for each family
 in one spawn of 3 gloo ranks: SP = 3 (the default group) and SP = 2 (a subgroup) give the reference's loss and
-every parameter gradient (summed over the group) to 1e-6 relative, B = 2 rows; the rewiring keeps every Parameter
-object; a cache asked for at call time raises on every rank. Without a spawn: a model with a sequence mixer
-allscan does not know raises naming it and is left as it was; the call-time refusals by name; on one process
-(``LOCAL``) the rewired model equals the original.
+every parameter gradient (summed over the group) to 1e-6 relative, with B = 2 rows and with one packed row
+(position ids that restart: a sequence inside a shard, one crossing a rank boundary, one starting at a rank's
+first token) against each sequence run alone; the rewiring keeps every Parameter object; a cache asked for at
+call time raises on every rank. Without a spawn: a model with a sequence mixer allscan does not know raises
+naming it and is left as it was; the call-time refusals by name; on one process (``LOCAL``) the rewired model
+equals the original, packed row included.
 """
 import os
 import sys
@@ -87,8 +89,36 @@ def _batch(B=2):
     gen = torch.Generator().manual_seed(1)
     ids = torch.randint(3, VOCAB, (B, T), generator=gen)
     labels = ids.clone()
-    labels[1, :3] = -100
+    if B > 1:
+        labels[1, :3] = -100
     return ids, labels
+
+
+# one packed row: a sequence inside rank 0's shard, one crossing a rank boundary (at SP = 2 and 3), one starting
+# exactly at rank 2's first token (SP = 3)
+BOUNDS = [0, 5, 16, T]
+
+
+def _packed_positions():
+    return torch.cat([torch.arange(b - a) for a, b in zip(BOUNDS[:-1], BOUNDS[1:])])[None]
+
+
+def _reference(kind, ids, labels, packed):
+    """transformers' model on one process: the whole rows, or each packed sequence run alone (its logits
+    concatenated; labels ignored at each sequence's last token, as shard_batch leaves them)."""
+    from allscan.integrations import hf_hybrids as sp
+
+    ref = tiny_model(kind)
+    shift = torch.nn.functional.pad(labels[:, 1:], (0, 1), value=sp.IGNORE_INDEX)
+    if packed:
+        shift[:, [b - 1 for b in BOUNDS[1:-1]]] = sp.IGNORE_INDEX
+        logits = torch.cat([ref(input_ids=ids[:, a:b], use_cache=False).logits
+                            for a, b in zip(BOUNDS[:-1], BOUNDS[1:])], dim=1)
+    else:
+        logits = ref(input_ids=ids, use_cache=False).logits
+    loss = sp.causal_lm_loss(logits, sp.BatchShard(ids, None, shift, int((shift != sp.IGNORE_INDEX).sum())))
+    loss.backward()
+    return logits, loss, _grads(ref)
 
 
 def _grads(model):
@@ -105,20 +135,16 @@ def _sp_equals_one_process(rank, world, kind):
     from allscan.integrations import hf_hybrids as sp
 
     fp64_delta_rule(kind)
-    ids, labels = _batch()
-    ref = tiny_model(kind)
-    whole = sp.BatchShard(ids, None, torch.nn.functional.pad(labels[:, 1:], (0, 1), value=sp.IGNORE_INDEX),
-                          int((labels[:, 1:] != sp.IGNORE_INDEX).sum()))
-    ref_logits = ref(input_ids=ids, use_cache=False).logits
-    ref_loss = sp.causal_lm_loss(ref_logits, whole)
-    ref_loss.backward()
-    ref_grads = _grads(ref)
+    rows, packed_row = _batch(), _batch(1)
+    refs = {False: _reference(kind, *rows, False), True: _reference(kind, *packed_row, True)}
 
     pair = dist.new_group([0, 1])  # every rank takes part in making it
     res = {}
-    for P, group in ((world, None), (2, pair)):
+    for P, group, packed in ((world, None, False), (world, None, True), (2, pair, False), (2, pair, True)):
         if rank >= P:
             continue
+        ids, labels = packed_row if packed else rows
+        ref_logits, ref_loss, ref_grads = refs[packed]
         model = tiny_model(kind)
         before = dict(model.named_parameters())
         assert sp.sequence_parallel(model, group) is model
@@ -127,7 +153,8 @@ def _sp_equals_one_process(rank, world, kind):
              "rewired": [type(m).__name__ for m in model.modules()
                          if isinstance(m.__dict__.get("forward"), sp.SequenceParallelForward)],
              "use_cache": model.config.use_cache}
-        shard = sp.shard_batch(ids, labels, group=group)
+        shard = sp.shard_batch(ids, labels, group=group, position_ids=_packed_positions() if packed else None)
+        assert (shard.cu_seqlens is not None) == packed
         logits = model(input_ids=shard.input_ids, position_ids=shard.position_ids).logits
         loss = sp.causal_lm_loss(logits, shard)
         loss.backward()
@@ -144,7 +171,7 @@ def _sp_equals_one_process(rank, world, kind):
             r["cache"] = "no error"
         except NotImplementedError as e:
             r["cache"] = str(e)
-        res[P] = r
+        res[(P, "packed" if packed else "rows")] = r
     return res
 
 
@@ -154,7 +181,7 @@ def _check(results, kind):
             assert r["same_objects"] and r["rewired"] == [LINEAR[kind]] and r["use_cache"] is False, (rank, P, r)
             assert r["loss"] <= 1e-6 and r["grads"] <= 1e-6 and r["logits"] <= 1e-6, (rank, P, r)
             assert "use_cache=True is not supported" in r["cache"], (rank, P, r)
-    assert sorted(results[0]) == [2, 3] and sorted(results[2]) == [3]
+    assert len(results[0]) == 4 and sorted(results[2]) == [(3, "packed"), (3, "rows")]
 
 
 @pytest.mark.parametrize("kind", FAMILIES)
@@ -190,7 +217,8 @@ def test_unknown_sequence_mixer_is_named_and_nothing_changes():
 
 def test_one_process_equals_original_and_call_time_refusals():
     """``LOCAL``: the rewired model (convolution, delta rule, attention all of this process) equals transformers'
-    own; what sequence parallelism cannot run is refused by name at the call."""
+    own, on whole rows and on a packed row (each sequence alone); what sequence parallelism cannot run is refused
+    by name at the call."""
     from allscan.integrations import hf_hybrids as sp
     from allscan.ops import LOCAL
 
@@ -201,14 +229,20 @@ def test_one_process_equals_original_and_call_time_refusals():
     want = ref(input_ids=ids, use_cache=False).logits
     model = tiny_model(kind)
     sp.sequence_parallel(model, LOCAL)
-    got = model(input_ids=ids).logits
-    assert _rel(got, want) <= 1e-12
+    assert _rel(model(input_ids=ids).logits, want) <= 1e-12
+    row = ids[:1]
+    want_packed = torch.cat([ref(input_ids=row[:, a:b], use_cache=False).logits
+                             for a, b in zip(BOUNDS[:-1], BOUNDS[1:])], dim=1)
+    assert _rel(model(input_ids=row, position_ids=_packed_positions()).logits, want_packed) <= 1e-12
+    restart = torch.tensor([list(range(10)) + list(range(T - 10))] * 2)
     for kwargs, match in [(dict(use_cache=True), "use_cache=True"),
                           (dict(past_key_values=transformers.DynamicCache(config=model.config)), "a KV or recurrent"),
                           (dict(output_attentions=True), "output_attentions=True"),
                           (dict(labels=ids), "labels are not supported"),
                           (dict(attention_mask=torch.ones_like(ids).index_fill_(1, torch.tensor([0]), 0)), "padding"),
-                          (dict(position_ids=torch.tensor([list(range(10)) + list(range(T - 10))] * 2)), "packed")]:
+                          (dict(position_ids=restart), "packed rows .* in a batch of 2 rows"),
+                          (dict(cu_seq_lens_q=torch.tensor([0, T], dtype=torch.int32)), "cu_seq_lens_"),
+                          (dict(position_ids=torch.arange(3 * T).view(3, 1, T)), r"position ids other than")]:
         with pytest.raises(NotImplementedError, match=match):
             model(input_ids=ids, **kwargs)
     with pytest.raises(NotImplementedError, match="generation is not supported"):

@@ -26,15 +26,23 @@ crosses the rank boundaries:
   (:func:`allscan.ops.ulysses.ulysses_attention`): the model's attention implementation is set to one
   registered here for the group (:func:`attention_implementation`).
 
+Packed rows: sequences packed in one row (B = 1) and marked by position ids that restart (transformers'
+``DataCollatorWithFlattening``; ``shard_batch(..., position_ids=)`` cuts the row and its labels) are found in the
+whole row at each call and computed each as if alone, also where a sequence starts inside a shard or crosses a
+rank boundary: the convolution reads nothing before its sequence's start, the delta rule starts each sequence
+from a zero state (``cu_seqlens``), the attention attends within each sequence. Their global bounds travel to
+the layers as ``cu_seq_lens_q`` / ``cu_seq_lens_k`` (which transformers hands every layer).
+
 The whole model is inspected before anything changes: a sequence-mixing module this does not know (a Mamba
 mixer, a convolution over the sequence, an attention of another kind, a vision tower) raises
 ``NotImplementedError`` naming its class and where it is, and the model is left as it was. At call time
 (a forward pre-hook on the model's transformers models, once per outermost call, agreed on by every rank of
 the group so that all of them raise together) a KV or recurrent cache (``past_key_values``, ``use_cache=True``),
-``output_attentions``, ``labels`` (transformers would shift them within each shard), padding masks and packed
-rows (position ids that restart, ``cu_seq_lens_*``) are refused by name; ``generate`` raises. Position ids
-default to the global ones (``rank * T_local + arange(T_local)``), as one process would make them. Caching is
-turned off (``config.use_cache``): sequence parallelism is for training and prefill.
+``output_attentions``, ``labels`` (transformers would shift them within each shard), padding masks, several
+packed rows in one batch and flash-attention kwargs from the caller (``cu_seq_lens_*``: the bounds come from the
+position ids) are refused by name; ``generate`` raises. Position ids default to the global ones
+(``rank * T_local + arange(T_local)``), as one process would make them. Caching is turned off
+(``config.use_cache``): sequence parallelism is for training and prefill.
 """
 from __future__ import annotations
 
@@ -55,7 +63,8 @@ import torch.nn.functional as F
 from allscan.ops import sequence_parallel_group
 from allscan.ops.halo import halo_exchange
 
-from .batch import IGNORE_INDEX, BatchShard, causal_lm_loss, reduce_loss, shard_batch, sync_gradients  # noqa: F401
+from .batch import (IGNORE_INDEX, BatchShard, causal_lm_loss, packed_bounds_of, reduce_loss,  # noqa: F401
+                    shard_batch, sync_gradients)
 
 __all__ = ["sequence_parallel", "is_sequence_parallel", "attention_implementation", "SUPPORTED", "shard_batch",
            "causal_lm_loss", "reduce_loss", "sync_gradients", "BatchShard", "IGNORE_INDEX"]
@@ -123,8 +132,9 @@ def _family_of(cls) -> Optional[Tuple[str, str]]:
 # refused, the convolution and the recurrence across ranks
 # ------------------------------------------------------------------------------------------------
 
-def _refuse_in_layer(mod, cache, attention_mask, kwargs) -> None:
-    """What the model-level check refuses, once more at the layer (a layer called on its own)."""
+def _layer_call(mod, hidden_states, cache, attention_mask, kwargs) -> Optional[torch.Tensor]:
+    """What the model-level check refuses, once more at the layer (a layer called on its own); returns the
+    packed sequences' bounds ``cu_seq_lens_q`` (global offsets in the whole row, B = 1) or None."""
     name = type(mod).__name__
     if cache is not None or kwargs.get("cache_params") is not None or kwargs.get("past_key_values") is not None:
         raise NotImplementedError(f"{name} under sequence parallelism: a recurrent cache is not supported "
@@ -132,23 +142,58 @@ def _refuse_in_layer(mod, cache, attention_mask, kwargs) -> None:
     if attention_mask is not None:
         raise NotImplementedError(f"{name} under sequence parallelism: a padding mask is not supported (every "
                                   "sequence is whole: pack or trim the batch)")
-    packed = [k for k in _PACKING_KWARGS if kwargs.get(k) is not None]
-    if packed:
-        raise NotImplementedError(f"{name} under sequence parallelism: packed sequences ({', '.join(packed)}) are "
-                                  "not supported yet")
+    if kwargs.get("seq_idx") is not None or kwargs.get("cu_seqlens") is not None:
+        raise NotImplementedError(f"{name} under sequence parallelism: seq_idx / cu_seqlens are not supported (packed "
+                                  "sequences come as cu_seq_lens_q, global offsets in the whole row)")
+    return _packed_bounds(name, hidden_states.shape[0], kwargs)
 
 
-def _causal_conv(mod, mixed_qkv: torch.Tensor, group) -> torch.Tensor:
+def _packed_bounds(name, batch, kwargs) -> Optional[torch.Tensor]:
+    """``cu_seq_lens_q`` (= ``cu_seq_lens_k``) of a packed row: what the model-level check passes down, the
+    sequences' bounds in the whole row (global offsets); None for unpacked rows."""
+    cu, ck = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
+    if cu is None and ck is None:
+        return None
+    if cu is None or ck is None or not torch.equal(torch.as_tensor(cu).cpu(), torch.as_tensor(ck).cpu()):
+        raise NotImplementedError(f"{name}: cu_seq_lens_q and cu_seq_lens_k must be given together and equal "
+                                  "(self-attention over packed sequences)")
+    if batch != 1:
+        raise NotImplementedError(f"{name}: packed sequences need one row (B = 1), got B = {batch}")
+    return torch.as_tensor(cu)
+
+
+def _causal_conv(mod, mixed_qkv: torch.Tensor, group, cu_seqlens: Optional[torch.Tensor] = None) -> torch.Tensor:
     """transformers' ``causal_conv1d_fn`` (depthwise, causal, then ``mod.activation``) over the global sequence:
     ``mixed_qkv [B, T_local, C]`` with the previous rank's last ``kernel - 1`` tokens before it (zeros on rank
-    0: the module's own left padding). Returns ``[B, T_local, C]`` in ``mixed_qkv``'s dtype."""
+    0: the module's own left padding). With ``cu_seqlens`` (packed sequences, global bounds, B = 1) no window
+    reads before its token's sequence start: each sequence is convolved as if alone (zero-padded). Returns
+    ``[B, T_local, C]`` in ``mixed_qkv``'s dtype."""
     conv = mod.conv1d
     width = conv.kernel_size[0]
     x = mixed_qkv
     if width > 1:
         x = torch.cat([halo_exchange(mixed_qkv, width - 1, group), mixed_qkv], dim=1)
     weight = conv.weight  # [C, 1, width], as transformers' weight.squeeze(1).unsqueeze(1)
-    out = F.conv1d(x.transpose(1, 2).to(weight.dtype), weight, conv.bias, padding=0, groups=conv.groups)
+    if cu_seqlens is None:
+        out = F.conv1d(x.transpose(1, 2).to(weight.dtype), weight, conv.bias, padding=0, groups=conv.groups)
+    else:
+        # window slot i of local token t reads global token p - (width - 1) + i (p = rank * T + t): counted only
+        # from the start of p's sequence on
+        T = mixed_qkv.shape[1]
+        pg = sequence_parallel_group(group, type(mod).__name__)
+        rank = 0 if pg is None else dist.get_rank(pg)
+        pos = rank * T + torch.arange(T, device=x.device)
+        cu = cu_seqlens.to(device=x.device, dtype=torch.long)
+        start = cu[torch.searchsorted(cu, pos, right=True) - 1]
+        xw = x.to(weight.dtype)
+        out = None
+        for i in range(width):
+            seen = (pos - (width - 1) + i >= start).to(weight.dtype)[None, :, None]
+            term = xw[:, i:i + T, :] * weight[:, 0, i] * seen
+            out = term if out is None else out + term
+        if conv.bias is not None:
+            out = out + conv.bias
+        out = out.transpose(1, 2)  # [B, C, T], as F.conv1d's
     if mod.activation is not None:
         from transformers.activations import ACT2FN
 
@@ -156,37 +201,37 @@ def _causal_conv(mod, mixed_qkv: torch.Tensor, group) -> torch.Tensor:
     return out.to(mixed_qkv.dtype).transpose(1, 2)
 
 
-def _gated_delta_rule(q, k, v, g, beta, group):
+def _gated_delta_rule(q, k, v, g, beta, group, cu_seqlens=None):
     """What the module asks of ``chunk_gated_delta_rule`` (no state in, none out), on the whole sequence."""
     from allscan.ops.delta import zeco_gated_delta_rule
 
-    o, _ = zeco_gated_delta_rule(q, k, v, g, beta, group, use_qk_l2norm_in_kernel=True)
+    o, _ = zeco_gated_delta_rule(q, k, v, g, beta, group, use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens)
     return o
 
 
-def _kda(q, k, v, g, beta, group):
+def _kda(q, k, v, g, beta, group, cu_seqlens=None):
     """What the module asks of ``chunk_kda`` (no state in, none out), on the whole sequence."""
     from allscan.ops.delta import zeco_kda
 
-    o, _ = zeco_kda(q, k, v, g, beta, group, use_qk_l2norm_in_kernel=True)
+    o, _ = zeco_kda(q, k, v, g, beta, group, use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens)
     return o
 
 
 def _qwen3_next_forward(mod, group, hidden_states, cache, attention_mask, kwargs):
-    _refuse_in_layer(mod, cache, attention_mask, kwargs)
+    cu = _layer_call(mod, hidden_states, cache, attention_mask, kwargs)
     batch_size, seq_len, _ = hidden_states.shape
     projected_states_qkvz = mod.in_proj_qkvz(hidden_states)
     projected_states_ba = mod.in_proj_ba(hidden_states)
     query, key, value, z, b, a = mod.fix_query_key_value_ordering(projected_states_qkvz, projected_states_ba)
     query, key, value = (x.reshape(x.shape[0], x.shape[1], -1) for x in (query, key, value))
-    mixed_qkv = _causal_conv(mod, torch.cat((query, key, value), dim=-1), group)
+    mixed_qkv = _causal_conv(mod, torch.cat((query, key, value), dim=-1), group, cu)
     query, key, value = torch.split(mixed_qkv, [mod.key_dim, mod.key_dim, mod.value_dim], dim=-1)
     query = query.reshape(query.shape[0], query.shape[1], -1, mod.head_k_dim)
     key = key.reshape(key.shape[0], key.shape[1], -1, mod.head_k_dim)
     value = value.reshape(value.shape[0], value.shape[1], -1, mod.head_v_dim)
     beta = b.sigmoid()
     g = -mod.A_log.float().exp() * F.softplus(a.float() + mod.dt_bias)
-    core_attn_out = _gated_delta_rule(query, key, value, g, beta, group)
+    core_attn_out = _gated_delta_rule(query, key, value, g, beta, group, cu)
     z_shape_og = z.shape
     core_attn_out = core_attn_out.reshape(-1, core_attn_out.shape[-1])
     z = z.reshape(-1, z.shape[-1])
@@ -197,21 +242,21 @@ def _qwen3_next_forward(mod, group, hidden_states, cache, attention_mask, kwargs
 
 
 def _qwen3_5_forward(mod, group, hidden_states, cache, attention_mask, kwargs):
-    _refuse_in_layer(mod, cache, attention_mask, kwargs)
+    cu = _layer_call(mod, hidden_states, cache, attention_mask, kwargs)
     batch_size, seq_len, _ = hidden_states.shape
     mixed_qkv = mod.in_proj_qkv(hidden_states)
     z = mod.in_proj_z(hidden_states)
     z = z.reshape(batch_size, seq_len, -1, mod.head_v_dim)
     b = mod.in_proj_b(hidden_states)
     a = mod.in_proj_a(hidden_states)
-    mixed_qkv = _causal_conv(mod, mixed_qkv, group)
+    mixed_qkv = _causal_conv(mod, mixed_qkv, group, cu)
     query, key, value = torch.split(mixed_qkv, [mod.key_dim, mod.key_dim, mod.value_dim], dim=-1)
     query = query.reshape(batch_size, seq_len, -1, mod.head_k_dim)
     key = key.reshape(batch_size, seq_len, -1, mod.head_k_dim)
     value = value.reshape(batch_size, seq_len, -1, mod.head_v_dim)
     beta = b.sigmoid()
     g = -mod.A_log.float().exp() * F.softplus(a.float() + mod.dt_bias)
-    core_attn_out = _gated_delta_rule(query, key, value, g, beta, group)
+    core_attn_out = _gated_delta_rule(query, key, value, g, beta, group, cu)
     core_attn_out = core_attn_out.reshape(-1, mod.head_v_dim)
     z = z.reshape(-1, mod.head_v_dim)
     core_attn_out = mod.norm(core_attn_out, z)
@@ -220,10 +265,10 @@ def _qwen3_5_forward(mod, group, hidden_states, cache, attention_mask, kwargs):
 
 
 def _olmo_hybrid_forward(mod, group, hidden_states, cache, attention_mask, kwargs):
-    _refuse_in_layer(mod, cache, attention_mask, kwargs)
+    cu = _layer_call(mod, hidden_states, cache, attention_mask, kwargs)
     batch_size, seq_len, _ = hidden_states.shape
     mixed_qkv = torch.cat([mod.q_proj(hidden_states), mod.k_proj(hidden_states), mod.v_proj(hidden_states)], dim=-1)
-    mixed_qkv = _causal_conv(mod, mixed_qkv, group)
+    mixed_qkv = _causal_conv(mod, mixed_qkv, group, cu)
     q, k, v = torch.split(mixed_qkv, [mod.key_dim, mod.key_dim, mod.value_dim], dim=-1)
     q = q.reshape(batch_size, seq_len, -1, mod.head_k_dim)
     k = k.reshape(batch_size, seq_len, -1, mod.head_k_dim)
@@ -232,7 +277,7 @@ def _olmo_hybrid_forward(mod, group, hidden_states, cache, attention_mask, kwarg
     if mod.allow_neg_eigval:
         beta = beta * 2.0
     g = -mod.A_log.float().exp() * F.softplus(mod.a_proj(hidden_states).float() + mod.dt_bias)
-    output = _gated_delta_rule(q, k, v, g, beta, group)
+    output = _gated_delta_rule(q, k, v, g, beta, group, cu)
     gate = mod.g_proj(hidden_states)
     output = output.reshape(-1, mod.head_v_dim)
     gate = gate.reshape(-1, mod.head_v_dim)
@@ -242,18 +287,18 @@ def _olmo_hybrid_forward(mod, group, hidden_states, cache, attention_mask, kwarg
 
 
 def _kimi_linear_forward(mod, group, hidden_states, cache, attention_mask, kwargs):
-    _refuse_in_layer(mod, cache, attention_mask, kwargs)
+    cu = _layer_call(mod, hidden_states, cache, attention_mask, kwargs)
     batch_size, seq_len = hidden_states.shape[:2]
     hidden_shape = (batch_size, seq_len, -1, mod.head_dim)
     mixed_qkv = torch.cat([mod.q_proj(hidden_states), mod.k_proj(hidden_states), mod.v_proj(hidden_states)], dim=-1)
-    mixed_qkv = _causal_conv(mod, mixed_qkv, group)
+    mixed_qkv = _causal_conv(mod, mixed_qkv, group, cu)
     query, key, value = torch.split(mixed_qkv, [mod.qkv_dim] * 3, dim=-1)
     query = query.reshape(hidden_shape)
     key = key.reshape(hidden_shape)
     value = value.reshape(hidden_shape)
     g = mod.forget_gate(hidden_states)
     beta = torch.sigmoid(mod.b_proj(hidden_states))
-    core_attn_out = _kda(query, key, value, g, beta, group)
+    core_attn_out = _kda(query, key, value, g, beta, group, cu)
     gate = mod.g_b_proj(mod.g_a_proj(hidden_states)).view(hidden_shape)
     output = mod.o_norm(core_attn_out, gate).reshape(batch_size, seq_len, -1)
     return mod.o_proj(output)
@@ -302,8 +347,11 @@ def _short(value) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-def _local_attention(q, k, v, scale):
-    """Causal SDPA of one process, ``[B, S, H, D]`` in and out, grouped k/v heads."""
+def _local_attention(q, k, v, scale, bounds=None):
+    """Causal SDPA of one process, ``[B, S, H, D]`` in and out, grouped k/v heads; each packed sequence alone."""
+    if bounds is not None:
+        return torch.cat([_local_attention(q[:, a:b], k[:, a:b], v[:, a:b], scale)
+                          for a, b in zip(bounds[:-1], bounds[1:]) if b > a], dim=1)
     groups = q.shape[2] // k.shape[2]
     if groups > 1:
         k, v = k.repeat_interleave(groups, dim=2), v.repeat_interleave(groups, dim=2)
@@ -322,8 +370,10 @@ def _make_attention(group, name):
         if query.shape[2] != key.shape[2]:
             raise NotImplementedError(f"{name}: a KV cache (query length {query.shape[2]}, key length {key.shape[2]}) "
                                       "is not supported; call the model with use_cache=False")
+        cu = _packed_bounds(name, query.shape[0], kwargs)
         for arg, val in kwargs.items():
-            if val is None or arg in _HARMLESS:
+            if val is None or arg in _HARMLESS or arg in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q",
+                                                          "max_length_k"):
                 continue
             if arg == "output_attentions":
                 if val:
@@ -333,7 +383,8 @@ def _make_attention(group, name):
                 if not val:
                     raise NotImplementedError(f"{name}: bidirectional attention (is_causal=False) is not supported")
             elif arg in _PACKING_KWARGS:
-                raise NotImplementedError(f"{name}: packed sequences ({arg}) are not supported yet")
+                raise NotImplementedError(f"{name}: {arg} is not supported (packed sequences come as "
+                                          "cu_seq_lens_q / cu_seq_lens_k, global offsets in the whole row)")
             else:
                 raise NotImplementedError(f"{name}: the attention function got an argument it does not know, "
                                           f"{arg}={_short(val)}; it might change the result, so it is refused")
@@ -349,29 +400,50 @@ def _make_attention(group, name):
             v = F.pad(v, (0, d_qk - d_v))
         elif d_v > d_qk:
             q, k = F.pad(q, (0, d_v - d_qk)), F.pad(k, (0, d_v - d_qk))
+        bounds = None if cu is None else [int(b) for b in cu.tolist()]
         pg = sequence_parallel_group(group, name)
         if pg is None:
-            out = _local_attention(q, k, v, scale)
+            out = _local_attention(q, k, v, scale, bounds)
         else:
             from allscan.ops.ulysses import ulysses_attention
 
-            out = ulysses_attention(q, k, v, pg, causal=True, scale=scale)
+            out = ulysses_attention(q, k, v, pg, causal=True, scale=scale, cu_seqlens=bounds)
         return out[..., :d_v], None
 
     return attention
 
 
+def _closure(fn) -> dict:
+    code, cells = getattr(fn, "__code__", None), getattr(fn, "__closure__", None) or ()
+    return {} if code is None else {n: c.cell_contents for n, c in zip(code.co_freevars, cells)}
+
+
+def _causal_or_packed(fn, mu) -> bool:
+    """Whether transformers composed ``fn`` from the causal mask and its packed-sequence overlays alone."""
+    if fn is mu.causal_mask_function:
+        return True
+    if getattr(fn, "__module__", None) != mu.__name__:
+        return False
+    qual = getattr(fn, "__qualname__", "")
+    if qual == "and_masks.<locals>.and_mask":
+        return all(_causal_or_packed(f, mu) for f in _closure(fn).get("mask_functions", ()))
+    if qual == "remap_positions_for_packed_sequence.<locals>.inner_mask":
+        return _causal_or_packed(_closure(fn).get("mask_function"), mu)
+    return qual == "packed_sequence_mask_function.<locals>.inner_mask"
+
+
 def _make_mask_function(name):
     def mask_function(*args, mask_function=None, **kwargs):
-        """No mask: the attention is causal over the whole sequence. Anything on top of the causal mask (a
-        sliding window, chunks, packed sequences, tokens that see ahead) is refused; the same on every rank
-        (from the config; packed rows were refused at the model's call, on every rank)."""
+        """No mask: the attention is causal over the whole sequence, each packed sequence alone (their global
+        bounds come to the attention as cu_seq_lens_q from the model-level check, which found them in the whole
+        row on every rank; the packing transformers sees in this shard's positions is part of it). Anything
+        else on top of the causal mask (a sliding window, chunks, tokens that see ahead) is refused: from the
+        config, the same on every rank."""
         mu = sys.modules.get("transformers.masking_utils")
-        if mask_function is not None and (mu is None or mask_function is not mu.causal_mask_function):
+        if mask_function is not None and (mu is None or not _causal_or_packed(mask_function, mu)):
             what = getattr(mask_function, "__qualname__", repr(mask_function))
             raise NotImplementedError(f"{name}: the model asks for a mask other than the plain causal one ({what}: a "
-                                      "sliding window, chunked attention, packed sequences or a custom mask); not "
-                                      "supported")
+                                      "sliding window, chunked attention or a custom mask); not supported")
         return None
 
     return mask_function
@@ -379,8 +451,9 @@ def _make_mask_function(name):
 
 def attention_implementation(group=None) -> str:
     """The name of the attention implementation (registered in transformers' attention and mask registries on
-    first use) that runs the hybrids' softmax attention on Ulysses over ``group`` (causal, full, without a
-    mask; anything else raises naming it). One name per group."""
+    first use) that runs the hybrids' softmax attention on Ulysses over ``group``: causal over the whole
+    sequence, each packed sequence alone (``cu_seq_lens_q``, global offsets); masks, windows, dropout, a KV
+    cache, attention weights and any argument it does not know raise naming them. One name per group."""
     tf = _transformers()
     for g, name in _ATTENTION_NAMES:
         if g is group:
@@ -396,7 +469,7 @@ def attention_implementation(group=None) -> str:
 # The model's call: what is refused, agreed on by every rank; global position ids
 # ------------------------------------------------------------------------------------------------
 
-_CACHE, _USE_CACHE, _OUTPUT_ATTENTIONS, _LABELS, _PADDING, _PACKED, _POSITIONS_SHAPE, _POSITIONS_GIVEN = (
+_CACHE, _USE_CACHE, _OUTPUT_ATTENTIONS, _LABELS, _PADDING, _FLASH_KWARGS, _POSITIONS_SHAPE, _POSITIONS_GIVEN = (
     1 << i for i in range(8))
 _REASONS = {
     _CACHE: "a KV or recurrent cache (past_key_values / cache) is not supported: training and prefill only",
@@ -406,8 +479,9 @@ _REASONS = {
               "shard; pass no labels and use causal_lm_loss(logits, shard_batch(input_ids, labels, ...))"),
     _PADDING: ("an attention_mask with padding (or a custom mask) is not supported: every sequence is whole "
                "(pack or trim the batch)"),
-    _PACKED: ("packed sequences (position ids that restart, cu_seq_lens_* / seq_idx) are not supported yet by "
-              "sequence_parallel"),
+    _FLASH_KWARGS: ("cu_seq_lens_* / max_length_* / seq_idx are not taken from the caller: pack sequences into one "
+                    "row marked by position ids that restart (shard_batch(..., position_ids=)); the bounds are found "
+                    "in the whole row"),
     _POSITIONS_SHAPE: "position ids other than [B, T_local] (e.g. multimodal rotary positions) are not supported",
 }
 
@@ -489,15 +563,13 @@ class _CallCheck:
         if mask is not None and (not isinstance(mask, torch.Tensor) or mask.dim() != 2 or not bool(mask.all())):
             flags |= _PADDING
         if any(a.get(k) is not None for k in _PACKING_KWARGS):
-            flags |= _PACKED
+            flags |= _FLASH_KWARGS
         positions = a.get("position_ids")
         if positions is not None:
             flags |= _POSITIONS_GIVEN
             if not isinstance(positions, torch.Tensor) or positions.dim() != 2 or positions.shape[-1] != T \
                     or positions.shape[0] not in (1, B):
                 flags |= _POSITIONS_SHAPE
-            elif T > 1 and bool((positions[:, 1:] - positions[:, :-1] != 1).any()):
-                flags |= _PACKED
         pg = sequence_parallel_group(self.group, name)
         world, rank = (1, 0) if pg is None else (dist.get_world_size(pg), dist.get_rank(pg))
         rows = [[B, T, flags]]
@@ -521,14 +593,23 @@ class _CallCheck:
         if positions is None:
             # the global positions one process would use (the model's own default is 0 .. T_local-1 on every rank)
             kwargs["position_ids"] = (torch.arange(T, device=x.device) + rank * T).unsqueeze(0).expand(B, T)
-        elif world > 1:
-            # the rows must run on across the rank boundaries too (a restart there is a packed row)
-            ends = torch.stack([positions[:, 0], positions[:, -1]], dim=-1).expand(B, 2).reshape(-1)
-            got = _gather(pg, ends.to(device=device, dtype=torch.int64).contiguous())
-            for r in range(1, world):
-                if any(got[r][2 * b] != got[r - 1][2 * b + 1] + 1 for b in range(B)):
-                    raise NotImplementedError(f"{name}: " + _REASONS[_PACKED] + f" (position ids restart at the "
-                                              f"boundary between ranks {r - 1} and {r})")
+            return kwargs
+        # Packed rows: sequences marked by position ids that restart, found in the whole row as transformers
+        # finds them on one process (the same verdict on every rank), handed down as cu_seq_lens_q / _k (global
+        # offsets), which transformers passes to every layer (also when gradient checkpointing recomputes one)
+        whole = positions.expand(B, T).to(torch.int64)
+        if world > 1:
+            parts = [torch.empty((B, T), dtype=torch.int64, device=device) for _ in range(world)]
+            dist.all_gather(parts, whole.to(device).contiguous(), group=pg)
+            whole = torch.cat(parts, dim=1)
+        whole = whole.cpu()
+        bounds = [packed_bounds_of(whole[b]) for b in range(B)]
+        if any(b is not None for b in bounds):
+            if B != 1:
+                raise NotImplementedError(f"{name}: packed rows (position ids that restart) in a batch of {B} rows "
+                                          "are not supported; pack the sequences into one row per batch (B = 1)")
+            cu = torch.tensor(bounds[0], dtype=torch.int32, device=x.device)
+            kwargs["cu_seq_lens_q"], kwargs["cu_seq_lens_k"] = cu, cu
         return kwargs
 
 
