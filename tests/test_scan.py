@@ -74,7 +74,7 @@ def _sizes(rank, P):
         xs = [torch.randn(n, generator=gen) for _ in range(P)]
         gs = [torch.rand((), generator=gen) for _ in range(P)]
         ref = scan_reference(xs, gs)
-        for k in (1, 2, 7, 64, 5000):
+        for k in (1, 2, 7, 64):  # 64: the most (more are refused)
             y = allscan.scan(xs[rank], gs[rank], num_blocks=k)
             assert torch.equal(y, ref[rank]), (n, k)
 
