@@ -7,7 +7,7 @@ with a [1, 16, 128] decay, median over 200 calls, at four depths of the API, thr
 documented in ``allscan.ops.scan``: the C++ core alone (``launch`` through the cached plan from
 ``plan_for``), ``run`` (plan lookup + core), ``scan()`` and
 ``scan(async_op=True)`` with ``wait()``; the same for a [1, 16, 128, 128] fp32 transition (the delta
-layers' matrix scan), and the full path of each (``_scan``: every check and lookup, what a call
+layers' matrix scan), and the full path of each (``full_path``: every check and lookup, what a call
 costs when the eager fast path cannot serve it); each with the GPU idle and with the GPU busy (a long
 matmul queued first, so the host runs ahead of the device, as inside a model). Baselines: ``torch.empty_like``
 and an elementwise op on this host. Then what each API adds over the core, paired: the core and the
@@ -63,7 +63,7 @@ def main():
     m = torch.randn(1, 16, 128, 128, device=dev) / 16
     allscan.scan(x, group=group, transition=m)
     allscan.scan(x, group=group, transition=m, async_op=True).wait()
-    mplan = MS._plan_for(x, m, None, group, False, False, False, 0, "pipelined")
+    mplan = MS.plan_for(x, m, None, group, False, False, False, 0, "pipelined")
     big = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
 
     pieces = {
@@ -73,15 +73,15 @@ def main():
         "run (plan lookup + core)": lambda: S.run(x, g, None, name, False, False, 0, "pipelined", group),
         "scan()": lambda: allscan.scan(x, g, group),
         "scan(async_op=True).wait()": lambda: allscan.scan(x, g, group, async_op=True).wait(),
-        "full path: _scan()": lambda: S._scan(x, g, group, None, False, False, None, None, "pipelined", False),
+        "full path: full_path()": lambda: S.full_path(x, g, group, None, False, False, None, None, "pipelined", False),
         "matrix core (launch via the plan)": lambda: MS.launch(mplan, x, m, None, False, False, False, 0),
         "scan(transition=)": lambda: allscan.scan(x, group=group, transition=m),
         "scan(transition=, async_op=True).wait()": lambda: allscan.scan(x, group=group, transition=m,
                                                                          async_op=True).wait(),
-        "full path: _scan(transition=)": lambda: S._scan(x, None, group, m, False, False, None, None, "pipelined",
-                                                         False),
-        "full path: _scan(transition=, async_op=True).wait()":
-            lambda: S._scan(x, None, group, m, False, False, None, None, "pipelined", True).wait(),
+        "full path: full_path(transition=)":
+            lambda: S.full_path(x, None, group, m, False, False, None, None, "pipelined", False),
+        "full path: full_path(transition=, async_op=True).wait()":
+            lambda: S.full_path(x, None, group, m, False, False, None, None, "pipelined", True).wait(),
     }
     res = {}
     for busy in (False, True):

@@ -1,4 +1,4 @@
-"""The async scan handle's memory rules (``allscan.ops.scan.ScanHandle`` on the side-stream path): which
+"""The async scan handle's memory rules (``allscan.ScanHandle`` on the side-stream path): which
 tensors get ``record_stream`` and when the handle lets go of them. On CPU with stand-ins for the core's
 event calls and for tensors; the GPU test ``test_async_handles_and_memory`` checks the same rules against
 the caching allocator."""
@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
-S = importlib.import_module("allscan.ops.scan")  # the module (allscan.ops.scan is also the function)
+H = importlib.import_module("allscan.ops._scan_handle")  # the handle and the side streams
 
 CALLER, OTHER, EVENT = 11, 22, 99
 
@@ -36,15 +36,15 @@ def core(monkeypatch):
         event_wait=lambda stream, e: log.calls.append(("wait", stream, e)),
         event_release=lambda dev, e: log.calls.append(("release", e)),
     )
-    monkeypatch.setattr(S, "_C", fake)
-    monkeypatch.setattr(S, "stream_ptr", lambda device: log.current)
-    monkeypatch.setattr(S.torch.cuda, "current_stream", lambda device=None: "current stream object")
+    monkeypatch.setattr(H, "_C", fake)
+    monkeypatch.setattr(H, "stream_ptr", lambda device: log.current)
+    monkeypatch.setattr(H.torch.cuda, "current_stream", lambda device=None: "current stream object")
     return log
 
 
 def _handle(keep):
     y = Tensor()
-    return S.ScanHandle(y, raw=(0, EVENT), caller_stream=CALLER, side="side", keep=keep), y
+    return H.ScanHandle(y, raw=(0, EVENT), caller_stream=CALLER, side="side", keep=keep), y
 
 
 def test_wait_on_the_calling_stream_records_nothing_and_lets_go(core):

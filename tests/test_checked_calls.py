@@ -20,10 +20,10 @@ sys.path.insert(0, os.path.dirname(__file__))
 from distributed import run_distributed  # noqa: E402
 
 import allscan  # noqa: E402
-import allscan._contract as contract  # noqa: E402
+import allscan._agreement as agreement  # noqa: E402
 import allscan.ops.delta.zeco as delta_zeco  # noqa: E402
 import allscan.ops.gla.zeco as gla_zeco  # noqa: E402
-from allscan._contract import settings  # noqa: E402
+from allscan._settings import settings  # noqa: E402
 from allscan.layers import zeco_gated_delta_rule  # noqa: E402
 from allscan.ops.gla import zeco_gla  # noqa: E402
 
@@ -209,14 +209,14 @@ def _run_once_per_signature(rank, world):
     """gloo made to check each signature once, as on NCCL: repeated calls skip the checks and the
     cross-rank check on every rank; once the signature is evicted (here: forgotten on every rank),
     the next call checks and exchanges again on every rank, as the repeated cross-rank check would."""
-    contract._on_nccl = lambda group, device: True  # this process only: the NCCL rules on gloo
+    agreement._on_nccl = lambda group, device: True  # this process only: the NCCL rules on gloo
     torch.manual_seed(0)
     q, k, v, g = _gla()
     with _Counted(gla_zeco, "_check_arguments") as checks, _Counted(gla_zeco, "check_across_ranks") as across:
         for _ in range(3):
             zeco_gla(q, k, v, g, dist.group.WORLD)
         assert (checks.calls, across.calls) == (1, 1)
-        contract.clear_checked_signatures()
+        agreement.clear_checked_signatures()
         for _ in range(2):
             zeco_gla(q, k, v, g, dist.group.WORLD)
         assert (checks.calls, across.calls) == (2, 2)
@@ -236,7 +236,7 @@ def _run_packed_cuts_differ(rank, world):
     """Ranks passing different packed cuts (the same number of sequences) raise on every rank, also where
     each cut was checked before and the signature check is otherwise once per signature (NCCL's rules,
     emulated on gloo): packed calls compare their whole cut on every call."""
-    contract._on_nccl = lambda group, device: True
+    agreement._on_nccl = lambda group, device: True
     torch.manual_seed(0)
     q, k, v, g = _gla(T=16)
     qd, kd, vd, gd, beta = _gdn(T=16)

@@ -1,6 +1,7 @@
-"""The contract every op and layer shares (allscan._contract): the settings (every ALLSCAN_* variable,
-its default, a bad value raising ValueError naming it, the README's table), the dtype table, and the
-one cross-rank signature check (what it names, its modes, its bounded cache)."""
+"""The contract every op and layer shares: the settings (allscan._settings: every ALLSCAN_* variable,
+its default, a bad value raising ValueError naming it, an unknown name warning, the README's table),
+the dtype table (allscan._dtypes), and the one cross-rank signature check (allscan._agreement: what
+it names, its modes, its bounded cache)."""
 import os
 import subprocess
 import sys
@@ -10,8 +11,8 @@ import pytest
 import torch
 
 import allscan
-from allscan import _contract
-from allscan._contract import VARIABLES, settings
+from allscan import _agreement, _dtypes, _settings
+from allscan._settings import VARIABLES, settings
 from distributed import run_distributed
 
 README = os.path.join(os.path.dirname(__file__), "..", "README.md")
@@ -157,7 +158,7 @@ def _unknown_warnings(record):
 
 
 def test_an_unknown_variable_warns_once_naming_the_nearest(clean_env):
-    clean_env.setattr(_contract, "_warned_unknown", set())
+    clean_env.setattr(_settings, "_warned_unknown", set())
     clean_env.setenv("ALLSCAN_CHEK", "always")
     clean_env.setenv("ALLSCAN_GLA_FUSE", "0")
     with warnings.catch_warnings(record=True) as record:
@@ -167,13 +168,14 @@ def test_an_unknown_variable_warns_once_naming_the_nearest(clean_env):
         settings.reload()  # read again: no second warning
     got = _unknown_warnings(record)
     assert len(got) == 2, got
-    assert got[0].startswith("ALLSCAN_CHEK is set but is not an allscan variable") and "did you mean ALLSCAN_CHECK?" in got[0]
+    assert got[0].startswith("ALLSCAN_CHEK is set but is not an allscan variable")
+    assert "did you mean ALLSCAN_CHECK?" in got[0]
     assert got[1].startswith("ALLSCAN_GLA_FUSE is set") and "did you mean ALLSCAN_GLA_FUSED?" in got[1]
 
 
 def test_variables_that_are_not_settings_do_not_warn(clean_env):
-    clean_env.setattr(_contract, "_warned_unknown", set())
-    for name in list(_contract.NOT_SETTINGS) + [v.name for v in VARIABLES if v.attr]:
+    clean_env.setattr(_settings, "_warned_unknown", set())
+    for name in list(_settings.NOT_SETTINGS) + [v.name for v in VARIABLES if v.attr]:
         clean_env.setenv(name, "")  # empty = unset, for the settings
     clean_env.setenv("ALLSCAN_TEST_RANKS_PER_GPU", "2")
     with warnings.catch_warnings(record=True) as record:
@@ -207,7 +209,7 @@ def test_every_allscan_variable_the_project_uses_is_known():
     import re
 
     root = os.path.join(os.path.dirname(__file__), "..")
-    known = {v.name for v in VARIABLES} | set(_contract.NOT_SETTINGS) | _NOT_ENVIRONMENT
+    known = {v.name for v in VARIABLES} | set(_settings.NOT_SETTINGS) | _NOT_ENVIRONMENT
     found = {}
     for top in ("python", "tests", "bench", "scripts", "examples"):
         for dirpath, _, files in os.walk(os.path.join(root, top)):
@@ -219,13 +221,13 @@ def test_every_allscan_variable_the_project_uses_is_known():
                     for name in re.findall(r"\bALLSCAN_[A-Z0-9_]+", f.read()):
                         found.setdefault(name, os.path.relpath(path, root))
     unknown = {name: where for name, where in found.items() if name not in known}
-    assert not unknown, f"add these to VARIABLES or NOT_SETTINGS in allscan._contract: {unknown}"
+    assert not unknown, f"add these to VARIABLES or NOT_SETTINGS in allscan._settings: {unknown}"
 
 
 def test_readme_table_is_the_variables_table():
     with open(README) as f:
         text = f.read()
-    assert _contract.markdown_table() in text, "README.md's ALLSCAN_* table differs from _contract.markdown_table()"
+    assert _settings.markdown_table() in text, "README.md's ALLSCAN_* table differs from _settings.markdown_table()"
     for v in VARIABLES:
         assert text.count(f"| `{v.name}` |") == 1, v.name
 
@@ -236,11 +238,11 @@ def test_readme_table_is_the_variables_table():
 def test_dtype_table_is_the_cores():
     from allscan import _C
 
-    assert _contract.DTYPE_CODES == {torch.float32: _C.FLOAT32, torch.float16: _C.FLOAT16,
+    assert _dtypes.DTYPE_CODES == {torch.float32: _C.FLOAT32, torch.float16: _C.FLOAT16,
                                      torch.bfloat16: _C.BFLOAT16, torch.float64: _C.FLOAT64}
-    assert _contract.dtype_code(torch.bfloat16, "x") == _C.BFLOAT16
+    assert _dtypes.dtype_code(torch.bfloat16, "x") == _C.BFLOAT16
     with pytest.raises(TypeError, match="my arg must be float32, float16, bfloat16 or float64, got torch.int8"):
-        _contract.dtype_code(torch.int8, "my arg")
+        _dtypes.dtype_code(torch.int8, "my arg")
 
 
 def test_a2a_is_reachable_right_after_import():
@@ -265,7 +267,7 @@ def test_every_public_submodule_is_reachable_right_after_import():
 class _Counter:
     def __init__(self):
         self.n = 0
-        self.orig = _contract._gather_rows
+        self.orig = _agreement._gather_rows
 
     def __call__(self, *a):
         self.n += 1
@@ -287,56 +289,56 @@ def _check_modes(rank, P):
     g = dist.group.WORLD
     cpu = torch.device("cpu")
     count = _Counter()
-    _contract._gather_rows = count
+    _agreement._gather_rows = count
     fields = [("batch B", 2), ("heads", 4 + rank)]
     msg = _expect(ValueError, "ranks disagree on heads (rank 0: 4, rank 1: 5)",
-                  lambda: _contract.check_across_ranks(g, cpu, "op", fields))
+                  lambda: _agreement.check_across_ranks(g, cpu, "op", fields))
     assert "allscan.op: ranks passed different arguments" in msg and "batch B" not in msg, msg
     assert count.n == 1
     same = [("batch B", 2), ("heads", 4)]
     # first, off NCCL: every call
     settings.check = "first"
     for _ in range(3):
-        _contract.check_across_ranks(g, cpu, "op", same)
+        _agreement.check_across_ranks(g, cpu, "op", same)
     assert count.n == 4
     # never: no exchange, a mismatch passes
     settings.check = "never"
-    _contract.check_across_ranks(g, cpu, "op", fields)
+    _agreement.check_across_ranks(g, cpu, "op", fields)
     assert count.n == 4
     # first, on NCCL: once per signature and group
-    _contract._on_nccl = lambda group, device: True
+    _agreement._on_nccl = lambda group, device: True
     settings.check = "first"
-    _contract.check_across_ranks(g, cpu, "op", same)
-    _contract.check_across_ranks(g, cpu, "op", same)
+    _agreement.check_across_ranks(g, cpu, "op", same)
+    _agreement.check_across_ranks(g, cpu, "op", same)
     assert count.n == 4  # checked above
-    _contract.check_across_ranks(g, cpu, "op", [("batch B", 3), ("heads", 4)])
-    _contract.check_across_ranks(g, cpu, "op", [("batch B", 3), ("heads", 4)])
+    _agreement.check_across_ranks(g, cpu, "op", [("batch B", 3), ("heads", 4)])
+    _agreement.check_across_ranks(g, cpu, "op", [("batch B", 3), ("heads", 4)])
     assert count.n == 5
     # always: every call
     settings.check = "always"
-    _contract.check_across_ranks(g, cpu, "op", same)
-    _contract.check_across_ranks(g, cpu, "op", same)
+    _agreement.check_across_ranks(g, cpu, "op", same)
+    _agreement.check_across_ranks(g, cpu, "op", same)
     assert count.n == 7
     # the cache is an LRU with a bound: the least recently used signature is checked again
     settings.check = "first"
-    _contract.clear_checked_signatures()
-    _contract.MAX_CHECKED_SIGNATURES = 3
+    _agreement.clear_checked_signatures()
+    _agreement.MAX_CHECKED_SIGNATURES = 3
     for b in range(4):
-        _contract.check_across_ranks(g, cpu, "op", [("b", b)])
-    assert count.n == 11 and len(_contract._checked) == 3
-    _contract.check_across_ranks(g, cpu, "op", [("b", 3)])  # still cached
+        _agreement.check_across_ranks(g, cpu, "op", [("b", b)])
+    assert count.n == 11 and len(_agreement._checked) == 3
+    _agreement.check_across_ranks(g, cpu, "op", [("b", 3)])  # still cached
     assert count.n == 11
-    _contract.check_across_ranks(g, cpu, "op", [("b", 0)])  # evicted: exchanged again
+    _agreement.check_across_ranks(g, cpu, "op", [("b", 0)])  # evicted: exchanged again
     assert count.n == 12
     # ranks in different collectives, and a rank that rejected its own arguments
-    _expect(ValueError, "are in a different collective", lambda: _contract.check_across_ranks(
+    _expect(ValueError, "are in a different collective", lambda: _agreement.check_across_ranks(
         g, cpu, "op_a" if rank == 0 else "op_b", [("x", 1)]))
     settings.check = "always"
     if rank == 1:
-        _contract.announce_invalid(g, cpu, "op")
+        _agreement.announce_invalid(g, cpu, "op")
     else:
         _expect(ValueError, "allscan.op: rank(s) [1] rejected their own arguments",
-                lambda: _contract.check_across_ranks(g, cpu, "op", same))
+                lambda: _agreement.check_across_ranks(g, cpu, "op", same))
     return True
 
 
@@ -364,7 +366,8 @@ def test_one_version_everywhere():
 
 
 def test_the_in_band_signature_is_a_stable_nonzero_hash_of_the_fields():
-    from allscan._contract import settings, signature_hash
+    from allscan._agreement import signature_hash
+    from allscan._settings import settings
 
     saved = settings.check
     try:

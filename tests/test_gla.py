@@ -23,7 +23,7 @@ from distributed import run_distributed  # noqa: E402
 from failing_rank import outcome_when_rank_1_fails  # noqa: E402
 
 import allscan.ops.gla as G  # noqa: E402
-from allscan._contract import settings  # noqa: E402
+from allscan._settings import settings  # noqa: E402
 from allscan.layers import GatedLinearAttention  # noqa: E402
 from allscan.ops.gla import LOCAL, recurrent_gla_reference, torch_chunk_gla, zeco_gla  # noqa: E402
 from allscan.ops.gla import fla as fla_glue  # noqa: E402

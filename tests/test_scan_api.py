@@ -233,7 +233,7 @@ def test_choose_num_blocks_minimises_the_model():
 ])
 def test_core_rejects_what_the_settings_reject(monkeypatch, var, value, needle):
     # The core reads these itself when it makes a communicator, with the same rules as the settings.
-    from allscan._contract import settings
+    from allscan._settings import settings
 
     monkeypatch.setenv(var, value)
     with pytest.raises(ValueError, match=var) as e:
@@ -430,13 +430,13 @@ def test_plan_caches_are_bounded(single_rank, monkeypatch):
 
     from allscan.ops import _launch
 
-    scan_mod = importlib.import_module("allscan.ops.scan")  # the module (allscan.ops.scan is the function)
+    from allscan.ops import diagonal_scan
 
     monkeypatch.setattr(_launch, "MAX_PLANS", 16)
     for n in range(1, 41):
         allscan.scan(torch.ones(n))
-        assert len(scan_mod._plans) <= 16
-    recent = next(reversed(scan_mod._plans))
+        assert len(diagonal_scan.plans) <= 16
+    recent = next(reversed(diagonal_scan.plans))
     assert recent[3] == torch.Size([40]), "the most recent signature is kept"
     cache = _launch.PlanCache()
     for i in range(20):
@@ -496,11 +496,11 @@ def test_saved_tensor_hooks_are_seen():
     caller's stream before the scan wrote it."""
     from torch.utils.checkpoint import checkpoint
 
-    S = importlib.import_module("allscan.ops.scan")
-    assert not S._saved_tensor_hooks_active()
+    H = importlib.import_module("allscan.ops._scan_handle")
+    assert not H.saved_tensor_hooks_active()
     with torch.autograd.graph.save_on_cpu():
-        assert S._saved_tensor_hooks_active()
+        assert H.saved_tensor_hooks_active()
     seen = []
-    checkpoint(lambda t: seen.append(S._saved_tensor_hooks_active()) or t * 2, torch.ones(2, requires_grad=True),
+    checkpoint(lambda t: seen.append(H.saved_tensor_hooks_active()) or t * 2, torch.ones(2, requires_grad=True),
                use_reentrant=False)
     assert seen == [True]

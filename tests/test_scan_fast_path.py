@@ -15,6 +15,7 @@ import allscan
 from distributed import run_distributed
 
 S = importlib.import_module("allscan.ops.scan")  # the module (allscan.ops.scan is also the function)
+F = importlib.import_module("allscan.ops._scan_fast")
 L = importlib.import_module("allscan.ops._launch")
 
 
@@ -39,24 +40,24 @@ def _install(group, x, g, async_op=False, num_blocks=None, plan_group=None, init
         calls.append((x, g, init))
         return x * 7
 
-    key = S._fast_key(group, x, g, None, init, False, False, num_blocks, "pipelined", async_op)
-    S._eager[key] = S._FastCall(plans["plan"], plans, "plan", core, (False, False, 0), async_op, x.get_device())
+    key = F.fast_key(group, x, g, None, init, False, False, num_blocks, "pipelined", async_op)
+    F.eager_calls[key] = F.FastCall(plans["plan"], plans, "plan", core, (False, False, 0), async_op, x.get_device())
     return calls, plans
 
 
 def _fast_path_routes(rank, P):
     group = dist.group.WORLD
-    S._current_device = lambda: -1  # a CPU tensor's get_device(), the entries' device: the stand-in core runs on CPU
+    F.current_device = lambda: -1  # a CPU tensor's get_device(), the entries' device: the stand-in core runs on CPU
     x, g = torch.arange(6.0).reshape(2, 3), torch.full((2,), 0.5)
     calls, plans = _install(group, x, g)
-    full = S._scan
+    full = S.full_path
 
     def full_path(*args):
         full_path.calls += 1
         return full(*args)
 
     full_path.calls = 0
-    S._scan = full_path
+    S.full_path = full_path
 
     # served: group=None and the group itself, a fresh tensor of the keyed shape; the full path is not reached
     for grp in (None, group):
@@ -91,9 +92,9 @@ def _fast_path_routes(rank, P):
     # another dtype, shape or device index than the key's,
     reaches_full_path(lambda: allscan.scan(x.double(), g.double()), "dtype")
     reaches_full_path(lambda: allscan.scan(x[:1], g[:1]), "shape")
-    S._current_device = lambda: 0
+    F.current_device = lambda: 0
     reaches_full_path(lambda: allscan.scan(x, g), "current device")
-    S._current_device = lambda: -1
+    F.current_device = lambda: -1
     # every-call checks,
     allscan.set_check_every_call(True)
     try:
@@ -113,13 +114,13 @@ def _fast_path_routes(rank, P):
         allscan.scan(x, g, method=["pipelined"])
     # flags keyed only as bools: another type (here a list, unhashable) takes the full path and adds
     # no entry
-    n = len(S._eager)
+    n = len(F.eager_calls)
     h = reaches_full_path(lambda: allscan.scan(x, g, async_op=[True]), "async_op as a list")
-    assert torch.equal(h.wait(), torch.zeros_like(x)) and len(S._eager) == n
+    assert torch.equal(h.wait(), torch.zeros_like(x)) and len(F.eager_calls) == n
     reaches_full_path(lambda: allscan.scan(x, g, reverse=0), "reverse as an int")
     # a plan made for another group object under this group's id (a freed group's id reused, a
     # default group destroyed and made again)
-    S._eager.clear()
+    F.eager_calls.clear()
     other_calls, _ = _install(group, x, g, plan_group=dist.new_group([0], backend="gloo"))
     reaches_full_path(lambda: allscan.scan(x, g), "another group's plan")
     assert other_calls == []
@@ -165,8 +166,8 @@ def _fast_path_routes(rank, P):
         t.join(30)
     assert torch.equal(allscan.scan(x, g), x * 7) and len(calls) == n + 1  # the group free again after the refusal
     assert not allscan._threads._busy
-    S._scan = full
-    S._eager.clear()
+    S.full_path = full
+    F.eager_calls.clear()
     return "ok"
 
 

@@ -112,7 +112,7 @@ def test_nccl_sizes_4k_to_256m():
 
 def _capture_before_zeros(rank, P):
     from allscan import _C, _comm
-    from allscan._contract import DTYPE_CODES
+    from allscan._dtypes import DTYPE_CODES
 
     dev = torch.device("cuda", torch.cuda.current_device())
     # A fresh group: its communicator has no zero buffer yet. The inclusive scan needs none at the
@@ -397,21 +397,22 @@ def _eager_fast_path(rank, P):
     import importlib
 
     S = importlib.import_module("allscan.ops.scan")  # the module (allscan.ops.scan is also the function)
+    F = importlib.import_module("allscan.ops._scan_fast")
 
     dev = torch.device("cuda", torch.cuda.current_device())
     xs, gs, init = _inputs(P, torch.float32, (2, 4), 21, dev)
     ref = scan_reference(xs, gs, init)
-    S._eager.clear()
+    F.eager_calls.clear()
     assert torch.equal(allscan.scan(xs[rank], gs[rank], init=init), ref[rank])  # the full path fills the cache
-    assert len(S._eager) == 1
-    full = S._scan
-    S._scan = None  # the fast path must not need the full path: calling it would raise
+    assert len(F.eager_calls) == 1
+    full = S.full_path
+    S.full_path = None  # the fast path must not need the full path: calling it would raise
     try:
         for _ in range(3):  # the fast path: straight to the core
             assert torch.equal(allscan.scan(xs[rank], gs[rank], init=init), ref[rank])
     finally:
-        S._scan = full
-    assert len(S._eager) == 1
+        S.full_path = full
+    assert len(F.eager_calls) == 1
     # Calls the fast path must leave to the full path, each still right:
     # a gradient to take (through the op),
     xr = xs[rank].clone().requires_grad_(True)
@@ -432,9 +433,9 @@ def _eager_fast_path(rank, P):
     # a CUDA tensor on a gloo group never uses an NCCL plan, so never the fast path
     if P > 1:
         gloo = dist.new_group(backend="gloo")
-        n = len(S._eager)
+        n = len(F.eager_calls)
         assert torch.equal(allscan.scan(xs[rank], gs[rank], gloo, init=init), ref[rank])
-        assert len(S._eager) == n
+        assert len(F.eager_calls) == n
     # async calls (the side stream by handle) and matrix transitions (sync and async) take it too: the
     # delta layers' scans
     from allscan.ops._matrix_math import matrix_scan_reference
@@ -452,14 +453,14 @@ def _eager_fast_path(rank, P):
     }
     m_ref = matrix_scan_reference(mxs, mms, m_init, reverse=True)[rank].to(dev)
     for what, (call, want) in calls.items():
-        n = len(S._eager)
+        n = len(F.eager_calls)
         first = call()  # the full path fills the cache
-        assert len(S._eager) == n + 1, what
-        S._scan = None
+        assert len(F.eager_calls) == n + 1, what
+        S.full_path = None
         try:
             again = [call() for _ in range(3)]
         finally:
-            S._scan = full
+            S.full_path = full
         if want is None:
             assert (first - m_ref).abs().max().item() <= 1e-5 * m_ref.abs().max().item(), what
             want = first

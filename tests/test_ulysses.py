@@ -136,7 +136,7 @@ def _packed_checked_every_call(rank, world):
     """Where signatures are checked once (NCCL in ``first`` mode, emulated here on gloo), packed calls still
     exchange on every call: ranks switching to different bounds each checked before raise, and a rank's
     bad bounds reach its peers in that exchange instead of leaving them waiting."""
-    import allscan._contract as contract
+    import allscan._agreement as contract
 
     contract._on_nccl = lambda group, device: True  # check once per signature, as on NCCL
     x = torch.zeros(1, 3, 2, 4)

@@ -25,7 +25,7 @@ finally:
 from . import a2a  # noqa: E402
 from ._C import CommunicatorError  # noqa: E402  (a group's NCCL communicator failed: mismatch, a peer's report)
 from ._C import CommunicatorTimeout  # noqa: E402  (a CommunicatorError: a collective on NCCL timed out)
-from ._contract import settings  # noqa: E402
+from ._settings import settings  # noqa: E402
 from .ops.scan import ScanHandle, destroy_communicators, device_path, scan, set_check_every_call  # noqa: E402
 from .reference import scan_reference  # noqa: E402
 

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from . import _C, _faults, _nccl
-from ._contract import settings
+from ._settings import settings
 
 __all__ = [
     "Communicator",

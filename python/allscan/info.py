@@ -13,6 +13,11 @@ from typing import Dict, List, Optional
 
 import torch
 
+import allscan
+
+from . import _C, _nccl
+from ._settings import VARIABLES, settings
+
 OPTIONAL = {  # package -> what allscan uses it for, and the extra that installs it
     "fla-core": "GLA / Gated DeltaNet / KDA kernels on GPU (allscan[gla])",
     "flash-linear-attention": "fla's layers and models, for the integrations (allscan[fla])",
@@ -98,10 +103,6 @@ def _paths() -> Dict[str, str]:
 
 
 def report() -> Dict:
-    import allscan
-    from allscan import _C, _nccl
-    from allscan._contract import VARIABLES, settings
-
     loaded = None
     try:
         _nccl.load()

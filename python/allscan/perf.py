@@ -9,12 +9,12 @@ import os
 import sys
 from typing import List, Optional
 
+from ._settings import settings
+
 
 def candidates() -> List[str]:
     """Where the binary may be, in order: ``ALLSCAN_PERF``, the package's ``bin/``, the build trees
     of the source checkout an editable install points at."""
-    from allscan._contract import settings
-
     if settings.perf_binary:
         return [settings.perf_binary]
     pkg = os.path.dirname(os.path.abspath(__file__))

@@ -9,31 +9,13 @@ from typing import List
 
 import torch
 
-from .. import _C, _comm
-from .._contract import announce_invalid, settings
+from .. import _comm
+from .._agreement import announce_invalid
+from .._settings import settings
 
-__all__ = ["validated_group", "traced_refusal", "or_empty", "absent", "nccl_preflight", "announce_device", "tell_peers_of_failure", "own_work", "stream_ptr", "plan_cache", "plan_is_current",
-           "forget_plans", "PlanCache", "MAX_PLANS", "check_num_blocks", "MAX_BLOCKS", "MAX_DEVICE_CTAS"]
-
-
-MAX_BLOCKS = _C.MAX_BLOCKS  # the pipeline's blocks (allscanMaxBlocks); the serial and all-gather methods use one
-MAX_DEVICE_CTAS = 128  # method="device": its CTA count (kMaxCtas, csrc/allscan/device_scan_kernel.cuh)
-
-
-def check_num_blocks(what: str, num_blocks, method: str) -> None:
-    """``num_blocks`` of a scan with ``method`` (already checked): None (auto) or an int from 1 to
-    :data:`MAX_BLOCKS`, or to :data:`MAX_DEVICE_CTAS` for ``method="device"`` (its CTA count)."""
-    if num_blocks is None:
-        return
-    if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 1:
-        raise ValueError(f"{what}: num_blocks must be None (auto) or a positive int, got {num_blocks!r}")
-    if method == "device":
-        if num_blocks > MAX_DEVICE_CTAS:
-            raise ValueError(f"{what}: num_blocks must be at most {MAX_DEVICE_CTAS} with method='device' (its CTA "
-                             f"count, from 1 to {MAX_DEVICE_CTAS}; None: one per 64 KiB), got {num_blocks}")
-    elif num_blocks > MAX_BLOCKS:
-        raise ValueError(f"{what}: num_blocks must be at most {MAX_BLOCKS} (the pipeline's blocks, from 1 to "
-                         f"{MAX_BLOCKS}; None: chosen from the link model), got {num_blocks}")
+__all__ = ["validated_group", "traced_refusal", "or_empty", "absent", "nccl_preflight", "announce_device",
+           "tell_peers_of_failure", "own_work", "raw_stream", "stream_ptr", "plan_cache", "plan_is_current",
+           "forget_plans", "PlanCache", "MAX_PLANS"]
 
 
 def validated_group(group, tensor, op: str, validate, *, every_call: bool = False):
@@ -139,13 +121,13 @@ def nccl_preflight(group, x: torch.Tensor, op: str) -> bool:
 
 # The current stream's handle without building a torch.cuda.Stream object (a few microseconds per
 # call); the public route where this private helper is missing.
-_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 
 def stream_ptr(device_index: int) -> int:
     """The current stream of CUDA device ``device_index`` (``tensor.get_device()``), as a raw handle."""
-    if _raw_stream is not None:
-        return _raw_stream(device_index)
+    if raw_stream is not None:
+        return raw_stream(device_index)
     return torch.cuda.current_stream(device_index).cuda_stream
 
 

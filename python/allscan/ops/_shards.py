@@ -21,7 +21,8 @@ import torch
 import torch.distributed as dist
 
 from allscan._comm import normalize_group
-from allscan._contract import peers_exchange, settings, still_checked
+from allscan._agreement import peers_exchange, still_checked
+from allscan._settings import settings
 
 from ._launch import plan_cache
 

@@ -28,7 +28,9 @@ import torch
 import torch.distributed as dist
 
 from .. import _C, _comm
-from .._contract import DTYPE_CODES, announce_invalid, check_across_ranks, dtype_code, settings, signature_hash
+from .._agreement import announce_invalid, check_across_ranks, signature_hash
+from .._dtypes import DTYPE_CODES, dtype_code
+from .._settings import settings
 from .._threads import one_thread
 from ._launch import traced_refusal, validated_group
 from . import _a2a_dist

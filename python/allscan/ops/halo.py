@@ -25,7 +25,8 @@ import torch
 import torch.distributed as dist
 
 from allscan import _C, _comm
-from allscan._contract import DTYPE_CODES, check_across_ranks
+from allscan._agreement import check_across_ranks
+from allscan._dtypes import DTYPE_CODES
 from allscan._threads import one_thread
 
 from ._launch import nccl_preflight, stream_ptr, validated_group

@@ -22,26 +22,28 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from .. import _C, _comm
-from .._contract import DTYPE_CODES, check_across_ranks, dtype_code, signature_hash
+from .._agreement import check_across_ranks, signature_hash
+from .._dtypes import DTYPE_CODES, dtype_code
 from ..reference import acc_dtype
 from . import _matrix_dist
-from ._launch import (check_num_blocks, nccl_preflight, plan_cache, plan_is_current, stream_ptr, traced_refusal,
-                      validated_group)
+from ._launch import nccl_preflight, plan_cache, plan_is_current, stream_ptr
 from ._matrix_math import combine
-from .scan import (ScanHandle, ScanLaunchPlan, _needs_grad, async_handle, by_handle_ok, is_chain_head,
-                   save_call_options, side_stream_handle)
+from ._scan_body import ScanLaunchPlan, check_num_blocks, is_chain_head, needs_grad, save_call_options, scan_body
 
-__all__ = ["matrix_scan", "METHODS"]
+__all__ = ["matrix_scan", "METHODS", "OP", "validate", "plan_for", "plan_key", "plans", "launch", "matrix_scan_op",
+           "scan_impl"]
 
 METHODS = ("pipelined", "serial", "allgather")
-_OP = "scan(transition=)"
+OP = "scan(transition=)"  # the op's name in errors and in the cross-rank signature
 _WHAT = "allscan.scan"
 
 
 # ------------------------------------------------------------------------------------------------
 # Validate
 # ------------------------------------------------------------------------------------------------
-def _validate(tensor, transition, init, method, num_blocks, gamma=None) -> None:
+def validate(tensor, transition, init, method, num_blocks, gamma=None) -> None:
+    """The local argument checks of ``allscan.scan(tensor, transition=...)``: ``TypeError`` or
+    ``ValueError`` naming the argument."""
     if gamma is not None:
         raise ValueError(f"{_WHAT}: gamma and transition are mutually exclusive (pass one of them)")
     if not isinstance(tensor, torch.Tensor):
@@ -103,13 +105,13 @@ def _signature(x, m, init, reverse, inclusive, transpose, num_blocks, method) ->
 # ------------------------------------------------------------------------------------------------
 # Plan and launch (the diagonal scan's plan: its gdt is the transition's dtype code here)
 # ------------------------------------------------------------------------------------------------
-_plans: Dict[tuple, ScanLaunchPlan] = plan_cache()
+plans: Dict[tuple, ScanLaunchPlan] = plan_cache()  # the fast path keeps a hit's plan recent here
 
 
 def _prepare(x, m, init, group, reverse, inclusive, transpose, num_blocks, method) -> ScanLaunchPlan:
-    nccl = nccl_preflight(group, x, _OP)
+    nccl = nccl_preflight(group, x, OP)
     fields = _signature(x, m, init, reverse, inclusive, transpose, num_blocks, method)
-    check_across_ranks(group, x.device, _OP, fields)
+    check_across_ranks(group, x.device, OP, fields)
     if not nccl:
         return ScanLaunchPlan(group, None, 0, 0, 0, 0)
     comm = _comm.get_communicator(group, x.device)
@@ -117,7 +119,7 @@ def _prepare(x, m, init, group, reverse, inclusive, transpose, num_blocks, metho
     batch, K, V = _dims(x)
     ws = _C.matrix_workspace_size(comm.handle, batch, K, V, dt, mdt, transpose, init is not None, reverse, inclusive,
                                   num_blocks, midx)
-    return ScanLaunchPlan(group, comm, dt, mdt, midx, ws, signature_hash(_OP, fields))
+    return ScanLaunchPlan(group, comm, dt, mdt, midx, ws, signature_hash(OP, fields))
 
 
 def plan_key(x, m, init, group, reverse, inclusive, transpose, num_blocks, method) -> tuple:
@@ -125,12 +127,13 @@ def plan_key(x, m, init, group, reverse, inclusive, transpose, num_blocks, metho
             transpose, num_blocks, method)
 
 
-def _plan_for(x, m, init, group, reverse, inclusive, transpose, num_blocks, method) -> ScanLaunchPlan:
+def plan_for(x, m, init, group, reverse, inclusive, transpose, num_blocks, method) -> ScanLaunchPlan:
+    """The plan of this signature (as :func:`allscan.ops.diagonal_scan.plan_for`; a benchmarks' hook)."""
     key = plan_key(x, m, init, group, reverse, inclusive, transpose, num_blocks, method)
-    plan = _plans.get(key)
+    plan = plans.get(key)
     if not plan_is_current(plan, group):
         plan = _prepare(x, m, init, group, reverse, inclusive, transpose, num_blocks, method)
-        _plans[key] = plan
+        plans[key] = plan
     return plan
 
 
@@ -152,7 +155,7 @@ def launch(plan: ScanLaunchPlan, x, m, init, reverse, inclusive, transpose, num_
 def _run(x, m, init, group_name, reverse, inclusive, transpose, num_blocks, method, group=None, stream=None):
     if group is None:
         group = _comm.resolve_group(group_name)
-    plan = _plan_for(x, m, init, group, reverse, inclusive, transpose, num_blocks, method)
+    plan = plan_for(x, m, init, group, reverse, inclusive, transpose, num_blocks, method)
     if x.numel() == 0:
         return torch.empty_like(x)
     if plan.comm is None:
@@ -255,17 +258,17 @@ def _eager_reverse(*args):
     return matrix_scan_op(*args) if torch.is_grad_enabled() else _run(*args)
 
 
-def _scan_impl(x, m, init, name, reverse, inclusive, num_blocks, method, group=None, stream=None):
+def scan_impl(x, m, init, name, reverse, inclusive, num_blocks, method, group=None, stream=None):
     """The scan of contiguous tensors (on ``stream`` when given: eager NCCL calls, never an
     inclusive one that needs a gradient)."""
-    needs_grad = _needs_grad(x, m, init)
+    grad = needs_grad(x, m, init)
     eager = not torch.compiler.is_compiling()
-    if not needs_grad and eager:
+    if not grad and eager:
         # Eager and nothing to differentiate: skip the dispatcher round trip.
         return _run(x, m, init, name, reverse, inclusive, False, num_blocks, method, group, stream)
-    if needs_grad and eager:
+    if grad and eager:
         y = _EagerMatrixScan.apply(x, m, init, name, reverse, num_blocks, method, group, stream)
-    elif needs_grad:
+    elif grad:
         y = matrix_scan_op(x, m, init, name, reverse, False, False, num_blocks, method)
     else:
         return matrix_scan_op(x, m, init, name, reverse, inclusive, False, num_blocks, method)
@@ -286,21 +289,5 @@ def matrix_scan(tensor: torch.Tensor, transition: torch.Tensor, group, *, revers
     leading-dim entries, V columns split only when more blocks than entries are asked), "serial" or
     "allgather" (fla's context-parallel pattern). Differentiable in all three tensors. With
     ``async_op=True`` returns an :class:`allscan.ScanHandle`."""
-    try:
-        group = validated_group(group, tensor, _OP,
-                                lambda: _validate(tensor, transition, init, method, num_blocks, gamma))
-    except (TypeError, ValueError) as e:  # under torch.compile: refused when the graph runs, on every rank
-        out = traced_refusal(group, tensor, _OP, e)
-        return ScanHandle(out) if async_op else out
-    name = group.group_name
-    x = tensor.contiguous()
-    m = transition.contiguous()
-    i0 = None if init is None else init.contiguous()
-    k = 0 if num_blocks is None else int(num_blocks)
-    if not async_op:
-        return _scan_impl(x, m, i0, name, reverse, inclusive, k, method, group)
-    if by_handle_ok(group, x, _needs_grad(m)) and not (inclusive and _needs_grad(x, m, i0)):
-        return side_stream_handle(x, (x, m, i0), lambda side: _scan_impl(x, m, i0, name, reverse, inclusive, k,
-                                                                         method, group, side))
-    return async_handle(group, x, (x, m, i0), lambda: _scan_impl(x, m, i0, name, reverse, inclusive, k, method, group))
-
+    return scan_body(OP, lambda: validate(tensor, transition, init, method, num_blocks, gamma), scan_impl, tensor,
+                     transition, group, init, reverse, inclusive, num_blocks, method, async_op)

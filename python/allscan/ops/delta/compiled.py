@@ -19,7 +19,7 @@ from allscan._comm import resolve_group
 
 from .._launch import absent, or_empty, tell_peers_of_failure
 from .._shards import own_precision
-from ..matrix_scan import _OP as MATRIX_SCAN_OP
+from ..matrix_scan import OP as MATRIX_SCAN_OP
 from .chunk import compute_dtype
 from .gates import DeltaOptions
 from .shard import outputs_state_grad, reverse_scan, shard_backward, shard_forward, zero_if_absent

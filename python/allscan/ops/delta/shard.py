@@ -63,7 +63,7 @@ from torch.autograd.function import once_differentiable
 
 from .._beside import Beside
 from .._launch import tell_peers_of_failure
-from ..matrix_scan import _OP as MATRIX_SCAN_OP
+from ..matrix_scan import OP as MATRIX_SCAN_OP
 from .._shards import own_precision, world_and_rank
 from .chunk import compute_dtype
 

@@ -43,7 +43,8 @@ from typing import Optional
 
 import torch
 
-from allscan._contract import DTYPE_CODES, check_across_ranks, dtype_code
+from allscan._agreement import check_across_ranks
+from allscan._dtypes import DTYPE_CODES, dtype_code
 
 from .._launch import validated_group
 from .._shards import ShardSegments, checked_cut, inputs_need_grad, own_precision, sequence_parallel_group

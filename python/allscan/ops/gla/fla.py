@@ -20,7 +20,7 @@ from types import SimpleNamespace
 
 import torch
 
-from allscan._contract import settings
+from allscan._settings import settings
 
 from .chunk import torch_correct_, torch_state_grad
 

@@ -64,12 +64,14 @@ from typing import Dict, List, Optional, Tuple
 import torch
 from torch.autograd.function import once_differentiable
 
-from allscan._contract import DTYPE_CODES, check_across_ranks, settings
+from allscan._agreement import check_across_ranks
+from allscan._dtypes import DTYPE_CODES
+from allscan._settings import settings
 
 from allscan._comm import resolve_group
 
 from .._launch import absent, or_empty, tell_peers_of_failure, validated_group
-from ..scan import _OP as SCAN_OP
+from ..diagonal_scan import OP as SCAN_OP
 from .._shards import (LOCAL, ShardSegments, checked_cut, inputs_need_grad, on_device, own_precision,
                        sequence_parallel_group, world_and_rank)
 from .chunk import TorchGLA
