@@ -154,7 +154,8 @@ def _packed_bounds(name, batch, kwargs) -> Optional[torch.Tensor]:
     cu, ck = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
     if cu is None and ck is None:
         return None
-    if cu is None or ck is None or not torch.equal(torch.as_tensor(cu).cpu(), torch.as_tensor(ck).cpu()):
+    if cu is None or ck is None or (cu is not ck and not torch.equal(torch.as_tensor(cu).cpu(),
+                                                                      torch.as_tensor(ck).cpu())):
         raise NotImplementedError(f"{name}: cu_seq_lens_q and cu_seq_lens_k must be given together and equal "
                                   "(self-attention over packed sequences)")
     if batch != 1:
