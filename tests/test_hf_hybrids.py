@@ -26,6 +26,9 @@ transformers = pytest.importorskip("transformers", minversion="5.0")
 VOCAB = 61
 T = 24  # divisible by 2 and 3; 8 tokens a rank at SP = 3 (the halo needs conv_size - 1 = 3)
 FAMILIES = ["qwen3_next", "qwen3_5", "olmo_hybrid", "kimi_linear"]
+# one packed row: a sequence inside rank 0's shard, one crossing a rank boundary (at SP = 2 and 3), one starting
+# exactly at rank 2's first token (SP = 3)
+BOUNDS = [0, 5, 16, T]
 # the delta rule each family's linear layer calls, as a name in its modeling module
 DELTA_RULE = {"qwen3_next": "torch_chunk_gated_delta_rule", "qwen3_5": "torch_chunk_gated_delta_rule",
               "olmo_hybrid": "torch_chunk_gated_delta_rule", "kimi_linear": "chunk_kimi_delta_attention"}
@@ -91,12 +94,11 @@ def _batch(B=2):
     labels = ids.clone()
     if B > 1:
         labels[1, :3] = -100
+    else:  # one packed row: a sequence's first token is no label of the one before (as transformers' collator)
+        labels[0, BOUNDS[1:-1]] = -100
     return ids, labels
 
 
-# one packed row: a sequence inside rank 0's shard, one crossing a rank boundary (at SP = 2 and 3), one starting
-# exactly at rank 2's first token (SP = 3)
-BOUNDS = [0, 5, 16, T]
 
 
 def _packed_positions():
@@ -105,13 +107,13 @@ def _packed_positions():
 
 def _reference(kind, ids, labels, packed):
     """transformers' model on one process: the whole rows, or each packed sequence run alone (its logits
-    concatenated; labels ignored at each sequence's last token, as shard_batch leaves them)."""
+    concatenated; no label across a sequence's end)."""
     from allscan.integrations import hf_hybrids as sp
 
     ref = tiny_model(kind)
     shift = torch.nn.functional.pad(labels[:, 1:], (0, 1), value=sp.IGNORE_INDEX)
     if packed:
-        shift[:, [b - 1 for b in BOUNDS[1:-1]]] = sp.IGNORE_INDEX
+        assert (shift[0, [b - 1 for b in BOUNDS[1:-1]]] == sp.IGNORE_INDEX).all()
         logits = torch.cat([ref(input_ids=ids[:, a:b], use_cache=False).logits
                             for a, b in zip(BOUNDS[:-1], BOUNDS[1:])], dim=1)
     else:
@@ -154,7 +156,6 @@ def _sp_equals_one_process(rank, world, kind):
                          if isinstance(m.__dict__.get("forward"), sp.SequenceParallelForward)],
              "use_cache": model.config.use_cache}
         shard = sp.shard_batch(ids, labels, group=group, position_ids=_packed_positions() if packed else None)
-        assert (shard.cu_seqlens is not None) == packed
         logits = model(input_ids=shard.input_ids, position_ids=shard.position_ids).logits
         loss = sp.causal_lm_loss(logits, shard)
         loss.backward()

@@ -27,7 +27,8 @@ crosses the rank boundaries:
   registered here for the group (:func:`attention_implementation`).
 
 Packed rows: sequences packed in one row (B = 1) and marked by position ids that restart (transformers'
-``DataCollatorWithFlattening``; ``shard_batch(..., position_ids=)`` cuts the row and its labels) are found in the
+``DataCollatorWithFlattening``, which also ignores each sequence's first label; ``shard_batch(...,
+position_ids=)`` cuts the row, its positions and its labels) are found in the
 whole row at each call and computed each as if alone, also where a sequence starts inside a shard or crosses a
 rank boundary: the convolution reads nothing before its sequence's start, the delta rule starts each sequence
 from a zero state (``cu_seqlens``), the attention attends within each sequence. Their global bounds travel to
@@ -63,8 +64,7 @@ import torch.nn.functional as F
 from allscan.ops import sequence_parallel_group
 from allscan.ops.halo import halo_exchange
 
-from .batch import (IGNORE_INDEX, BatchShard, causal_lm_loss, packed_bounds_of, reduce_loss,  # noqa: F401
-                    shard_batch, sync_gradients)
+from .batch import IGNORE_INDEX, BatchShard, causal_lm_loss, reduce_loss, shard_batch, sync_gradients  # noqa: F401
 
 __all__ = ["sequence_parallel", "is_sequence_parallel", "attention_implementation", "SUPPORTED", "shard_batch",
            "causal_lm_loss", "reduce_loss", "sync_gradients", "BatchShard", "IGNORE_INDEX"]
@@ -604,7 +604,7 @@ class _CallCheck:
             dist.all_gather(parts, whole.to(device).contiguous(), group=pg)
             whole = torch.cat(parts, dim=1)
         whole = whole.cpu()
-        bounds = [packed_bounds_of(whole[b]) for b in range(B)]
+        bounds = [_packed_bounds_of(whole[b]) for b in range(B)]
         if any(b is not None for b in bounds):
             if B != 1:
                 raise NotImplementedError(f"{name}: packed rows (position ids that restart) in a batch of {B} rows "
@@ -612,6 +612,14 @@ class _CallCheck:
             cu = torch.tensor(bounds[0], dtype=torch.int32, device=x.device)
             kwargs["cu_seq_lens_q"], kwargs["cu_seq_lens_k"] = cu, cu
         return kwargs
+
+
+def _packed_bounds_of(positions: torch.Tensor) -> Optional[Tuple[int, ...]]:
+    """The bounds ``(0, ..., T)`` of the sequences packed in one row of position ids ``[T]``, as transformers
+    finds them (``masking_utils.find_packed_sequence_indices``: a sequence starts wherever a position is not the
+    one before plus one); None when the row is one sequence."""
+    starts = (torch.nonzero(positions[1:] - positions[:-1] != 1).flatten() + 1).tolist()
+    return None if not starts else (0, *starts, positions.shape[0])
 
 
 def _refuse_generate(*args, **kwargs):
