@@ -12,6 +12,7 @@ from distributed import run_distributed  # noqa: E402
 
 from allscan.layers import UlyssesAttention  # noqa: E402
 from allscan.ops import ulysses as U  # noqa: E402
+from allscan.ops.ulysses import passes as X, pipeline as P  # noqa: E402  (what the tests below replace)
 
 
 def _inputs(B, S, Hq, Hkv, D, dtype, seed=0):
@@ -288,7 +289,7 @@ def test_errors_cross_rank(what):
 
 def _compiled(rank, world, Hq, Hkv, causal):
     """UlyssesAttention under torch.compile(fullgraph=True): plain Ulysses through allscan's all-to-all
-    custom ops and SDPA (allscan.ops.ulysses_traced), forward and backward, against SDPA on the whole
+    custom ops and SDPA (allscan.ops.ulysses.traced), forward and backward, against SDPA on the whole
     sequence; with grouped-query attention (k/v heads replicated over ranks when there are fewer than
     ranks); and opcheck of the scatter op."""
     import torch.distributed as dist
@@ -307,7 +308,7 @@ def _compiled(rank, world, Hq, Hkv, causal):
     for name, got, ref in (("dq", ql.grad, rq), ("dk", kl.grad, rk), ("dv", vl.grad, rv)):
         torch.testing.assert_close(got, ref[:, sl], rtol=1e-10, atol=1e-10, msg=lambda m: f"{name}: {m}")
     assert layer.last_info == {"num_chunks": 1, "auto": None}
-    import allscan.ops.ulysses_traced  # noqa: F401 - registers the ops
+    import allscan.ops.ulysses.traced  # noqa: F401 - registers the ops
 
     torch.library.opcheck(torch.ops.allscan.ulysses_scatter.default,
                           (ql, kl, vl, dist.group.WORLD.group_name, causal, 0.3, 0, True))
@@ -393,7 +394,7 @@ def _happens_before(a, b):
 def test_pipeline_cross_stream_dependencies(n):
     sync, log = _FakeSync(), []
     sync.main.op(log, ("inputs",))
-    U._run_pipeline(
+    P.run_pipeline(
         n,
         lambda c, stream: stream.op(log, ("scatter", c)),
         lambda c: sync.main.op(log, ("attend", c)) or c,
@@ -412,7 +413,7 @@ def test_pipeline_cross_stream_dependencies(n):
 
 def test_pipeline_sequential_order():
     log = []
-    U._run_pipeline(3, lambda c, s: log.append(("s", c, s)), lambda c: log.append(("a", c)) or c,
+    P.run_pipeline(3, lambda c, s: log.append(("s", c, s)), lambda c: log.append(("a", c)) or c,
                     lambda c, r, s: log.append(("g", c, r, s)), None)
     assert log == [("s", 0, None), ("a", 0), ("g", 0, 0, None), ("s", 1, None), ("a", 1), ("g", 1, 1, None),
                    ("s", 2, None), ("a", 2), ("g", 2, 2, None)]
@@ -433,7 +434,7 @@ def test_pipeline_failure_reports_and_still_joins_the_streams(step, failing):
                 raise RuntimeError("injected out of memory")
 
         with pytest.raises(RuntimeError, match="injected"):
-            U._run_pipeline(4, lambda c, s: run("scatter", c, s), lambda c: run("attend", c, None) or c,
+            P.run_pipeline(4, lambda c, s: run("scatter", c, s), lambda c: run("attend", c, None) or c,
                             lambda c, res, s: run("gather", c, s), None, sync=sync if two_streams else None,
                             failed=lambda c, e, where: told.append((c, str(e), where)))
         assert told == [(failing, "injected out of memory", step)], (two_streams, told)
@@ -453,8 +454,8 @@ def _attention_fails(rank, world, where):
     sl = slice(rank * 4, (rank + 1) * 4)
     ql, kl, vl = (t[:, sl].clone().requires_grad_(True) for t in (q, k, v))
     reports, calls = [], []
-    saved = _comm.report_local_error, U._use_cpp, U.F.scaled_dot_product_attention, U._forward_buffers
-    real_sdpa, real_buffers = U.F.scaled_dot_product_attention, U._forward_buffers
+    saved = _comm.report_local_error, P._use_cpp, F.scaled_dot_product_attention, X._forward_buffers
+    real_sdpa, real_buffers = F.scaled_dot_product_attention, X._forward_buffers
 
     def failing_sdpa(*args, **kwargs):
         calls.append(1)
@@ -469,16 +470,16 @@ def _attention_fails(rank, world, where):
         raise RuntimeError("injected out of memory")
 
     _comm.report_local_error = lambda group, device, reason: reports.append((group, device, reason))
-    U._use_cpp = lambda group, x: True  # as on NCCL with the core's all-to-all
-    U.F.scaled_dot_product_attention = failing_sdpa
+    P._use_cpp = lambda group, x: True  # as on NCCL with the core's all-to-all
+    F.scaled_dot_product_attention = failing_sdpa
     if where == "buffers":
-        U._forward_buffers = failing_buffers
+        X._forward_buffers = failing_buffers
     try:
         with pytest.raises(RuntimeError, match="injected out of memory"):
             out = U.ulysses_attention(ql, kl, vl, num_chunks=2)
             (out * w[:, sl]).sum().backward()
     finally:
-        _comm.report_local_error, U._use_cpp, U.F.scaled_dot_product_attention, U._forward_buffers = saved
+        _comm.report_local_error, P._use_cpp, F.scaled_dot_product_attention, X._forward_buffers = saved
     (group, device, reason), = reports
     want = {"forward": "its forward failed at head chunk 1",
             "backward": "its backward failed at head chunk 0",
@@ -504,33 +505,33 @@ def test_failure_reports_by_path():
     plan = type("Plan", (), {"group": object(), "world": 2})()
     x = torch.zeros(1)
     board, announced = [], []
-    saved = _comm.report_local_error, U._use_cpp, U.announce_invalid, U.peers_exchange
+    saved = _comm.report_local_error, P._use_cpp, P.announce_invalid, P.peers_exchange
     _comm.report_local_error = lambda group, device, reason: board.append(reason)
-    U.announce_invalid = lambda group, device, op, reason: announced.append((op, reason))
+    P.announce_invalid = lambda group, device, op, reason: announced.append((op, reason))
     try:
-        U._use_cpp, U.peers_exchange = (lambda group, t: True), (lambda group, device: True)
-        U._report_failure(plan, x, "forward")(0, _C.CommunicatorError("the communicator failed"), "gather")
+        P._use_cpp, P.peers_exchange = (lambda group, t: True), (lambda group, device: True)
+        P.report_failure(plan, x, "forward")(0, _C.CommunicatorError("the communicator failed"), "gather")
         assert board == [] and announced == []
         for step in ("scatter", "attend", "gather", None):
-            U._report_failure(plan, x, "forward")(0, RuntimeError("out of memory"), step)
+            P.report_failure(plan, x, "forward")(0, RuntimeError("out of memory"), step)
         assert len(board) == 4 and announced == []
-        U._use_cpp = lambda group, t: False  # torch's all-to-all, every chunk checked (gloo)
+        P._use_cpp = lambda group, t: False  # torch's all-to-all, every chunk checked (gloo)
         for step in ("scatter", "gather"):
-            U._report_failure(plan, x, "forward")(1, RuntimeError("connection reset"), step)
+            P.report_failure(plan, x, "forward")(1, RuntimeError("connection reset"), step)
         assert announced == []
-        U._report_failure(plan, x, "backward")(1, RuntimeError("out of memory"), "attend")
-        U._report_failure(plan, x, "forward")(None, RuntimeError("out of memory"))
+        P.report_failure(plan, x, "backward")(1, RuntimeError("out of memory"), "attend")
+        P.report_failure(plan, x, "forward")(None, RuntimeError("out of memory"))
         assert announced == [("UlyssesAttention", "UlyssesAttention: its backward failed at head chunk 1: "
                                                   "RuntimeError: out of memory"),
                              ("UlyssesAttention", "UlyssesAttention: its forward failed before its first "
                                                   "all-to-all: RuntimeError: out of memory")]
-        U.peers_exchange = lambda group, device: False  # torch's all-to-all on NCCL, checked once per signature
-        U._report_failure(plan, x, "forward")(0, RuntimeError("out of memory"), "attend")
-        U._use_cpp, U.peers_exchange, plan.world = (lambda group, t: True), (lambda group, device: True), 1
-        U._report_failure(plan, x, "forward")(0, RuntimeError("out of memory"), "attend")  # alone
+        P.peers_exchange = lambda group, device: False  # torch's all-to-all on NCCL, checked once per signature
+        P.report_failure(plan, x, "forward")(0, RuntimeError("out of memory"), "attend")
+        P._use_cpp, P.peers_exchange, plan.world = (lambda group, t: True), (lambda group, device: True), 1
+        P.report_failure(plan, x, "forward")(0, RuntimeError("out of memory"), "attend")  # alone
         assert len(board) == 4 and len(announced) == 2
     finally:
-        _comm.report_local_error, U._use_cpp, U.announce_invalid, U.peers_exchange = saved
+        _comm.report_local_error, P._use_cpp, P.announce_invalid, P.peers_exchange = saved
 
 
 def _bf16_grouped_kv_empty_chunk(rank, world, device="cpu"):
@@ -570,7 +571,7 @@ def _one_rank_fails_on_gloo(rank, world, where):
     q, k, v, w = _inputs(1, 4 * world, 6, 3, 8, torch.float64)
     sl = slice(rank * 4, (rank + 1) * 4)
     ql, kl, vl = (t[:, sl].clone().requires_grad_(True) for t in (q, k, v))
-    real_sdpa, real_buffers = U.F.scaled_dot_product_attention, U._forward_buffers
+    real_sdpa, real_buffers = F.scaled_dot_product_attention, X._forward_buffers
     calls = []
 
     def sdpa(*args, **kwargs):
@@ -595,10 +596,10 @@ def _one_rank_fails_on_gloo(rank, world, where):
             raise RuntimeError("injected out of memory")
         return real_prepare(*args)
 
-    U.F.scaled_dot_product_attention = sdpa
+    F.scaled_dot_product_attention = sdpa
     A._a2a_dist.prepare = prepare
     if where == "buffers":
-        U._forward_buffers = buffers
+        X._forward_buffers = buffers
     try:
         out = U.ulysses_attention(ql, kl, vl, num_chunks=2)
         (out * w[:, sl]).sum().backward()
@@ -610,7 +611,7 @@ def _one_rank_fails_on_gloo(rank, world, where):
         assert rank != 1 and "rank(s) [1]" in str(e) and "failed before this call" in str(e), (rank, e)
         outcome = "told"
     finally:
-        U.F.scaled_dot_product_attention, U._forward_buffers = real_sdpa, real_buffers
+        F.scaled_dot_product_attention, X._forward_buffers = real_sdpa, real_buffers
         A._a2a_dist.prepare = real_prepare
     assert where != "all-to-all" or any(any(acc) for acc in prepared)  # the summed gather was reached
     ro, rq, rk, rv = reference(q, k, v, w, False, None)

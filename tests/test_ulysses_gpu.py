@@ -105,10 +105,11 @@ def _auto_measures(rank, world):
     measurement runs whatever the hardware)."""
     from allscan.layers import UlyssesAttention
     from allscan.ops import ulysses as U
+    from allscan.ops.ulysses import api, tune
 
     dev = torch.device("cuda", torch.cuda.current_device())
     U.clear_auto_cache()
-    U.choose_num_chunks = lambda *a, **kw: 4
+    tune.choose_num_chunks = lambda *a, **kw: 4
     g = torch.Generator(device=dev).manual_seed(5 + rank)
     q, k, v = (torch.randn(1, 2048, 8, 128, generator=g, device=dev, dtype=torch.bfloat16) for _ in range(3))
     layer = UlyssesAttention(num_chunks="auto")
@@ -125,7 +126,7 @@ def _auto_measures(rank, world):
         ref = UlyssesAttention(num_chunks=1)(qi, ki, vi, causal=True)
         assert torch.equal(out, ref) or _rms_ratio(out, ref) < 3e-3
         seen.append(layer.last_info["num_chunks"])
-    assert len(U._AUTO_CACHE) == 2  # one entry per use
+    assert len(api._AUTO_CACHE) == 2  # one entry per use
     return seen
 
 
@@ -358,7 +359,7 @@ def test_pipeline_on_two_streams_waits_for_the_comm_stream_after_a_failure():
     """The two-stream pipeline driver on one GPU, copies standing in for the all-to-alls: the result
     equals twice the input; with attend raising at chunk 1 the error propagates and work enqueued
     on the main stream afterwards sees chunk 0's gather complete (the driver joined the streams)."""
-    from allscan.ops import ulysses as U
+    from allscan.ops.ulysses import pipeline as P
 
     dev = torch.device("cuda", 0)
     torch.cuda.set_device(dev)
@@ -383,11 +384,11 @@ def test_pipeline_on_two_streams_waits_for_the_comm_stream_after_a_failure():
 
         told = []
         if failing is None:
-            U._run_pipeline(n, scatter, attend, gather, dev, failed=lambda c, e, step: told.append((c, step)))
+            P.run_pipeline(n, scatter, attend, gather, dev, failed=lambda c, e, step: told.append((c, step)))
             assert torch.equal(out, 2 * x) and not told
         else:
             with pytest.raises(RuntimeError, match="injected"):
-                U._run_pipeline(n, scatter, attend, gather, dev, failed=lambda c, e, step: told.append((c, step)))
+                P.run_pipeline(n, scatter, attend, gather, dev, failed=lambda c, e, step: told.append((c, step)))
             seen = out[0].clone()  # on the main stream
             torch.cuda.synchronize()
             assert told == [(1, "attend")] and torch.equal(seen, 2 * x[0])
