@@ -185,7 +185,7 @@ def run(args):
     nk = limit_fla_autotune(args.fla_autotune)
     _say(f"P={world}, layers {args.layers}, T_local {args.tlocal}, fla autotune {args.fla_autotune!r} ({nk} kernels)",
          rank)
-    with middle_rank_stand_in(world, "allscan.ops.delta.zeco", args.stand_in):
+    with middle_rank_stand_in(world, "allscan.ops.delta.prepare", args.stand_in):
         results, checks = _measure(args, rows, dev)
     H, K, V = args.heads, args.head_dim, args.head_dim
     out = dict(bench="delta_bench", world=world, B=1, H=H, K=K, V=V, dtype=args.dtype, repeats=args.repeats,
@@ -291,7 +291,8 @@ def _host_profile(fwd_bwd, tag, rank, outdir, calls=5):
 
 class _StageClock:
     """Host time spent in named functions (perf_counter around each call, no profiler): wraps the
-    delta backend's steps, ``allscan.scan`` and the scan handle's ``wait`` while active."""
+    delta backend's steps, the op's scans (its documented hook ``allscan.ops.hooks.op_hooks.delta_scan``)
+    and the scan handle's ``wait`` while active."""
 
     def __init__(self):
         self.ms = {}
@@ -327,8 +328,8 @@ def _host_split(fwd_bwd, tag, rank, outdir, calls=10, rounds=5):
     issue time drifts), into DIR/delta_host_split_*.json."""
     import torch
 
-    import allscan
     from allscan.ops.delta.fla import FlaDelta
+    from allscan.ops.hooks import op_hooks
     from allscan.ops.scan import ScanHandle
 
     clock = _StageClock()
@@ -339,7 +340,7 @@ def _host_split(fwd_bwd, tag, rank, outdir, calls=10, rounds=5):
             if name == "zeco":
                 for attr in ("states", "outputs", "fold_state_grad", "backward"):
                     clock.wrap(FlaDelta, attr, f"step {attr}", static=True)
-                clock.wrap(allscan, "scan", "allscan.scan (issue, forward and reverse)")
+                clock.wrap(op_hooks, "delta_scan", "allscan.scan (issue, forward and reverse)")
                 clock.wrap(ScanHandle, "wait", "scan handle wait")
             clock.wrap(torch.autograd, "grad", "backward (autograd.grad)")
             try:

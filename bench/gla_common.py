@@ -53,7 +53,7 @@ PLACES = ("middle", "last", "first")  # the ranks one GPU can stand in for (midd
 
 @contextlib.contextmanager
 def middle_rank_stand_in(world: int, module: str, place: str = "middle"):
-    """With one rank: the layer of ``module`` (``allscan.ops.gla.zeco``, ``allscan.ops.delta.zeco``) cuts
+    """With one rank: the layer of ``module`` (``allscan.ops.gla.zeco``, ``allscan.ops.delta.prepare``) cuts
     its shards as rank 1 of 3 (``place="middle"``), as the last of 2 (``"last"``) or as the first of 2
     (``"first"``). For the first two the sequence continues from a previous rank, so the incoming-state
     work is issued (GLA's last rank takes its incoming state's gradient from its local backward; a

@@ -21,7 +21,7 @@ from distributed import run_distributed  # noqa: E402
 
 import allscan  # noqa: E402
 import allscan._agreement as agreement  # noqa: E402
-import allscan.ops.delta.zeco as delta_zeco  # noqa: E402
+import allscan.ops.delta.prepare as delta_prepare  # noqa: E402
 import allscan.ops.gla.zeco as gla_zeco  # noqa: E402
 from allscan._settings import settings  # noqa: E402
 from allscan.layers import zeco_gated_delta_rule  # noqa: E402
@@ -134,7 +134,7 @@ def test_gla_checks_every_call_with_packed_sequences_or_check_always(env):
 
 def test_delta_repeated_call_checks_once():
     q, k, v, g, beta = _gdn()
-    with _Counted(delta_zeco, "_validate") as checks, _Counted(delta_zeco, "_check_gate_options") as gates:
+    with _Counted(delta_prepare, "_validate") as checks, _Counted(delta_prepare, "_check_gate_options") as gates:
         o1, _ = zeco_gated_delta_rule(q, k, v, g, beta)
         o2, _ = zeco_gated_delta_rule(q, k, v, g, beta)
         assert (checks.calls, gates.calls) == (1, 1)
@@ -170,7 +170,7 @@ def _run_gloo_checks_every_call(rank, world):
     with pytest.raises(ValueError, match=r"ranks passed different arguments.*V \(rank 0: 4, rank 1: 5\)"):
         zeco_gla(q, k, v2, g, dist.group.WORLD)
     qd, kd, vd, gd, beta = _gdn()
-    with _Counted(delta_zeco, "_validate") as checks:
+    with _Counted(delta_prepare, "_validate") as checks:
         for _ in range(2):
             zeco_gated_delta_rule(qd, kd, vd, gd, beta)
         assert checks.calls == 2
@@ -184,7 +184,7 @@ def test_options_that_are_tensors_check_every_call():
     """An option read by value (a flag, a bound) passed as a tensor: its key would hold its shape, not
     its value, so such calls check every call."""
     q, k, v, g, beta = _gdn()
-    with _Counted(delta_zeco, "_validate") as checks:
+    with _Counted(delta_prepare, "_validate") as checks:
         for _ in range(2):
             zeco_gated_delta_rule(q, k, v, g, beta, use_qk_l2norm_in_kernel=torch.tensor(True))
         assert checks.calls == 2

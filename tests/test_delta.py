@@ -714,9 +714,9 @@ def test_fla_backend_option_plumbing_with_reference_steps(monkeypatch):
 def test_fla_cp_refuses_what_fla_refuses(monkeypatch):
     """``method="fla_cp"`` takes only what fla's CP supports; the rest raises naming the argument before
     any collective (fla would assert deep inside). The capability check is forced on (no GPU here)."""
-    import allscan.ops.delta.zeco as zeco
+    import allscan.ops.delta.prepare as prepare
 
-    monkeypatch.setattr(zeco, "fla_usable", lambda q: True)
+    monkeypatch.setattr(prepare, "fla_usable", lambda q: True)
     d, _ = _data(3, "gdn", 2, 8, H, 2, gated=False)
     args = (d["q"], d["k"], d["v"], d["g"], d["beta"])
     with pytest.raises(ValueError, match="zeco_gated_delta_rule: method='fla_cp' does not take initial_state"):

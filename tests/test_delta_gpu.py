@@ -264,7 +264,7 @@ def _as_middle_rank(world):
     first row of ``initial_state``, as the incoming state), the fold-in and the narrow backward.
     ``allscan.ops.LOCAL`` still means one process."""
     import allscan.ops._shards as shards
-    import allscan.ops.delta.zeco as zeco
+    import allscan.ops.delta.prepare as prepare  # where the cut is made
     from allscan.ops._launch import forget_plans
 
     if world != 1:
@@ -272,13 +272,13 @@ def _as_middle_rank(world):
     stand_in = _StandInGroup()
     shards._PLACES[stand_in] = (3, 1)
 
-    class MiddleRank(zeco.ShardSegments):
+    class MiddleRank(prepare.ShardSegments):
         def __init__(self, group, T, B, cu_seqlens, op):
             super().__init__(group if group is None else stand_in, T, B, cu_seqlens, op)
             self.group = group
             self.stand_in = stand_in  # the weakly keyed place lives as long as the cut
 
-    zeco.ShardSegments = MiddleRank
+    prepare.ShardSegments = MiddleRank
     forget_plans()  # no cut made before is reused (a repeated call reuses its cut)
 
 

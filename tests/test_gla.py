@@ -579,9 +579,11 @@ def test_fla_autotune_one_config_choice():
     BK = BV = 64, 4 warps, 2 stages (checked with stand-in configs: no Triton on CPU)."""
     from types import SimpleNamespace as C
 
+    from allscan.ops import fla_autotune
+
     configs = [C(kwargs={"BK": bk, "BV": bv}, num_warps=w, num_stages=s)
                for bk in (32, 64) for bv in (64, 128) for w in (2, 4, 8) for s in (2, 3, 4)]
-    (best,) = fla_glue._prune_to_one(None, configs, {})
+    (best,) = fla_autotune._prune_to_one(None, configs, {})
     assert (best.kwargs, best.num_warps, best.num_stages) == ({"BK": 64, "BV": 64}, 4, 2)
 
     # fla's pruning is applied first (e.g. its rule "a tile must be smaller than the dimension", and the
@@ -589,10 +591,10 @@ def test_fla_autotune_one_config_choice():
     def fla_prune(cfgs, nargs, **kw):
         return [c for c in cfgs if c.kwargs["BK"] < nargs["K"] and not (c.kwargs["BK"] == 32 and c.num_warps == 4)]
 
-    (best,) = fla_glue._prune_to_one(fla_prune, configs, {"K": 64})
+    (best,) = fla_autotune._prune_to_one(fla_prune, configs, {"K": 64})
     assert best.kwargs["BK"] == 32 and best.num_warps != 4 and best.kwargs["BV"] == 64 and best.num_stages == 2
     # warps-only configs (no block kwargs): 4 warps
-    (best,) = fla_glue._prune_to_one(None, [C(kwargs={}, num_warps=w, num_stages=3) for w in (1, 2, 4, 8)], {})
+    (best,) = fla_autotune._prune_to_one(None, [C(kwargs={}, num_warps=w, num_stages=3) for w in (1, 2, 4, 8)], {})
     assert best.num_warps == 4
     with pytest.raises(ValueError, match="mode must be one of"):
         G.limit_fla_autotune("fast")

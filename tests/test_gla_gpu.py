@@ -539,6 +539,7 @@ def _stand_in(rank, world, dtype_name, decay, place):
     import allscan.ops.gla.zeco as zeco
     from allscan.ops._launch import forget_plans
     from allscan.ops.gla import fused_kernels_enabled, limit_fla_autotune, recurrent_gla_reference, zeco_gla
+    from allscan.ops.hooks import op_hooks, replaced
 
     limit_fla_autotune("one")
     dtype = getattr(torch, dtype_name)
@@ -601,15 +602,16 @@ def _stand_in(rank, world, dtype_name, decay, place):
             super().__init__(*args, **kwargs)
             self.world, self.rank, self.continued = shards, 1, True
 
-    real = zeco._scan, zeco.ShardSegments
-    zeco._scan, zeco.ShardSegments = exact_scan, StandIn
+    real = zeco.ShardSegments
+    zeco.ShardSegments = StandIn
     forget_plans()  # a repeated call reuses its cut: none made before the stand-in
     try:
-        ms = [t[:, mid].clone().requires_grad_(True) for t in (q, k, v, g)]
-        o, final = zeco_gla(*ms, dist.group.WORLD, output_final_state=True)
-        ((o.float() * do[:, mid].float()).sum() + (final * dht).sum()).backward()
+        with replaced(op_hooks, gla_scan=exact_scan):  # the op's documented hook: how it issues its scans
+            ms = [t[:, mid].clone().requires_grad_(True) for t in (q, k, v, g)]
+            o, final = zeco_gla(*ms, dist.group.WORLD, output_final_state=True)
+            ((o.float() * do[:, mid].float()).sum() + (final * dht).sum()).backward()
     finally:
-        zeco._scan, zeco.ShardSegments = real
+        zeco.ShardSegments = real
         forget_plans()
     mine = dict(zip(names, [o.detach()] + [t.grad for t in ms]))
     mine["final"] = final.detach()

@@ -22,7 +22,7 @@ def _load(name):
 gh, db, common = _load("gla_host"), _load("delta_bench"), _load("gla_common")
 
 
-@pytest.mark.parametrize("module", ["allscan.ops.gla.zeco", "allscan.ops.delta.zeco"])
+@pytest.mark.parametrize("module", ["allscan.ops.gla.zeco", "allscan.ops.delta.prepare"])
 def test_one_rank_stands_in_for_a_middle_rank_and_restores(module):
     import torch
 

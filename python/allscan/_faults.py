@@ -29,6 +29,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Set, Tuple
 
+from . import _C
+
 __all__ = ["POLL_S", "SKIP_GRACE_S", "Target", "FaultBoard", "board"]
 
 POLL_S = 0.25  # how often the thread looks at the store and at the communicators
@@ -244,8 +246,6 @@ class FaultBoard:
 
 
 def _remote_code() -> int:
-    from . import _C
-
     return _C.REMOTE_ERROR
 
 

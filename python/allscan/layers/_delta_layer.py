@@ -15,8 +15,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from allscan.ops import sequence_parallel_group
-from allscan.ops._launch import own_work
+from allscan.ops import own_work, sequence_parallel_group
 from allscan.ops.delta import METHODS
 from allscan.ops.halo import halo_exchange
 

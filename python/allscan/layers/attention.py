@@ -17,8 +17,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from allscan.ops import sequence_parallel_group
-from allscan.ops._launch import own_work
+from allscan.ops import own_work, sequence_parallel_group
 from allscan.ops.ulysses import packed_bounds, refuse_packed_while_tracing, ulysses_attention
 
 from ._inputs import check_layer_inputs

@@ -79,7 +79,7 @@ def announce_device(group) -> torch.device:
 
 def tell_peers_of_failure(group, op: str, step: str, error: BaseException, *, every_call: bool = False) -> None:
     """A rank whose own work before its part of ``op`` raised (out of memory, say) tells its peers as a
-    rank with bad arguments does (:func:`allscan._contract.announce_invalid`; ``every_call``: the
+    rank with bad arguments does (:func:`allscan._agreement.announce_invalid`; ``every_call``: the
     peers' check exchanges on every call), so that they raise instead of waiting in ``op`` until the
     timeout; the caller re-raises ``error``."""
     announce_invalid(group, announce_device(group), op, f"{step} failed: {type(error).__name__}: {error}",
@@ -93,7 +93,7 @@ def own_work(group, op: str, step: str, work, *args, every_call: bool = False):
     waiting for this rank until the timeout, and the error is re-raised. Only before a collective every
     rank makes next: after a layer's last collective the peers' next one may be anything, torch's own
     included. ``every_call``: the peers' next collective checks its arguments on every call
-    (:func:`allscan._contract.check_across_ranks`). While torch.compile traces, plainly ``work(*args)``
+    (:func:`allscan._agreement.check_across_ranks`). While torch.compile traces, plainly ``work(*args)``
     (the trace runs no collective)."""
     if group is None or torch.compiler.is_compiling():
         return work(*args)

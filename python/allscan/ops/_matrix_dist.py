@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from ._matrix_math import combine
-from ._scan_dist import _global, effective_blocks
+from ._scan_dist import effective_blocks, global_rank
 
 __all__ = ["matrix_blocks", "scan"]
 
@@ -57,7 +57,7 @@ def _scan_host(x, m, init, group, reverse, inclusive, transpose, num_blocks, met
         return _allgather(x, m, init, group, P, r, head, reverse, inclusive, transpose)
 
     has_next = r > 0 if reverse else r < P - 1
-    nxt = _global(group, r - 1 if reverse else r + 1) if has_next else None
+    nxt = global_rank(group, r - 1 if reverse else r + 1) if has_next else None
     batch, k, v = x.shape
     K = effective_blocks(group, x.numel(), x.element_size(), num_blocks, method)
     blocks = matrix_blocks(batch, k, v, K)
@@ -73,7 +73,7 @@ def _scan_host(x, m, init, group, reverse, inclusive, transpose, num_blocks, met
             return s.clone() if s is x else s
         return torch.zeros_like(x) if init is None else init.clone()
 
-    prev = _global(group, r + 1 if reverse else r - 1)
+    prev = global_rank(group, r + 1 if reverse else r - 1)
     y = torch.empty_like(x)
     for b0, nb, c0, vc in blocks:
         recv = torch.empty((nb, k, vc), dtype=x.dtype)
@@ -95,7 +95,7 @@ def _allgather(x, m, init, group, P, r, head, reverse, inclusive, transpose):
     """fla's context-parallel pattern: all-gather every rank's x and M, fold the predecessors."""
     if init is not None:
         init = init.clone()  # read on the chain head only, as in the other methods: take the head's
-        dist.broadcast(init, src=_global(group, head), group=group)
+        dist.broadcast(init, src=global_rank(group, head), group=group)
     xs = [torch.empty_like(x) for _ in range(P)]
     dist.all_gather(xs, x, group=group)
     ms = [torch.empty_like(m) for _ in range(P)]

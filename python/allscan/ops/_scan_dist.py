@@ -51,7 +51,8 @@ def block_elems(count: int, num_blocks: int, elem_size: int) -> int:
     return -(-b // vec) * vec
 
 
-def _global(group, group_rank: int) -> int:
+def global_rank(group, group_rank: int) -> int:
+    """The global rank of ``group``'s rank ``group_rank`` (what torch.distributed's point-to-point calls take)."""
     return dist.get_global_rank(group, group_rank)
 
 
@@ -76,8 +77,8 @@ def link_model(group) -> Tuple[float, float]:
         t0 = time.perf_counter()
         for _ in range(reps):
             ops = [
-                dist.P2POp(dist.isend, send, _global(group, (r + 1) % P), group),
-                dist.P2POp(dist.irecv, recv, _global(group, (r - 1) % P), group),
+                dist.P2POp(dist.isend, send, global_rank(group, (r + 1) % P), group),
+                dist.P2POp(dist.irecv, recv, global_rank(group, (r - 1) % P), group),
             ]
             for req in dist.batch_isend_irecv(ops):
                 req.wait()
@@ -142,7 +143,7 @@ def _scan_host(x, g, init, group, reverse, inclusive, num_blocks, method):
         if init is not None:
             # init is read on the chain head only, as in the other methods: take the head's.
             init = init.clone()
-            dist.broadcast(init, src=_global(group, head), group=group)
+            dist.broadcast(init, src=global_rank(group, head), group=group)
         xs = [torch.empty_like(x) for _ in range(P)]
         dist.all_gather(xs, x, group=group)
         gs = None
@@ -155,9 +156,9 @@ def _scan_host(x, g, init, group, reverse, inclusive, num_blocks, method):
             y = xs[q].clone() if y is None else combine(None if gs is None else gs[q], y, xs[q])
         return torch.zeros_like(x) if y is None else (y.clone() if y is init else y)
 
-    prev = _global(group, r + 1 if reverse else r - 1) if r != head else None
+    prev = global_rank(group, r + 1 if reverse else r - 1) if r != head else None
     has_next = r > 0 if reverse else r < P - 1
-    nxt = _global(group, r - 1 if reverse else r + 1) if has_next else None
+    nxt = global_rank(group, r - 1 if reverse else r + 1) if has_next else None
 
     count = x.numel()
     K = effective_blocks(group, count, x.element_size(), num_blocks, method)

@@ -176,7 +176,7 @@ def checked_cut(op: str, group, device: Optional[torch.device], tensors, options
                 check: Callable[[], Tuple["ShardSegments", Optional[tuple]]]) -> "ShardSegments":
     """The shard's cut of an ``op`` call on ``group`` (None: one process). ``check()`` makes every
     check of the call, the local ones then across ranks, and returns ``(cut, signature key)`` (the key
-    :func:`~allscan._contract.check_across_ranks` returned). A call whose ``tensors`` and ``options``
+    :func:`~allscan._agreement.check_across_ranks` returned). A call whose ``tensors`` and ``options``
     (everything the checks read; pass ``tensors=None`` with packed sequences: the cut reads
     ``cu_seqlens``' values) match an earlier call's on the same group, in the same check mode, reuses
     that cut while its signature is still checked. Every call checks with ``ALLSCAN_CHECK=always``

@@ -9,13 +9,13 @@ Files, in the layout of flash-linear-attention's ``ops/<op>/``:
 - :mod:`.fold_in`: the Triton kernels that fold the incoming state into the outputs (and its gradient).
 - :mod:`.shard`: one shard's forward and backward with the All-Scan, and their autograd function.
 - :mod:`.compiled`: the same as custom ops with fake kernels (torch.compile without graph breaks).
+- :mod:`.prepare`: what a call does before it runs, eager or compiled: checks, the cut, backend and plan.
 - :mod:`.gates`: the q/k l2norm and gate activations fla's kernels apply first, in torch ops; the options.
 - :mod:`.zeco`: :func:`zeco_gated_delta_rule` and :func:`zeco_kda`, the sequence-parallel ops.
 """
 from .chunk import TorchDelta, chunk_delta_rule
 from .naive import recurrent_delta_rule_reference
-from .zeco import METHODS, zeco_gated_delta_rule, zeco_kda
-from . import compiled  # noqa: F401,E402 - registers the custom ops (after .zeco: they use it)
+from .zeco import METHODS, zeco_gated_delta_rule, zeco_kda  # (it imports .compiled: the custom ops)
 
 __all__ = [
     "zeco_gated_delta_rule",

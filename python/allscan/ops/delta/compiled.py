@@ -23,7 +23,7 @@ from ..matrix_scan import OP as MATRIX_SCAN_OP
 from .chunk import compute_dtype
 from .gates import DeltaOptions
 from .shard import outputs_state_grad, reverse_scan, shard_backward, shard_forward, zero_if_absent
-from .zeco import prepared, select_backend, shard_cut, shard_plan
+from .prepare import prepared, select_backend, shard_cut, shard_plan
 
 _Tensors = Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, List[torch.Tensor]]
 

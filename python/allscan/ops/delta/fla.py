@@ -43,6 +43,8 @@ from typing import List, Optional, Sequence
 import torch
 
 from .._shards import on_device
+from ..fla_autotune import apply_autotune_setting
+from ..fla_dispatch import direct
 from .chunk import CHUNK, compute_dtype
 
 
@@ -59,8 +61,6 @@ def fla_delta_available() -> bool:
 
 def fla_kernel(opts):
     """fla's chunk function for these options and the keyword arguments that carry them."""
-    from allscan.ops.gla.fla import apply_autotune_setting
-
     apply_autotune_setting()
     kw = dict(use_qk_l2norm_in_kernel=opts.use_qk_l2norm_in_kernel,
               use_beta_sigmoid_in_kernel=opts.use_beta_sigmoid_in_kernel, allow_neg_eigval=opts.allow_neg_eigval)
@@ -99,12 +99,8 @@ def _fns() -> SimpleNamespace:
     from fla.ops.utils.constant import RCP_LN2
     from fla.ops.utils.index import prepare_chunk_indices
 
-    from allscan.ops.gla.fla import apply_autotune_setting
-
-    from .fold_in import fold_state_grad, head_outputs
+    from .fold_in import fold_state_grad, head_outputs  # Triton: imported with fla
     from .widen import gdn_wy_widened, widened
-
-    from ..fla_dispatch import direct
 
     apply_autotune_setting()
     fla = dict(

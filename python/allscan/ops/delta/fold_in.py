@@ -33,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["head_outputs", "fold_state_grad"]
+__all__ = ["head_outputs", "fold_state_grad", "sm_count"]
 
 _BLOCK_T = 64  # fla's chunk
 _MAX_GRID_Y = 65535  # CUDA's limit on a grid's second dimension
@@ -224,7 +224,7 @@ def head_outputs(q, k, v_wide, h_wide, g, A, S_in, scale: float):
 
 
 @functools.lru_cache(maxsize=None)
-def _sm_count(index: int) -> int:
+def sm_count(index: int) -> int:
     """The GPU's SM count, asked once per device."""
     return torch.cuda.get_device_properties(index).multi_processor_count
 
@@ -237,7 +237,7 @@ def _state_grad_launch(B: int, T: int, H: int, K: int, V: int, cuda_index):
     nv = triton.cdiv(V, BV)
     # enough CTAs to fill the GPU: split the tokens when heads x column blocks are few (on the CPU
     # interpreter a nominal 8 "SMs", so the splits are exercised there too)
-    sms = 8 if cuda_index is None else _sm_count(cuda_index)
+    sms = 8 if cuda_index is None else sm_count(cuda_index)
     blocks = triton.cdiv(T, _BLOCK_T)
     splits = max(1, min(blocks, triton.cdiv(2 * sms, B * H * nv)))
     t_split = triton.cdiv(blocks, splits) * _BLOCK_T

@@ -63,6 +63,7 @@ from torch.autograd.function import once_differentiable
 
 from .._beside import Beside
 from .._launch import tell_peers_of_failure
+from ..hooks import op_hooks
 from ..matrix_scan import OP as MATRIX_SCAN_OP
 from .._shards import own_precision, world_and_rank
 from .chunk import compute_dtype
@@ -139,8 +140,6 @@ def shard_forward(run: ShardRun, q, k, v, g, beta, h0):
     """``(o, final or None, Q', M, S_in, saved)``: the outputs in v's dtype and the final states
     (``[N, HV, K, V]`` rows of the sequences ending here, zeros elsewhere, with packing); what the
     backward needs (Q', M, S_in None unless ``run.wide``)."""
-    from allscan import scan
-
     be = run.backend
     try:
         finals, M, staged = be.states(q, k, v, g, beta, run.opts, run.scale, run.bounds,
@@ -155,8 +154,8 @@ def shard_forward(run: ShardRun, q, k, v, g, beta, h0):
         raise
     S_in = None
     if run.world > 1:
-        pending = scan(x, group=run.group, transition=M_scan, init=_scan_init(run, h0), method=run.method,
-                       async_op=True)
+        pending = op_hooks.delta_scan(x, group=run.group, transition=M_scan, init=_scan_init(run, h0),
+                                      method=run.method, async_op=True)
 
     def incoming():
         nonlocal S_in
@@ -223,8 +222,6 @@ def reverse_scan(run: ShardRun, q, v, M, dfinal, q_eff=None, do=None, dy_out=Non
         return None
 
     def work():
-        from allscan import scan
-
         dt = compute_dtype(v)
 
         # every rank issues the reverse scan, whatever it does with r (zeros from the chain head: they
@@ -246,7 +243,7 @@ def reverse_scan(run: ShardRun, q, v, M, dfinal, q_eff=None, do=None, dy_out=Non
         except Exception as e:
             tell_peers_of_failure(run.group, MATRIX_SCAN_OP, "its backward before the reverse scan", e)
             raise
-        return scan(dy, group=run.group, transition=MT, reverse=True, method=run.method)
+        return op_hooks.delta_scan(dy, group=run.group, transition=MT, reverse=True, method=run.method)
 
     return Beside(v.device, work, keep=(q_eff, do, dy_out, M, dfinal))
 

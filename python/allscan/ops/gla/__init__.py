@@ -8,7 +8,8 @@ Files, in the layout of flash-linear-attention's ``ops/<op>/``:
   the switches of allscan's own Triton kernels, and :func:`limit_fla_autotune` (``ALLSCAN_FLA_AUTOTUNE``).
 - :mod:`.incoming_state`: allscan's Triton kernels for the incoming state's two terms (CUDA).
 - :mod:`.zeco`: :func:`zeco_gla`, the sequence-parallel op (ZeCO All-Scan of the chunk states).
-- :mod:`.stage_times`: :func:`host_stage_times`, the benchmark hook timing the op's stages on the host.
+- :mod:`.stage_times`: :func:`host_stage_times`, the benchmarks' timer of the op's stages on the host, from
+  outside the op (through its hooks, :mod:`allscan.ops.hooks`).
 
 Public: :func:`zeco_gla`, :data:`LOCAL`, :data:`METHODS`, :func:`recurrent_gla_reference`,
 :func:`torch_chunk_gla`, :func:`limit_fla_autotune`, :func:`fla_available`, :func:`set_fused_output`,

@@ -8,13 +8,12 @@ state-gradient recurrence (which needs the gradient arriving from the next rank)
 incoming-state terms use allscan's own Triton kernels (:mod:`allscan.ops.gla.incoming_state`), with
 the torch ops of :mod:`allscan.ops.gla.chunk` as the fallback should one fail.
 
-Also here, because it changes fla's kernels: :func:`limit_fla_autotune` (``ALLSCAN_FLA_AUTOTUNE``).
+:func:`limit_fla_autotune` (``ALLSCAN_FLA_AUTOTUNE``), which the delta-rule ops share, is
+:mod:`allscan.ops.fla_autotune`'s, named here too.
 """
 from __future__ import annotations
 
 import functools
-import math
-import sys
 import warnings
 from types import SimpleNamespace
 
@@ -22,6 +21,8 @@ import torch
 
 from allscan._settings import settings
 
+from ..fla_autotune import FLA_AUTOTUNE_MODES, apply_autotune_setting, limit_fla_autotune  # noqa: F401
+from ..fla_dispatch import direct, falls_back
 from .chunk import torch_correct_, torch_state_grad
 
 # ---------------------------------------------------------------------------------------------------
@@ -54,91 +55,6 @@ def _fused_failed(e, which="correction"):
                   f"using {instead} from now on")
 
 
-# ---------------------------------------------------------------------------------------------------
-# fla's autotuning: full (fla's default) or one fixed config per kernel
-# ---------------------------------------------------------------------------------------------------
-# fla-core autotunes every Triton kernel over 8-48 configs, and its autotune key holds the dtype of
-# every tensor argument and which optional ones are None (h0, ht, cu_seqlens, ...). Each new key
-# compiles and benchmarks every config: a first fwd+bwd of chunk_gla compiles some hundreds of kernels
-# (minutes on a fresh machine), and a test that mixes dtypes, varlen and initial states repeats that
-# for each combination. "one" keeps fla's own pruning (shape limits, a Hopper miscompile it avoids) and
-# then takes the single surviving config closest to BK = BV = 64, 4 warps, 2 stages: one compile per
-# kernel specialisation, no benchmarking. Same kernels, same math; only the tiling is fixed.
-_PREF_BLOCK, _PREF_WARPS, _PREF_STAGES = 64, 4, 2
-FLA_AUTOTUNE_MODES = ("full", "one")
-
-
-def _config_cost(cfg) -> float:
-    """Distance of a ``triton.Config`` from the preferred tiling (smaller is closer)."""
-    cost = 0.0
-    for name, val in getattr(cfg, "kwargs", {}).items():
-        if name.startswith("B") and isinstance(val, int) and not isinstance(val, bool) and val > 0:
-            cost += abs(math.log2(val / _PREF_BLOCK))
-    warps = getattr(cfg, "num_warps", None) or _PREF_WARPS
-    stages = getattr(cfg, "num_stages", None) or _PREF_STAGES
-    return cost + abs(math.log2(warps / _PREF_WARPS)) + 0.5 * abs(stages - _PREF_STAGES)
-
-
-def _prune_to_one(orig, configs, nargs, **kwargs):
-    """An ``early_config_prune`` that runs fla's own pruning, then keeps the closest config."""
-    cands = orig(configs, nargs, **kwargs) if orig is not None else configs
-    cands = list(cands) or list(configs)
-    return [min(cands, key=_config_cost)]  # min is stable: the first of equals
-
-
-def _autotuner_of(obj, Autotuner, KernelInterface):
-    for _ in range(8):  # Heuristics(Autotuner(JITFunction)) or Autotuner(Heuristics(JITFunction))
-        if isinstance(obj, Autotuner):
-            return obj
-        if not isinstance(obj, KernelInterface):
-            return None
-        obj = getattr(obj, "fn", None)
-    return None
-
-
-def limit_fla_autotune(mode: str = "one") -> int:
-    """Set how fla-core's Triton kernels autotune in this process: ``"one"`` (one fixed config per
-    kernel, chosen after fla's own pruning: no benchmarking, one compile per specialisation) or
-    ``"full"`` (fla's default). Applies to every autotuned kernel of the fla modules imported so far
-    (it imports the ones the GLA and delta-rule layers use first). Returns the number of kernels set. Needs fla-core
-    and Triton (CUDA); changes fla for the whole process, so the library never calls it by itself
-    unless ``ALLSCAN_FLA_AUTOTUNE`` is set (the tests and benchmarks call it)."""
-    if mode not in FLA_AUTOTUNE_MODES:
-        raise ValueError(f"limit_fla_autotune: mode must be one of {FLA_AUTOTUNE_MODES}, got {mode!r}")
-    try:
-        import fla.ops.common.chunk_h  # noqa: F401 - the modules whose kernels the GLA layer runs
-        import fla.ops.gla.chunk  # noqa: F401
-        import fla.ops.utils.cumsum  # noqa: F401
-        import fla.ops.gated_delta_rule  # noqa: F401 - and the delta-rule layers
-        import fla.ops.kda  # noqa: F401
-    except ImportError as e:
-        raise ImportError(f"limit_fla_autotune needs fla-core >= 0.6 (pip install allscan[gla]): {e}") from e
-    from triton.runtime.autotuner import Autotuner
-    from triton.runtime.jit import KernelInterface
-
-    seen = set()
-    for name, mod in list(sys.modules.items()):
-        if mod is None or not (name == "fla" or name.startswith("fla.")):
-            continue
-        for obj in list(vars(mod).values()):
-            at = _autotuner_of(obj, Autotuner, KernelInterface)
-            if at is None or id(at) in seen:
-                continue
-            seen.add(id(at))
-            if not hasattr(at, "_allscan_orig_prune"):
-                at._allscan_orig_prune = getattr(at, "early_config_prune", None)
-            orig = at._allscan_orig_prune
-            at.early_config_prune = functools.partial(_prune_to_one, orig) if mode == "one" else orig
-    return len(seen)
-
-
-@functools.lru_cache(maxsize=None)
-def apply_autotune_setting() -> None:
-    """``ALLSCAN_FLA_AUTOTUNE=one|full`` applies :func:`limit_fla_autotune` on the first fla call."""
-    if settings.fla_autotune is not None:
-        limit_fla_autotune(settings.fla_autotune)
-
-
 @functools.lru_cache(maxsize=None)
 def fla_available() -> bool:
     """Whether fla-core's GLA kernels can be imported (and Triton initialises)."""
@@ -164,8 +80,6 @@ class FlaGLA:
         from fla.ops.utils import prepare_chunk_indices
         from fla.ops.utils.constant import RCP_LN2
         from fla.ops.utils.cumsum import chunk_local_cumsum, chunk_local_cumsum_vector
-
-        from ..fla_dispatch import direct, falls_back
 
         gla = SimpleNamespace(**{name: direct(getattr(gc, name)) for name in (
             "chunk_gla_fwd_intra_gk", "chunk_gla_fwd_o_gk", "chunk_gla_bwd_dA", "chunk_gla_bwd_dqk_intra",

@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..delta.fold_in import _sm_count  # the GPU's SM count, asked once per device
+from ..delta.fold_in import sm_count  # the GPU's SM count, asked once per device
 
 
 def chunk_offsets_torch(gc: torch.Tensor, L1: int, BT: int):
@@ -207,7 +207,7 @@ def state_grad(q, gc, do, scale: float, L1: int, BT: int, offsets=None, tiles=No
     t = dict(BWD_TILES, **(tiles or {}))
     BK, BV = _tiles(K, V, t["BK"], t["BV"])
     tiles_per_split = B * H * triton.cdiv(K, BK) * triton.cdiv(V, BV)
-    cps = t["cps"] or chunks_per_split(NT, tiles_per_split, _sm_count(q.device.index))
+    cps = t["cps"] or chunks_per_split(NT, tiles_per_split, sm_count(q.device.index))
     NS = triton.cdiv(NT, cps)
     Xp = torch.empty(NS, B * H, K, V, dtype=torch.float32, device=q.device)
     grid = (NS, B * H, triton.cdiv(K, BK) * triton.cdiv(V, BV))

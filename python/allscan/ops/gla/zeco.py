@@ -53,7 +53,9 @@ fla-core, :class:`~allscan.ops.gla.chunk.TorchGLA` otherwise; ``ALLSCAN_GLA_BACK
 
 Entry points of the same two bodies (:func:`_forward`, :func:`_backward`): eager calls go through
 :class:`ZecoGLAFunction`; under torch.compile the layer is the custom ops ``allscan::zeco_gla`` and
-``allscan::zeco_gla_backward`` (the tracer sees neither the collectives nor fla's kernels).
+``allscan::zeco_gla_backward`` (the tracer sees neither the collectives nor fla's kernels). The scans
+are issued, and the eager bodies run, through the op's documented hooks (:mod:`allscan.ops.hooks`:
+``gla_scan``, ``gla_body``), which benchmarks replace to time them from outside.
 """
 from __future__ import annotations
 
@@ -72,11 +74,11 @@ from allscan._comm import resolve_group
 
 from .._launch import absent, or_empty, tell_peers_of_failure, validated_group
 from ..diagonal_scan import OP as SCAN_OP
+from ..hooks import op_hooks
 from .._shards import (LOCAL, ShardSegments, checked_cut, inputs_need_grad, on_device, own_precision,
                        sequence_parallel_group, world_and_rank)
 from .chunk import TorchGLA
 from .fla import FlaGLA, fla_available
-from .stage_times import timed_body, timed_scan
 
 __all__ = ["zeco_gla", "LOCAL", "METHODS"]
 
@@ -102,11 +104,6 @@ def select_backend(q):
         warnings.warn("allscan.ops.gla: fla-core (flash-linear-attention) is not importable; using the torch "
                       "chunked GLA on CUDA (correct, but slow and memory-hungry: pip install allscan[gla])")
     return TorchGLA
-
-
-def _scan(x, gamma, group, **kwargs):
-    from allscan import scan
-    return timed_scan(scan, x, gamma, group, **kwargs)
 
 
 def _full_decay(g, q):
@@ -210,9 +207,9 @@ def _forward(be, q, k, v, g, h0, scale, segs: ShardSegments, method: str, want_f
     S_in = None
     if sp:
         if method == "lasp1":
-            S_in = _scan(x, gamma, segs.group, method=smethod)
+            S_in = op_hooks.gla_scan(x, gamma, segs.group, method=smethod)
         else:
-            handle = _scan(x, gamma, segs.group, method=smethod, async_op=True)
+            handle = op_hooks.gla_scan(x, gamma, segs.group, method=smethod, async_op=True)
     finals = list(st.finals)
     fused = None
     if segs.continued and getattr(be, "fused_output_ok", lambda: False)():
@@ -321,9 +318,9 @@ def _backward(be, do, dfinal, q, k, v, g, h0, S_in, gamma, saved, scale, segs: S
         raise
     if sp:
         if method == "lasp1":
-            y = _scan(x, gamma, segs.group, reverse=True, method=smethod)
+            y = op_hooks.gla_scan(x, gamma, segs.group, reverse=True, method=smethod)
         else:
-            handle = _scan(x, gamma, segs.group, reverse=True, method=smethod, async_op=True)
+            handle = op_hooks.gla_scan(x, gamma, segs.group, reverse=True, method=smethod, async_op=True)
 
     prep = be.bwd_prepare(prep, saved, q, k, v, gf, scale, segs.bounds, h0s, do)
     if not last:
@@ -360,8 +357,8 @@ class ZecoGLAFunction(torch.autograd.Function):
     def forward(ctx, q, k, v, g, h0, scale, segs: ShardSegments, method: str, want_final: bool):
         be = select_backend(q)
         with own_precision(q.device.type), on_device(q):
-            o, final, S_in, gamma, saved = timed_body("forward body", _forward, be, q, k, v, g, h0, scale, segs,
-                                                      method, want_final)
+            o, final, S_in, gamma, saved = op_hooks.gla_body("forward body", _forward, be, q, k, v, g, h0, scale,
+                                                             segs, method, want_final)
         ctx.save_for_backward(q, k, v, g, h0, S_in, *saved)
         ctx.be, ctx.scale, ctx.segs, ctx.method, ctx.gamma = be, scale, segs, method, gamma
         return o, final
@@ -371,8 +368,8 @@ class ZecoGLAFunction(torch.autograd.Function):
     def backward(ctx, do, dfinal):
         q, k, v, g, h0, S_in, *saved = ctx.saved_tensors
         with own_precision(do.device.type), on_device(do):
-            grads = timed_body("backward body", _backward, ctx.be, do, dfinal, q, k, v, g, h0, S_in, ctx.gamma,
-                               saved, ctx.scale, ctx.segs, ctx.method)
+            grads = op_hooks.gla_body("backward body", _backward, ctx.be, do, dfinal, q, k, v, g, h0, S_in,
+                                      ctx.gamma, saved, ctx.scale, ctx.segs, ctx.method)
         return grads + (None, None, None, None)
 
 

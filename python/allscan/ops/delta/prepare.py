@@ -1,0 +1,206 @@
+"""What a call of :func:`~allscan.ops.delta.zeco_gated_delta_rule` or :func:`~allscan.ops.delta.zeco_kda`
+does before it runs, eager or compiled (:mod:`allscan.ops.delta.compiled`): the local checks, the
+signature compared across ranks, this rank's cut of the packed sequences (:func:`prepared`), the local
+backend (:func:`select_backend`) and the shard's plan (:func:`shard_plan`).
+"""
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from allscan._agreement import check_across_ranks
+from allscan._dtypes import DTYPE_CODES, dtype_code
+
+from .._launch import validated_group
+from .._shards import ShardSegments, checked_cut
+from .chunk import TorchDelta, compute_dtype
+from .fla import FlaDelta, fla_delta_available
+from .gates import DeltaOptions
+from .shard import ShardRun, plan
+
+__all__ = ["METHODS", "SCAN_METHOD", "fla_usable", "select_backend", "shard_cut", "prepared", "shard_plan"]
+
+SCAN_METHOD = {"zeco": "pipelined", "allgather": "allgather", "fla_cp": None}
+METHODS = tuple(SCAN_METHOD)  # the ``method=`` values of zeco_gated_delta_rule and zeco_kda
+
+_WARNED: list = []
+
+
+def fla_usable(q: torch.Tensor) -> bool:
+    """Whether fla-core's kernels take these inputs: CUDA, bf16 / fp16 / fp32, fla-core importable."""
+    return q.is_cuda and q.dtype != torch.float64 and fla_delta_available()
+
+
+def select_backend(q: torch.Tensor):
+    """The local backend: fla-core's kernels (:class:`FlaDelta`) for CUDA tensors in bf16 / fp16 / fp32
+    when fla-core imports, else the torch chunked delta rule (CPU, fp64, or CUDA without fla-core,
+    with a warning once: correct but slow and memory-hungry)."""
+    if fla_usable(q):
+        return FlaDelta
+    if q.is_cuda and q.dtype != torch.float64:
+        if not _WARNED:
+            _WARNED.append(True)
+            warnings.warn("allscan.ops.delta: fla-core is not importable; using the torch chunked delta rule on "
+                          "CUDA (correct, but slow and memory-hungry). pip install allscan[gla] for fla-core's kernels.")
+    return TorchDelta
+
+
+def _check_tensor(op, name, t, shape, what):
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(t).__name__}")
+    if tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{op}: {name} must be {what} = {list(shape)}, got {list(t.shape)}")
+    if not t.is_floating_point():
+        raise TypeError(f"{op}: {name} must be a floating-point tensor, got {t.dtype}")
+
+
+def _validate(op, q, k, v, g, beta, per_key, initial_state, output_final_state, cu_seqlens, method):
+    if method not in SCAN_METHOD:
+        raise ValueError(f"{op}: method must be one of {list(METHODS)}, got {method!r}")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(f"{op}: {name} must be a 4-D tensor [B, T_local, heads, dim], got {list(t.shape)}")
+        dtype_code(t.dtype, f"{op}: {name}")
+    B, T, H, K = q.shape
+    if k.shape != q.shape:
+        raise ValueError(f"{op}: k must have q's shape {list(q.shape)}, got {list(k.shape)}")
+    if v.shape[:2] != q.shape[:2] or v.shape[2] % H:
+        raise ValueError(f"{op}: v must be [B, T_local, HV, V] with [B, T_local] = {[B, T]} and HV a multiple of "
+                         f"H = {H}, got {list(v.shape)}")
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise TypeError(f"{op}: q, k and v must have one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if T == 0:
+        raise ValueError(f"{op}: every rank needs at least one token (T_local = 0)")
+    if B == 0:
+        raise ValueError(f"{op}: q, k and v need at least one batch row (B = 0)")
+    HV, V = v.shape[2], v.shape[3]
+    if per_key:
+        _check_tensor(op, "g", g, (B, T, HV, K), "[B, T_local, HV, K]")
+    else:
+        _check_tensor(op, "g", g, (B, T, HV), "[B, T_local, HV]")
+    _check_tensor(op, "beta", beta, (B, T, HV), "[B, T_local, HV]")
+    for t in (k, v, g, beta):
+        if t.device != q.device:
+            raise ValueError(f"{op}: q, k, v, g and beta must be on one device, got {q.device} and {t.device}")
+    if cu_seqlens is not None and not isinstance(cu_seqlens, torch.Tensor):
+        raise TypeError(f"{op}: cu_seqlens must be a 1-D integer tensor [N+1] or None, got {type(cu_seqlens).__name__}")
+    if initial_state is not None:
+        n = B if cu_seqlens is None else cu_seqlens.numel() - 1
+        _check_tensor(op, "initial_state", initial_state, (n, HV, K, V),
+                      "[B, HV, K, V]" if cu_seqlens is None else "[N, HV, K, V] (N sequences in cu_seqlens)")
+        if initial_state.dtype != compute_dtype(v):
+            raise TypeError(f"{op}: initial_state must be {compute_dtype(v)} (the states' dtype for {v.dtype} "
+                            f"inputs), got {initial_state.dtype}")
+    if method == "fla_cp":
+        _check_fla_cp(op, q, initial_state, output_final_state)
+
+
+def _check_fla_cp(op, q, initial_state, output_final_state):
+    """What fla's own context parallelism supports (fla-core 0.6.0 asserts these deep inside)."""
+    if not fla_usable(q):
+        raise NotImplementedError(
+            f"{op}: method='fla_cp' (flash-linear-attention's own context parallelism) needs fla-core's GPU "
+            f"kernels: CUDA tensors in bf16, fp16 or fp32 and fla-core installed; got {q.dtype} on {q.device}"
+            + ("" if not q.is_cuda or fla_delta_available() else " (fla-core does not import: pip install allscan[gla])"))
+    if initial_state is not None:
+        raise ValueError(f"{op}: method='fla_cp' does not take initial_state (fla's CP refuses it); "
+                         "use method='zeco'")
+    if output_final_state:
+        raise ValueError(f"{op}: method='fla_cp' does not return a final state (fla's CP refuses "
+                         "output_final_state); use method='zeco'")
+    if q.shape[0] != 1:
+        raise ValueError(f"{op}: method='fla_cp' needs B = 1 (fla's CP runs one packed batch), got q with "
+                         f"B = {q.shape[0]}; use method='zeco'")
+
+
+def _check_gate_options(op, per_key, HV, K, use_gate_in_kernel, A_log, dt_bias, use_beta_sigmoid_in_kernel,
+                        allow_neg_eigval, safe_gate, lower_bound):
+    if allow_neg_eigval and not use_beta_sigmoid_in_kernel:
+        raise ValueError(f"{op}: allow_neg_eigval=True requires use_beta_sigmoid_in_kernel=True")
+    if not use_gate_in_kernel:
+        if A_log is not None or dt_bias is not None:
+            raise ValueError(f"{op}: A_log and dt_bias are read only with use_gate_in_kernel=True")
+        return
+    if A_log is None and not (per_key and lower_bound is not None):
+        raise ValueError(f"{op}: use_gate_in_kernel=True needs A_log"
+                         + (" (or lower_bound)" if per_key else ""))
+    if A_log is not None:
+        _check_tensor(op, "A_log", A_log, (HV,), "[HV]")
+    if dt_bias is not None:
+        _check_tensor(op, "dt_bias", dt_bias, (HV * K,) if per_key else (HV,), "[HV * K]" if per_key else "[HV]")
+    if safe_gate and (lower_bound is None or not -5 <= lower_bound < 0):
+        raise ValueError(f"{op}: safe_gate=True with use_gate_in_kernel=True needs lower_bound in [-5, 0), "
+                         f"got {lower_bound}")
+
+
+def _signature(q, v, segs, method, h0, opts, needs_grad):
+    B, T, H, K = q.shape
+    return [
+        ("dtype", DTYPE_CODES[q.dtype]),
+        ("B", B),
+        ("H (q heads)", H),
+        ("HV (v heads)", v.shape[2]),
+        ("K", K),
+        ("V", v.shape[3]),
+        ("T_local (packed sequences, fla_cp)", T if segs.varlen or method == "fla_cp" else 0),
+        ("number of packed sequences", segs.num_seqs if segs.varlen else 0),
+        ("packed sequence boundaries (hash; none: 0)", segs.digest),
+        ("method", METHODS.index(method)),
+        ("initial_state given", int(h0 is not None)),
+        ("options (l2norm, gate, beta sigmoid, negative eigenvalues, safe gate)", opts.flags()),
+        ("lower_bound (float64 bits; none: -1)", opts.lower_bound_bits()),
+        # a rank whose inputs need no gradient runs no backward: its peers would wait in the reverse scan
+        ("inputs need gradients", int(needs_grad)),
+    ]
+
+
+def shard_cut(group, q, cu_seqlens, op) -> ShardSegments:
+    """This rank's shard cut at the packed sequences' boundaries (checked)."""
+    return ShardSegments(group, q.shape[1], q.shape[0], cu_seqlens, op)
+
+
+def prepared(op, per_key, q, k, v, g, beta, group, scale, initial_state, output_final_state, cu_seqlens,
+             use_qk_l2norm_in_kernel, method, use_gate_in_kernel, A_log, dt_bias, use_beta_sigmoid_in_kernel,
+             allow_neg_eigval, safe_gate, lower_bound, needs_grad):
+    """Every check of a call (the local ones, then across ranks: a rank whose arguments fail tells its
+    peers, whose signature exchange then fails too): ``(segs, opts, scale)``, the shard's cut (a
+    repeated call's: :func:`~allscan.ops._shards.checked_cut`), the options and the scale."""
+    opts = DeltaOptions(per_key, bool(use_qk_l2norm_in_kernel), bool(use_gate_in_kernel), A_log, dt_bias,
+                        bool(use_beta_sigmoid_in_kernel), bool(allow_neg_eigval), bool(safe_gate), lower_bound)
+
+    packed = cu_seqlens is not None  # the cut changes from batch to batch: compared on every call
+
+    def check():
+        segs = None
+
+        def validate():  # every local check, the packed sequences' cut of this shard included
+            nonlocal segs
+            _validate(op, q, k, v, g, beta, per_key, initial_state, output_final_state, cu_seqlens, method)
+            _check_gate_options(op, per_key, v.shape[2], q.shape[-1], use_gate_in_kernel, A_log, dt_bias,
+                                use_beta_sigmoid_in_kernel, allow_neg_eigval, safe_gate, lower_bound)
+            segs = shard_cut(group, q, cu_seqlens, op)
+
+        if group is None:
+            validate()
+        else:
+            validated_group(group, q, op, validate, every_call=packed)
+        signature = None
+        if segs.world > 1:
+            signature = check_across_ranks(group, q.device, op, _signature(q, v, segs, method, initial_state,
+                                                                           opts, needs_grad), every_call=packed)
+        return segs, signature
+
+    tensors = None if cu_seqlens is not None else (q, k, v, g, beta, initial_state, A_log, dt_bias)
+    options = (output_final_state, method, use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel,
+               allow_neg_eigval, safe_gate, lower_bound, needs_grad)
+    segs = checked_cut(op, group, q.device if isinstance(q, torch.Tensor) else None, tensors, options, check)
+    return segs, opts, q.shape[-1] ** -0.5 if scale is None else float(scale)
+
+
+def shard_plan(segs, q, opts, scale, group, method, output_final_state, plain_head=True) -> ShardRun:
+    """The :class:`~allscan.ops.delta.shard.ShardRun` of a checked call (not ``fla_cp``)."""
+    return plan(segs, select_backend(q), opts, scale, group, SCAN_METHOD[method], bool(output_final_state),
+                plain_head)

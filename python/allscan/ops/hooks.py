@@ -1,0 +1,61 @@
+"""Documented hooks: the points where the sequence-parallel linear-attention ops call out, so that a
+benchmark or a test can time, observe or stand in for a part of them from outside the op.
+
+Each hook is an attribute of :data:`op_hooks` holding the function the op calls; unused, it is the
+plain function, so the op pays one attribute lookup and nothing else. Whoever replaces one puts it
+back when done (``with replaced(op_hooks, name=fn):``); the hooks are process-wide.
+
+- ``gla_scan(x, gamma, group, **kwargs)``: how :func:`allscan.ops.gla.zeco_gla` issues its
+  All-Scans (forward and reverse, synchronous or ``async_op=True``): :func:`allscan.scan`'s arguments
+  and results. Default: :func:`allscan.scan`.
+- ``gla_body(label, body, backend, *args)``: how ``zeco_gla`` runs its eager forward and backward
+  (``label`` ``"forward body"`` or ``"backward body"``): returns ``body(backend, *args)``; ``backend``
+  is the local kernels' staged backend, whose stages (:data:`allscan.ops.gla.STAGES`) a timer may
+  wrap. Default: :func:`run_body`.
+- ``delta_scan(x, **kwargs)``: how :func:`allscan.ops.delta.zeco_gated_delta_rule` and
+  :func:`~allscan.ops.delta.zeco_kda` issue their matrix All-Scans (``allscan.scan(x,
+  transition=..., ...)``). Default: :func:`allscan.scan`.
+
+:func:`allscan.ops.gla.host_stage_times` (the benchmarks' host timer) is built on the first two.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator
+
+from .scan import scan
+
+__all__ = ["OpHooks", "op_hooks", "run_body", "replaced"]
+
+
+def run_body(label: str, body, backend, *args):
+    """The default ``gla_body``: ``body(backend, *args)``."""
+    return body(backend, *args)
+
+
+class OpHooks:
+    """The hooks (see the module docstring); one instance, :data:`op_hooks`."""
+
+    __slots__ = ("gla_scan", "gla_body", "delta_scan")
+
+    def __init__(self):
+        self.gla_scan = scan
+        self.gla_body = run_body
+        self.delta_scan = scan
+
+
+op_hooks = OpHooks()
+
+
+@contextlib.contextmanager
+def replaced(hooks: OpHooks, **fns) -> Iterator[OpHooks]:
+    """``with replaced(op_hooks, gla_scan=fn):`` the named hooks replaced inside the block, put back
+    after it (also when it raises)."""
+    saved = {name: getattr(hooks, name) for name in fns}
+    try:
+        for name, fn in fns.items():
+            setattr(hooks, name, fn)
+        yield hooks
+    finally:
+        for name, fn in saved.items():
+            setattr(hooks, name, fn)
