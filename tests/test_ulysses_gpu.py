@@ -209,6 +209,24 @@ def test_bf16_grouped_kv_with_a_chunk_empty_on_one_rank_over_nccl():
     assert run_distributed(_bf16_grouped_kv_empty_chunk, 3, "cuda", backend="nccl", timeout=300) == [True] * 3
 
 
+@two_gpus
+@pytest.mark.parametrize("Hq,Hkv", [(4, 4), (4, 2)])
+def test_retained_graph_backpropagates_twice_over_nccl(Hq, Hkv):
+    """tests/test_ulysses.py's case through the core's all-to-all and the two-stream pipeline."""
+    from test_ulysses import _retained_twice
+
+    assert run_distributed(_retained_twice, 2, Hq, Hkv, "cuda", backend="nccl", timeout=300) == [True, True]
+
+
+@two_gpus
+def test_double_backward_is_refused_on_every_rank_over_nccl():
+    """tests/test_ulysses.py's case through the core's all-to-all: every rank refuses before the backward's
+    first all-to-all and reports the call it skips on the fault board; all skipped it, so the group carries on."""
+    from test_ulysses import _double_backward_refused
+
+    assert run_distributed(_double_backward_refused, 2, "all", "cuda", backend="nccl", timeout=300) == ["refused"] * 2
+
+
 def _cross_rank_error(rank, world):
     from allscan.layers import UlyssesAttention
 
