@@ -166,6 +166,16 @@ def _sp_equals_one_process(rank, world, kind):
         grads = _grads(model)
         r["grads"] = max(_rel(grads[n], ref_grads[n]) for n in ref_grads)
         r["worst"] = max(ref_grads, key=lambda n: _rel(grads[n], ref_grads[n]))
+        if kind == "qwen3_5" and group is None and not packed:
+            # a rewired layer called on its own with packed offsets that differ on one rank: every rank raises
+            # (none waits in the halo or the scan)
+            mine = torch.tensor([0, 5 + (rank == 1), T], dtype=torch.int32)
+            try:
+                model.model.layers[0].linear_attn(torch.randn(1, Tl, 32, dtype=torch.float64), cu_seq_lens_q=mine,
+                                                  cu_seq_lens_k=mine)
+                r["layer_differ"] = "no error"
+            except ValueError as e:
+                r["layer_differ"] = str(e)
         # a cache asked for at call time: refused on every rank, by name
         try:
             model(input_ids=shard.input_ids, position_ids=shard.position_ids, use_cache=True)
@@ -182,6 +192,8 @@ def _check(results, kind):
             assert r["same_objects"] and r["rewired"] == [LINEAR[kind]] and r["use_cache"] is False, (rank, P, r)
             assert r["loss"] <= 1e-6 and r["grads"] <= 1e-6 and r["logits"] <= 1e-6, (rank, P, r)
             assert "use_cache=True is not supported" in r["cache"], (rank, P, r)
+            if kind == "qwen3_5" and P == (3, "rows"):
+                assert "the ranks passed different cu_seq_lens_q / cu_seq_lens_k (rank 1 differ" in r["layer_differ"], r
     assert len(results[0]) == 4 and sorted(results[2]) == [(3, "packed"), (3, "rows")]
 
 
@@ -221,8 +233,10 @@ def test_one_process_equals_original_and_call_time_refusals():
     own, on whole rows and on a packed row (each sequence alone); what sequence parallelism cannot run is refused
     by name at the call."""
     from allscan.integrations import hf_hybrids as sp
+    from allscan.integrations import transformers as tsp
     from allscan.ops import LOCAL
 
+    assert tsp.sequence_parallel is sp.sequence_parallel  # the name register()'s refusals point to
     kind = "qwen3_5"
     fp64_delta_rule(kind)
     ids, _ = _batch()

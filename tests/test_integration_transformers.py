@@ -95,15 +95,30 @@ def _sp_equals_one_process(rank, world):
         model(input_ids=shard.input_ids, position_ids=shard.position_ids, attention_mask=mask, use_cache=False)
     except NotImplementedError as e:
         res["padding"] = str(e)
+    # a parameter with a gradient on some ranks only (an expert this rank's tokens never reached) counts as
+    # zeros there: every rank gets the sum, none waits in a collective its peers skip
+    torch.manual_seed(0)
+    parts = torch.nn.ModuleDict({"a": torch.nn.Linear(3, 3), "b": torch.nn.Linear(3, 3),
+                                 "unused": torch.nn.Linear(3, 3)})
+    x = torch.full((1, 3), float(rank + 1))
+    out = parts["a"](x) if rank == 1 else parts["b"](parts["a"](x))
+    out.sum().backward()
+    sp.sync_gradients(parts)
+    res["sparse_grads"] = [None if p.grad is None else p.grad.tolist() for p in parts.parameters()]
     dist.barrier()
     return res
 
 
 def test_tiny_llama_sequence_parallel_equals_one_process():
-    for r in run_distributed(_sp_equals_one_process, 2, timeout=300):
+    results = run_distributed(_sp_equals_one_process, 2, timeout=300)
+    for r in results:
         _assert_close(r)
         assert "T = 23 must be a multiple of the group size 2" in r["bad_T"], r
         assert "padding attention masks are not supported" in r.get("padding", ""), r
+    grads = [r["sparse_grads"] for r in results]
+    # a.weight, a.bias, b.weight, b.bias (rank 0's alone, on both ranks), unused.weight, unused.bias (None)
+    assert grads[0] == grads[1] and grads[0][4] is None and grads[0][5] is None, grads
+    assert all(g is not None for g in grads[0][:4]) and any(v != 0 for v in grads[0][3]), grads
 
 
 # ------------------------------------------------------------------------------------------------
@@ -171,7 +186,7 @@ def test_hybrid_models_are_refused_on_every_rank():
     results = run_distributed(_hybrids_refused, 2, timeout=600)
     assert results[0] == results[1]
     r = results[0]
-    rewired = "allscan.integrations.hf_hybrids.sequence_parallel(model, group) instead of register()"
+    rewired = "allscan.integrations.transformers.sequence_parallel(model, group) instead of register()"
     for key in ("qwen3_next", "check_model"):
         assert "Qwen3NextGatedDeltaNet at model.layers.0.linear_attn" in r[key], r[key]
     for key in ("qwen3_next", "mask"):
@@ -233,14 +248,28 @@ def _arguments(rank, world):
     res["gpt_oss"] = _raises(NotImplementedError, run, _auto("gpt_oss", name, sliding_window=4096))
     res["dropout"] = _raises(NotImplementedError, run, _model(name, attention_dropout=0.1).train())
     res["unknown"] = _raises(NotImplementedError, run, _model(name), attention_bias_of_mine=torch.ones(1))
-    # a window at least as long as the whole sequence changes nothing: honoured, equal to one process
+    # a window at least as long as the whole sequence changes nothing: honoured, equal to one process; the batch's
+    # context is made once per forward, shared by its sliding and full masks (Qwen2-MoE builds both)
+    from allscan.context import SequenceContext
+
+    made = []
+    original = SequenceContext.from_position_ids.__func__
+
+    def counted(cls, *args, **kwargs):
+        made.append(1)
+        return original(cls, *args, **kwargs)
+
+    SequenceContext.from_position_ids = classmethod(counted)
     for key, model_type, over in (("mistral_24", "mistral", dict(sliding_window=24)),
                                   ("qwen2_moe_24", "qwen2_moe", dict(use_sliding_window=True, sliding_window=24,
                                                                      layer_types=SLIDING))):
         ref = _auto(model_type, "sdpa", **over)
         out = ref(input_ids=ids, labels=labels, use_cache=False)
         out.loss.backward()
+        before = len(made)
         res[key] = _compare(rank, world, sp, _auto(model_type, name, **over), ref, out, shard)
+        res[key + "_contexts"] = len(made) - before
+    SequenceContext.from_position_ids = classmethod(original)
     dist.barrier()
     return res
 
@@ -258,6 +287,7 @@ def test_attention_arguments_that_change_the_result_are_refused_by_name():
         assert "attention_bias_of_mine=<tensor (1,)" in r["unknown"], r["unknown"]
         _assert_close(r["mistral_24"])
         _assert_close(r["qwen2_moe_24"])
+        assert r["mistral_24_contexts"] == 1 and r["qwen2_moe_24_contexts"] == 1, r
 
 
 # ------------------------------------------------------------------------------------------------
@@ -277,8 +307,11 @@ def _flattened(lengths, seed=2):
 
 
 def _packed(rank, world):
+    from types import SimpleNamespace
+
     import torch.distributed as dist
 
+    from allscan.context import LOCAL
     from allscan.integrations import transformers as sp
 
     name = sp.register(None)
@@ -289,7 +322,11 @@ def _packed(rank, world):
         batch, seqs = _flattened(lengths)
         ids, labels, pos = batch["input_ids"], batch["labels"], batch["position_ids"]
         ref = _model("sdpa", torch.float64)
-        out = ref(input_ids=ids, labels=labels, position_ids=pos, use_cache=False)
+        # the reference loss in fp64 too (transformers' own loss upcasts to fp32 only): the same labels, shifted
+        # over the whole row, as its loss shifts them
+        out = ref(input_ids=ids, position_ids=pos, use_cache=False)
+        whole = sp.shard_batch(ids, labels, group=LOCAL, position_ids=pos)
+        out = SimpleNamespace(logits=out.logits, loss=sp.causal_lm_loss(out.logits, whole))
         out.loss.backward()
         with torch.no_grad():  # transformers' packed row is each sequence alone
             alone = torch.cat([ref(input_ids=s[None], use_cache=False).logits for s in seqs], dim=1)
@@ -322,6 +359,13 @@ def _packed(rank, world):
     model(input_ids=shard.input_ids, use_cache=False, cu_seq_lens_q=shard.cu_seqlens)
     res["bad_kwargs"] = _raises(ValueError, model, input_ids=shard.input_ids, position_ids=shard.position_ids,
                                 use_cache=False, cu_seq_lens_q=torch.tensor([0, 12], dtype=torch.int32))
+    # offsets that differ between the ranks, or given on one rank only: every rank raises (none waits in the
+    # all-to-all)
+    mine = shard.cu_seqlens if rank == 0 else torch.tensor([0, 7, 24], dtype=torch.int32)
+    res["differ_kwargs"] = _raises(ValueError, model, input_ids=shard.input_ids, position_ids=shard.position_ids,
+                                   use_cache=False, cu_seq_lens_q=mine, cu_seq_lens_k=mine)
+    res["one_rank_kwargs"] = _raises(ValueError, model, input_ids=shard.input_ids, position_ids=shard.position_ids,
+                                     use_cache=False, cu_seq_lens_q=shard.cu_seqlens if rank == 1 else None)
     # several packed rows: refused by shard_batch, and by the model on every rank when it gets such position
     # ids anyway (only rank 1's slice of the first row restarts here)
     ids2 = torch.cat([ids, ids])
@@ -340,11 +384,13 @@ def test_packed_row_equals_one_process():
         for key in ("inside", "boundary"):
             assert r[key + "_alone"] < 1e-12, r
             assert r[key + "_labels"], r
-            # fp64 model; the loss itself is taken in fp32 (causal_lm_loss)
-            _assert_close(r[key + "_kwargs"], loss=1e-6, logits=1e-12, grads=1e-5)
-        _assert_close(r["inside"], loss=1e-6, logits=1e-12, grads=1e-5)
+            # fp64 model, and causal_lm_loss keeps fp64 logits in fp64
+            _assert_close(r[key + "_kwargs"], loss=1e-12, logits=1e-12, grads=1e-10)
+        _assert_close(r["inside"], loss=1e-12, logits=1e-12, grads=1e-10)
         assert "confirm it with cu_seq_lens_q=shard.cu_seqlens" in r["boundary"], r
         assert "do not match the packed sequences the position ids mark" in r["bad_kwargs"], r
+        assert "the ranks passed different cu_seq_lens_q / cu_seq_lens_k (rank 1 differ" in r["differ_kwargs"], r
+        assert "some ranks passed cu_seq_lens_q / cu_seq_lens_k and others none (rank 1 of" in r["one_rank_kwargs"], r
         assert "a packed row (position ids that restart) with a KV cache" in r["cache"], r
         assert "every rank's position ids are 0 .. S_local - 1" in r["no_positions"], r
         assert "packed rows (position ids that restart) in a batch of 2 rows" in r["rows_shard"], r

@@ -17,17 +17,25 @@ model needs global position ids (``shard_batch`` makes them), labels shifted acr
 boundaries before cutting (``shard_batch``), and a loss normalised by the whole batch's token count
 (``causal_lm_loss``); those helpers are :mod:`allscan.integrations.batch`'s.
 
-Packed rows: sequences packed in one row and marked by position ids that restart (the way transformers'
-``DataCollatorWithFlattening`` packs them; transformers starts a new sequence wherever a position is not
-the one before plus one) are honoured, as transformers' own attention honours them on one process: the
-mask function gathers the group's position ids once per forward (two small all-gathers and a host
-synchronisation) and hands the global sequence bounds to every attention call, which attends each sequence
-alone (``ulysses_attention(..., cu_seqlens=)``); ``shard_batch(..., position_ids=)`` ignores the labels
-across each sequence's end and keeps the bounds in ``BatchShard.cu_seqlens``. One packed row at a time
-(B = 1). The flash-attention kwargs ``cu_seq_lens_q`` / ``cu_seq_lens_k`` (global offsets) may be passed
-too and must agree. Position ids 0 .. S_local - 1 on every rank (what the model makes when it is called
-without the shard's position ids) raise ``ValueError``, unless ``cu_seq_lens_q=shard.cu_seqlens`` confirms
-that the row really packs one sequence per rank.
+Hybrids (Gated DeltaNet and KDA beside softmax attention: Qwen3-Next, Qwen3.5, OLMo-Hybrid, Kimi Linear):
+:func:`sequence_parallel` (:mod:`allscan.integrations.hf_hybrids`'s, re-exported here) makes them
+sequence-parallel in place; ``register()`` refuses them. A DP x SP device mesh with FSDP2:
+:mod:`allscan.integrations.mesh` (the group is then ``mesh["sp"]``).
+
+Packed rows: sequences packed in one row and marked by position ids restarting at 0 (the way
+transformers' ``DataCollatorWithFlattening`` packs them) are honoured, as transformers' own attention
+honours them on one process: the forward's first mask call makes the batch's
+:class:`allscan.context.SequenceContext` from the group's position ids
+(:meth:`~allscan.context.SequenceContext.from_position_ids`: one exchange builds the global offsets on
+every rank and refuses malformed ids on every rank), shared by the forward's other masks and every
+attention call, which attends each sequence alone (``ulysses_attention(..., cu_seqlens=)``);
+``shard_batch(..., position_ids=)`` ignores the labels across each sequence's end and keeps the bounds in
+``BatchShard.cu_seqlens``. One packed row at a time (B = 1). The flash-attention kwargs ``cu_seq_lens_q``
+/ ``cu_seq_lens_k`` (global offsets) may be passed too: they are agreed across the group once per forward
+(offsets that differ between ranks, or given on some ranks only, raise ``ValueError`` on every rank) and
+must match the position ids. Position ids 0 .. S_local - 1 on every rank (what the model makes when it
+is called without the shard's position ids) raise ``ValueError``, unless ``cu_seq_lens_q=shard.cu_seqlens``
+confirms that the row really packs one sequence per rank.
 
 Refused, with ``NotImplementedError`` naming the cause, on every rank (never a silently wrong result):
 
@@ -37,9 +45,8 @@ Refused, with ``NotImplementedError`` naming the cause, on every rank (never a s
   blocks): at its first forward (a forward pre-hook on transformers models configured with this
   attention, which also catches pure recurrent models that never call attention) and in every mask and
   attention call. :func:`check_model` runs the same check on demand. The message points the Gated
-  DeltaNet / KDA hybrids (Qwen3-Next, Qwen3.5, OLMo-Hybrid, Kimi Linear) to
-  :func:`allscan.integrations.hf_hybrids.sequence_parallel`; for the others sequence parallelism is not yet
-  supported (``allscan.integrations.transformers.sequence_parallel`` is planned);
+  DeltaNet / KDA hybrids (Qwen3-Next, Qwen3.5, OLMo-Hybrid, Kimi Linear) to :func:`sequence_parallel`;
+  for the others it says that sequence parallelism is not yet supported for them;
 - a sliding window shorter than the whole sequence, chunked attention with chunks shorter than it,
   attention sinks (``s_aux``, ``sinks``), a logit soft-cap, a position bias, attention dropout, an
   ``or``/block mask (bidirectional image tokens), and any other argument the attention function does not
@@ -48,46 +55,30 @@ Refused, with ``NotImplementedError`` naming the cause, on every rank (never a s
   ``output_attentions``, several packed rows in one batch, a packed row with an attention mask or a cache
   (transformers would attend across its sequences then).
 
-What no hook can catch: a module that mixes the sequence without a recognisable class (see ``_MIXER_NAME``)
+What no hook can catch: a module that mixes the sequence without a recognisable class (see
+``allscan.integrations.hf_refusals``)
 or Conv1d, in a model whose config declares no non-attention ``layer_types``; a model run under
 ``torch.compile`` without one eager forward first (the pre-hook is skipped while compiling; the mask and
 attention checks still run).
 """
 from __future__ import annotations
 
-import re
 import sys
+import threading
 import weakref
-from typing import List, Optional, Tuple
+from typing import Optional, Tuple
 
 import torch
-import torch.distributed as dist
 
-from .._comm import normalize_group
-from .batch import (IGNORE_INDEX, BatchShard, causal_lm_loss, packed_bounds_of, reduce_loss,  # noqa: F401
-                    shard_batch, sync_gradients)
+from .batch import IGNORE_INDEX, BatchShard, causal_lm_loss, reduce_loss, shard_batch, sync_gradients  # noqa: F401
+from .common import agreed_offsets, exchange, local_attention, offsets_of, positions_context, restarts, sp_group
+from .hf_hybrids import sequence_parallel  # noqa: F401  (the hybrids' entry, under the name issue 53 gives it)
+from .hf_refusals import SEQUENCE_PARALLEL, config_refusal, model_refusal, registered_implementation  # noqa: F401
 
-__all__ = ["register", "check_model", "shard_batch", "causal_lm_loss", "reduce_loss", "sync_gradients",
-           "BatchShard", "IGNORE_INDEX", "NAME"]
+__all__ = ["register", "sequence_parallel", "check_model", "shard_batch", "causal_lm_loss", "reduce_loss",
+           "sync_gradients", "BatchShard", "IGNORE_INDEX", "NAME"]
 
 NAME = "allscan_ulysses"
-SEQUENCE_PARALLEL = "allscan.integrations.transformers.sequence_parallel"
-HYBRIDS_SEQUENCE_PARALLEL = "allscan.integrations.hf_hybrids.sequence_parallel"
-
-# ``layer_types`` entries (and the older ``layers_block_type`` / ``block_types``) register() can run: softmax
-# attention (sliding and chunked windows are checked against the sequence at each call) and per-token blocks.
-# Anything else, known or not, is refused.
-_LAYER_TYPES_OK = frozenset({"full_attention", "sliding_attention", "chunked_attention", "attention",
-                             "moe", "mlp", "dense", "sparse"})
-# Families whose configs may carry no ``layer_types`` and whose layers are (partly) recurrent.
-_RECURRENT_MODEL_TYPES = frozenset({"mamba", "mamba2", "falcon_mamba", "falcon_h1", "jamba", "zamba", "zamba2",
-                                    "bamba", "granitemoehybrid", "nemotron_h", "recurrent_gemma", "rwkv", "xlstm",
-                                    "lfm2", "lfm2_moe", "lfm3", "minimax", "qwen3_next", "olmo_hybrid",
-                                    "kimi_linear", "bailing_hybrid"})
-# Class names of transformers' sequence mixers other than softmax attention (any module that owns a
-# Conv1d of kernel > 1 counts too).
-_MIXER_NAME = re.compile(r"(GatedDeltaNet|DeltaNet|DeltaAttention|Mixer|MambaLayer|LightningAttention|Rglru|"
-                         r"RecurrentBlock|RwkvSelfAttention|LSTMLayer|LSTMBackend|ShortConv\w*)$")
 
 # Arguments the attention function knows and ignores: they do not change the attention (the cache is
 # refused through the key length, packing through the mask, the flash kwargs are checked below).
@@ -108,149 +99,13 @@ def _transformers():
     return transformers
 
 
-# ------------------------------------------------------------------------------------------------
-# Models register() cannot run: sequence mixers other than softmax attention
-# ------------------------------------------------------------------------------------------------
-
-def _mixer_classes_in(module_name: Optional[str]) -> List[str]:
-    """The sequence-mixer classes (by name) a transformers modeling module defines (for a message)."""
-    mod = sys.modules.get(module_name or "")
-    if mod is None:
-        return []
-    found = []
-    for attr, obj in vars(mod).items():
-        if (isinstance(obj, type) and issubclass(obj, torch.nn.Module) and obj.__module__ == module_name
-                and _MIXER_NAME.search(attr) and not attr.endswith("PreTrainedModel")):
-            found.append(attr)
-    return sorted(found)
-
-
-def _modeling_module_of(config) -> str:
-    return type(config).__module__.replace(".configuration_", ".modeling_")
-
-
-def _layer_kinds(config) -> Tuple[Optional[str], List[Tuple[str, List[int]]]]:
-    """The attribute that declares the config's per-layer kinds (``layer_types``, else the older
-    ``layers_block_type`` / ``block_types``; None: none does) and the kinds in it register() cannot run,
-    each with its layer indices (pattern indices for ``block_types``)."""
-    for attr in ("layer_types", "layers_block_type", "block_types"):
-        try:
-            kinds = getattr(config, attr, None)
-        except Exception:  # noqa: BLE001 - a property that cannot compute: treat as undeclared
-            kinds = None
-        if isinstance(kinds, (list, tuple)) and kinds:
-            bad: dict = {}
-            for i, kind in enumerate(kinds):
-                if str(kind) not in _LAYER_TYPES_OK:
-                    bad.setdefault(str(kind), []).append(i)
-            return attr, list(bad.items())
-    return None, []
-
-
-def _config_refusal(config, where: str, modeling: Optional[str] = None) -> Optional[str]:
-    """Why register() cannot run a model with this config (None: it can), from the config alone."""
-    if config is None:
-        return None
-    try:
-        text = config.get_text_config()
-    except Exception:  # noqa: BLE001
-        text = config
-    problems, classes = [], []
-    for cfg in {id(c): c for c in (config, text)}.values():
-        attr, bad = _layer_kinds(cfg)
-        model_type = str(getattr(cfg, "model_type", "") or "")
-        if bad:
-            problems += [f"{attr} {kind!r} at layers {', '.join(map(str, idx))}" for kind, idx in bad]
-        elif attr is None and model_type in _RECURRENT_MODEL_TYPES:
-            problems.append(f"model_type {model_type!r} (recurrent or convolution layers; no layer_types to tell "
-                            "which)")
-        else:
-            continue
-        classes += _mixer_classes_in(modeling or _modeling_module_of(cfg))
-    if not problems:
-        return None
-    what = f" ({', '.join(sorted(set(classes)))})" if classes else ""
-    return _refusal_text(where, f"its config declares sequence mixers other than softmax attention{what}: "
-                                + "; ".join(problems), sorted(set(classes)))
-
-
-def _hybrid_families() -> dict:
-    """``allscan.integrations.hf_hybrids.SUPPORTED`` (model type -> linear class, attention class, rule), or {}."""
-    try:
-        from . import hf_hybrids
-        return dict(hf_hybrids.SUPPORTED)
-    except Exception:  # noqa: BLE001 - only a message depends on it
-        return {}
-
-
-def _refusal_text(where: str, what: str, classes) -> str:
-    text = (f"{where}: {what}. register() makes only softmax attention sequence-parallel: run on its shard alone, "
-            "each rank would compute such a layer over its own tokens only (a silently wrong loss and gradients)")
-    families = _hybrid_families()
-    linear = {v[0] for v in families.values()}
-    if classes and set(classes) <= linear:
-        return (text + f". Make this model sequence-parallel with {HYBRIDS_SEQUENCE_PARALLEL}(model, group) "
-                "instead of register() (it rewires these layers and runs the attention on Ulysses)")
-    known = f"; {HYBRIDS_SEQUENCE_PARALLEL} covers {', '.join(sorted(families))}" if families else ""
-    return (text + ". Sequence parallelism for these layers is not yet supported "
-            f"({SEQUENCE_PARALLEL}, for every family, is planned{known}); train such a model without register()")
-
-
-def _mixer_class(mod: torch.nn.Module) -> Optional[str]:
-    """The name of the sequence-mixer class ``mod`` is (or derives from), or None."""
-    return next((c.__name__ for c in type(mod).__mro__ if _MIXER_NAME.search(c.__name__)), None)
-
-
-def _model_refusal(model: torch.nn.Module, where: str) -> Optional[str]:
-    """Why register() cannot run ``model`` (None: it can): its config, and every module in it."""
-    tf = _transformers()
-    mixers = {}
-    named = dict(model.named_modules())
-    for name, mod in named.items():
-        if isinstance(mod, tf.PreTrainedModel):
-            continue
-        cls = _mixer_class(mod)
-        if cls is not None:
-            mixers.setdefault(cls, []).append(name)
-        elif isinstance(mod, torch.nn.Conv1d) and mod.kernel_size[0] > 1:
-            owner_name = name.rpartition(".")[0]
-            owner = named.get(owner_name, model)
-            if _mixer_class(owner) is None:  # else counted above
-                label = f"{type(owner).__name__} (a {mod.kernel_size[0]}-wide Conv1d over the sequence)"
-                mixers.setdefault(label, []).append(owner_name or "<model>")
-    config = getattr(model, "config", None)
-    from_config = _config_refusal(config, where, _modeling_module_of(config) if config is not None else None)
-    if not mixers:
-        return from_config
-    listed = "; ".join(f"{cls} at {', '.join(names[:3])}{', ...' if len(names) > 3 else ''}"
-                       for cls, names in sorted(mixers.items()))
-    return _refusal_text(where, f"{type(model).__name__} has sequence mixers other than softmax attention: {listed}",
-                         [c for c in mixers if " (" not in c] if all(" (" not in c for c in mixers) else None)
-
-
-def _uses(config, names) -> Optional[str]:
-    """The registered attention implementation ``config`` (or a sub-config of it) is set to, if any."""
-    seen, todo = set(), [config]
-    while todo:
-        cfg = todo.pop()
-        if cfg is None or id(cfg) in seen or len(seen) > 64:
-            continue
-        seen.add(id(cfg))
-        impl = getattr(cfg, "_attn_implementation", None)
-        if isinstance(impl, str) and impl in names:
-            return impl
-        for key in getattr(cfg, "sub_configs", None) or ():
-            todo.append(getattr(cfg, key, None))
-    return None
-
-
 def check_model(model: torch.nn.Module, name: Optional[str] = None) -> None:
     """Raise ``NotImplementedError`` naming every sequence mixer of ``model`` that register()'s attention
     does not make sequence-parallel (linear attention, SSMs, convolutions over the sequence, layer types
     other than softmax attention). Runs by itself at the first forward of any transformers model configured
     with a registered name; call it to check earlier. Local: the same verdict on every rank."""
-    where = name or _uses(getattr(model, "config", None), _NAMES) or NAME
-    why = _model_refusal(model, where)
+    where = name or registered_implementation(getattr(model, "config", None), _NAMES) or NAME
+    why = model_refusal(model, where)
     if why:
         raise NotImplementedError(why)
 
@@ -271,10 +126,13 @@ def _pre_forward(module, args):
     tf = sys.modules.get("transformers")
     if tf is None or not isinstance(module, tf.PreTrainedModel):
         return None
-    impl = _uses(cfg, _NAMES)
-    if impl is None or _PASSED.get(module) == impl:
+    impl = registered_implementation(cfg, _NAMES)
+    if impl is None:
         return None
-    why = _model_refusal(module, impl)
+    _FORWARDS.serial += 1  # a new forward: its first mask call finds its batch again
+    if _PASSED.get(module) == impl:
+        return None
+    why = model_refusal(module, impl)
     if why:
         raise NotImplementedError(why)
     _PASSED[module] = impl
@@ -285,16 +143,58 @@ def _pre_forward(module, args):
 # The mask transformers would have built, as what the attention needs to know
 # ------------------------------------------------------------------------------------------------
 
+class _Batch:
+    """One forward's batch as its first mask call found it, shared by the forward's other masks (sliding and
+    full layers) and every attention call: its :class:`~allscan.context.SequenceContext` (the packed cut, made
+    and agreed once), whether every rank numbered its slice from 0, and the caller's packed offsets once agreed.
+    Reused only within one forward (the model-level pre-hook counts forwards) and for the very same inputs, so
+    every rank reuses it alike."""
+
+    __slots__ = ("key", "refs", "context", "local_only", "given", "given_offsets")
+
+    def __init__(self, key, objs, context, local_only):
+        self.key, self.context, self.local_only = key, context, local_only
+        try:
+            self.refs = tuple(None if o is None else weakref.ref(o) for o in objs)
+        except TypeError:  # an input that takes no weak reference: never reused
+            self.refs = None
+        self.given, self.given_offsets = None, None
+
+    def matches(self, key, objs) -> bool:
+        return self.refs is not None and self.key == key and all(
+            (r is None and o is None) or (r is not None and r() is o) for r, o in zip(self.refs, objs))
+
+
+class _Forwards(threading.local):
+    serial = 0  # transformers models (set to a registered name) that started a forward on this thread
+    last: Optional[_Batch] = None
+
+
+_FORWARDS = _Forwards()
+
+
 class UlyssesMask:
     """What the mask function hands every attention call in place of a mask: whether the attention is
-    causal, a sliding window or chunk size (or None), and the packed sequences' global bounds (None: each
-    row is one sequence). Built once per forward and mask kind, the same on every rank."""
+    causal, a sliding window or chunk size (or None), and the forward's batch (its SequenceContext: the
+    packed sequences' global bounds, None for whole rows). The same on every rank."""
 
-    __slots__ = ("causal", "window", "chunk", "bounds", "batch", "q_length", "name", "local_only")
+    __slots__ = ("causal", "window", "chunk", "batch", "q_length", "name", "forward")
 
-    def __init__(self, causal, window, chunk, bounds, batch, q_length, name, local_only=False):
-        self.causal, self.window, self.chunk, self.bounds = causal, window, chunk, bounds
-        self.batch, self.q_length, self.name, self.local_only = batch, q_length, name, local_only
+    def __init__(self, causal, window, chunk, forward: _Batch, batch, q_length, name):
+        self.causal, self.window, self.chunk, self.forward = causal, window, chunk, forward
+        self.batch, self.q_length, self.name = batch, q_length, name
+
+    @property
+    def context(self):
+        return self.forward.context
+
+    @property
+    def bounds(self):
+        return self.forward.context.cu_seqlens
+
+    @property
+    def local_only(self) -> bool:
+        return self.forward.local_only
 
     def __repr__(self):
         return (f"UlyssesMask(causal={self.causal}, window={self.window}, chunk={self.chunk}, bounds={self.bounds}, "
@@ -360,19 +260,6 @@ def _caller_mask_arguments():
     return None, None  # not called by create_*_mask: transformers would look for no packed rows either
 
 
-def _comm_device(group, like: Optional[torch.Tensor]) -> torch.device:
-    backend = str(dist.get_backend(group)).lower()
-    if "nccl" in backend and ("gloo" not in backend or (like is not None and like.is_cuda)):
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def _gather(group, row: torch.Tensor) -> List[torch.Tensor]:
-    rows = [torch.empty_like(row) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(rows, row, group=group)
-    return rows
-
-
 # ------------------------------------------------------------------------------------------------
 # register()
 # ------------------------------------------------------------------------------------------------
@@ -419,10 +306,71 @@ def _short(value) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
+def _batch_of(sp, name: str, B: int, Sq: int, kv: int, position_ids, attention_mask, cache, key) -> _Batch:
+    """The forward's batch (:class:`_Batch`), from what every rank's create_*_mask got: one exchange of the facts
+    each refusal is decided on (raised on every rank alike, so none waits in the attention's all-to-all), then
+    the batch's SequenceContext from the position ids (one more exchange: packed rows found in the whole row)."""
+    device = position_ids.device if isinstance(position_ids, torch.Tensor) else None
+    like = attention_mask if isinstance(attention_mask, torch.Tensor) else position_ids
+    pos, odd_pos = None, 0
+    if position_ids is not None:
+        if not isinstance(position_ids, torch.Tensor) or position_ids.dim() != 2 or position_ids.shape[-1] != Sq \
+                or position_ids.shape[0] not in (1, B):
+            odd_pos = 1  # raised below, on every rank
+        else:
+            pos = position_ids.expand(B, Sq)
+    padded = int(isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2
+                 and not bool(attention_mask.all()))
+    local = int(pos is not None and bool((pos == torch.arange(Sq, device=device)).all()))
+    rows = exchange(sp, [B, Sq, kv, padded, odd_pos, int(pos is not None), local,
+                         int(pos is not None and restarts(pos, sp.rank)), int(attention_mask is not None),
+                         int(cache is not None)], like)
+    if any(r[:3] != rows[0][:3] for r in rows):
+        raise ValueError(f"{name}: the ranks passed different batch / query / key lengths: {[r[:3] for r in rows]}")
+    if any(r[3] for r in rows):
+        raise NotImplementedError(f"{name}: padding attention masks are not supported (every sequence is whole "
+                                  "and causal; pack or trim the batch); a rank of the group got one")
+    if any(r[4] for r in rows):
+        raise NotImplementedError(f"{name}: position ids of another shape than the batch's [B, S_local] = "
+                                  f"[{B}, {Sq}] (e.g. multimodal 3-D positions) are not supported; a rank of "
+                                  "the group got such")
+    if any(r[5] != rows[0][5] for r in rows):
+        raise ValueError(f"{name}: some ranks passed position ids and others none")
+    if kv != Sq:
+        raise NotImplementedError(f"{name}: a KV cache (query length {Sq}, key length {kv}) is not supported; call "
+                                  "the model with use_cache=False")
+    # Every rank's slice 0 .. S_local - 1: most likely the model computed local positions because none were
+    # passed (the attention then asks for the packed offsets to confirm them).
+    local_only = pos is not None and sp.size > 1 and all(r[6] for r in rows)
+    if local_only and B != 1:
+        raise ValueError(_LOCAL_POSITIONS.format(name=name))
+    context = positions_context(pos, sp, name, B, any(r[7] for r in rows))
+    if context.packed and any(r[8] or r[9] for r in rows):
+        raise NotImplementedError(
+            f"{name}: a packed row (position ids that restart) with "
+            f"{'an attention mask' if any(r[8] for r in rows) else 'a KV cache'}: transformers then attends "
+            "across the sequences; pass no attention mask and use_cache=False")
+    return _Batch(key, (position_ids, attention_mask, cache), context, local_only)
+
+
+def _given_offsets(forward: Optional[_Batch], sp, kwargs: dict, name: str, like) -> Optional[Tuple[int, ...]]:
+    """The caller's ``cu_seq_lens_q`` / ``cu_seq_lens_k``, agreed across the group once per forward (every
+    attention call of a forward gets the very same objects; others are agreed again)."""
+    q, k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
+    if forward is not None and forward.given is not None and forward.given[0] is q and forward.given[1] is k:
+        return forward.given_offsets
+    offsets = agreed_offsets(sp, q, k, name, like)
+    if forward is not None:
+        forward.given, forward.given_offsets = (q, k), offsets
+    return offsets
+
+
 def register(group=None, *, name: str = NAME, num_chunks="auto") -> str:
-    """Register Ulysses attention over ``group`` (None: the default process group) as the attention
-    implementation ``name``, with its mask function (it builds no mask: it hands the attention what the
-    mask would have said, see the module docstring). Returns ``name``, for ``attn_implementation=``.
+    """Register Ulysses attention over ``group`` as the attention implementation ``name``, with its mask
+    function (it builds no mask: it hands the attention what the mask would have said, see the module
+    docstring). ``group``: None (the default process group, looked up at each call), a ProcessGroup, a group
+    name, a one-dimensional ``DeviceMesh`` (``mesh["sp"]``: see :mod:`allscan.integrations.mesh`) or
+    ``allscan.context.LOCAL`` (this process alone). Returns ``name``, for ``attn_implementation=``.
     Registering the same name again replaces the group. Also installs (once per process) a forward
     pre-hook that checks, at its first forward, every transformers model configured with a registered
     name (:func:`check_model`)."""
@@ -430,15 +378,18 @@ def register(group=None, *, name: str = NAME, num_chunks="auto") -> str:
     tf = _transformers()
     from allscan.ops.ulysses import ulysses_attention
 
-    group = normalize_group(group)
+    fixed = None if group is None else sp_group(group, "register")
+
+    def resolved():
+        return fixed if fixed is not None else sp_group(None, name)
 
     def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
         config = getattr(module, "config", None)
-        why = _config_refusal(config, name, type(module).__module__) if config is not None else None
+        why = config_refusal(config, name, type(module).__module__) if config is not None else None
         if why:
             raise NotImplementedError(why)
-        world = dist.get_world_size(group)
-        B, S = query.shape[0], query.shape[2] * world
+        sp = resolved()
+        B, S = query.shape[0], query.shape[2] * sp.size
         mask = attention_mask if isinstance(attention_mask, UlyssesMask) else None
         if attention_mask is not None and mask is None:
             raise NotImplementedError(f"{name}: an attention mask tensor ({_short(attention_mask)}: padding or a "
@@ -468,19 +419,24 @@ def register(group=None, *, name: str = NAME, num_chunks="auto") -> str:
                 raise NotImplementedError(f"{name}: chunked attention (chunks of {mask.chunk} tokens over a sequence "
                                           f"of {S}) is not supported yet")
             bounds = mask.bounds
-        given = kwargs.get("cu_seq_lens_q")
+        # Everything above is the same on every rank (the config, the model's code, the agreed batch); the
+        # caller's packed offsets are agreed before they are judged, so a rank whose offsets differ raises on
+        # every rank.
+        given = _given_offsets(mask.forward if mask is not None else None, sp, kwargs, name, query)
         if mask is not None and mask.local_only and given is None:
             raise ValueError(_LOCAL_POSITIONS.format(name=name))
-        if given is not None or kwargs.get("cu_seq_lens_k") is not None:
-            got = [None if t is None else [int(b) for b in (t.tolist() if isinstance(t, torch.Tensor) else t)]
-                   for t in (given, kwargs.get("cu_seq_lens_k"))]
-            want = list(bounds) if bounds is not None else [0, S]
-            if B != 1 or any(g is not None and g != want for g in got):
+        if given is not None:
+            want = tuple(bounds) if bounds is not None else (0, S)
+            if B != 1 or given != want:
+                got = [offsets_of(kwargs.get(k)) for k in ("cu_seq_lens_q", "cu_seq_lens_k")]
                 raise ValueError(f"{name}: cu_seq_lens_q/k {got[0]} / {got[1]} do not match the packed sequences the "
-                                 f"position ids mark ({want}, global offsets in the whole row of {S} tokens)")
+                                 f"position ids mark ({list(want)}, global offsets in the whole row of {S} tokens)")
         # transformers passes [B, heads, S_local, D]; Ulysses takes and returns [B, S_local, heads, D]
-        out = ulysses_attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), group,
-                                causal=causal, scale=scaling, num_chunks=num_chunks,
+        q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
+        if sp.size == 1:
+            scale = float(scaling) if scaling is not None else q.shape[-1] ** -0.5
+            return local_attention(q, k, v, scale, bounds, causal), None
+        out = ulysses_attention(q, k, v, sp.process_group, causal=causal, scale=scaling, num_chunks=num_chunks,
                                 cu_seqlens=None if bounds is None else list(bounds))
         return out, None
 
@@ -488,7 +444,7 @@ def register(group=None, *, name: str = NAME, num_chunks="auto") -> str:
                       q_length=None, kv_length=None, **kwargs):
         # Everything that depends on the config or the model's code alone raises here, before any
         # collective: it is the same on every rank.
-        why = _config_refusal(config, name)
+        why = config_refusal(config, name)
         if why:
             raise NotImplementedError(why)
         shape = {}
@@ -498,57 +454,17 @@ def register(group=None, *, name: str = NAME, num_chunks="auto") -> str:
         if len(bases) != 1:
             raise NotImplementedError(f"{name}: a mask both causal and bidirectional is not supported")
         position_ids, cache = _caller_mask_arguments()
-        like = attention_mask if attention_mask is not None else position_ids
-        device = _comm_device(group, like)
         B, Sq = int(batch_size), int(q_length)
-        pos, odd_pos = None, 0
-        if position_ids is not None:
-            if position_ids.dim() != 2 or position_ids.shape[-1] != Sq or position_ids.shape[0] not in (1, B):
-                odd_pos = 1  # raised below, on every rank
-            else:
-                pos = position_ids.expand(B, Sq).to(device=device, dtype=torch.int64).contiguous()
-        padded = 0
-        if attention_mask is not None:
-            padded = int(attention_mask.dim() == 2 and not bool(attention_mask.all()))
-        # Every check that depends on this rank's data is exchanged first, then raised on every rank alike
-        # (none waits in the attention's all-to-all); then the position ids are gathered: packed rows are
-        # found in the whole row, as transformers finds them on one process.
-        header = torch.tensor([B, Sq, int(kv_length if kv_length is not None else Sq), padded, odd_pos,
-                               int(pos is not None), int(pos is not None and bool((pos == torch.arange(
-                                   Sq, device=device)).all()))], dtype=torch.int64, device=device)
-        rows = [r.tolist() for r in _gather(group, header)]
-        if any(r[:3] != rows[0][:3] for r in rows):
-            raise ValueError(f"{name}: the ranks passed different batch / query / key lengths: {[r[:3] for r in rows]}")
-        if any(r[3] for r in rows):
-            raise NotImplementedError(f"{name}: padding attention masks are not supported (every sequence is whole "
-                                      "and causal; pack or trim the batch); a rank of the group got one")
-        if any(r[4] for r in rows):
-            raise NotImplementedError(f"{name}: position ids of another shape than the batch's [B, S_local] = "
-                                      f"[{B}, {Sq}] (e.g. multimodal 3-D positions) are not supported; a rank of "
-                                      "the group got such")
-        if any(r[5] != rows[0][5] for r in rows):
-            raise ValueError(f"{name}: some ranks passed position ids and others none")
-        bounds, local_only = None, False
-        if pos is not None:
-            whole = torch.cat(_gather(group, pos), dim=1).cpu()
-            per_row = [packed_bounds_of(whole[b]) for b in range(B)]
-            if any(b is not None for b in per_row):
-                # Every rank's slice 0 .. S_local - 1: most likely the model computed local positions
-                # because none were passed (the attention then asks for the bounds to confirm).
-                local_only = len(rows) > 1 and all(r[6] for r in rows)
-                if local_only and B != 1:
-                    raise ValueError(_LOCAL_POSITIONS.format(name=name))
-                if B != 1:
-                    raise NotImplementedError(f"{name}: packed rows (position ids that restart) in a batch of {B} "
-                                              "rows are not supported; pack one row per batch (B = 1)")
-                if attention_mask is not None or cache is not None:
-                    raise NotImplementedError(
-                        f"{name}: a packed row (position ids that restart) with "
-                        f"{'an attention mask' if attention_mask is not None else 'a KV cache'}: transformers then "
-                        "attends across the sequences; pass no attention mask and use_cache=False")
-                bounds = per_row[0]
-        return UlyssesMask("causal" in bases, shape.get("window"), shape.get("chunk"), bounds, B, Sq, name,
-                           local_only)
+        kv = int(kv_length if kv_length is not None else Sq)
+        # The forward's batch is found once (its first mask call) and shared by its other masks: the pre-hook
+        # counts forwards, the same on every rank.
+        key = (_FORWARDS.serial, name, B, Sq, kv)
+        objs = (position_ids, attention_mask, cache)
+        forward = _FORWARDS.last
+        if forward is None or torch.compiler.is_compiling() or not forward.matches(key, objs):
+            forward = _batch_of(resolved(), name, B, Sq, kv, position_ids, attention_mask, cache, key)
+            _FORWARDS.last = forward
+        return UlyssesMask("causal" in bases, shape.get("window"), shape.get("chunk"), forward, B, Sq, name)
 
     tf.AttentionInterface.register(name, attention)
     tf.AttentionMaskInterface.register(name, mask_function)

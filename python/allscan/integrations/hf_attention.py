@@ -1,0 +1,160 @@
+"""The hybrids' softmax attention (Qwen3-Next's, Qwen3.5's and OLMo-Hybrid's gated attention, Kimi Linear's MLA)
+on Ulysses (:func:`allscan.ops.ulysses.ulysses_attention`), registered in transformers' attention and mask
+registries under one name per group (:func:`attention_implementation`): causal over the whole sequence, each
+packed sequence alone (the batch's :class:`allscan.context.SequenceContext`, handed down by the model-level hook);
+masks other than the causal one, windows, dropout, a KV cache, attention weights and any argument it does not
+know raise naming them.
+"""
+from __future__ import annotations
+
+import sys
+from typing import List, Tuple
+
+import torch
+import torch.nn.functional as F
+
+from .common import CONTEXT_KWARG, handed_context, local_attention, sp_group
+
+__all__ = ["attention_implementation"]
+
+# Arguments transformers passes to an attention function that do not change it.
+_HARMLESS = frozenset({"position_ids", "use_cache", "cache_position", "output_router_logits", "output_hidden_states",
+                       "num_items_in_batch", "deterministic", "layer_idx", "return_dict", "cache", CONTEXT_KWARG,
+                       "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k"})
+_PACKING_KWARGS = ("seq_idx", "cu_seqlens")
+
+
+def _transformers():
+    try:
+        import transformers
+    except ImportError as e:
+        raise ImportError("allscan.integrations.hf_hybrids needs Hugging Face transformers 5.x: "
+                          "pip install 'transformers>=5,<6'") from e
+    return transformers
+
+
+_ATTENTION_NAMES: List[Tuple[object, str]] = []  # (group key, name), one name per group
+
+
+def _short(value) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"<tensor {tuple(value.shape)} {value.dtype}>"
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _make_attention(group, name):
+    def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+        if attention_mask is not None:
+            raise NotImplementedError(f"{name}: an attention mask ({_short(attention_mask)}: padding or a custom "
+                                      "mask) is not supported; every sequence is whole")
+        if dropout:
+            raise NotImplementedError(f"{name}: attention dropout is not supported (got {dropout})")
+        if query.shape[2] != key.shape[2]:
+            raise NotImplementedError(f"{name}: a KV cache (query length {query.shape[2]}, key length {key.shape[2]}) "
+                                      "is not supported; call the model with use_cache=False")
+        # the batch's context: handed down by the model-level hook (a layer called alone: the caller's offsets,
+        # agreed across the group)
+        ctx = handed_context(kwargs, group, query.shape[0], query.shape[2], name, query)
+        for arg, val in kwargs.items():
+            if val is None or arg in _HARMLESS:
+                continue
+            if arg == "output_attentions":
+                if val:
+                    raise NotImplementedError(f"{name}: output_attentions=True is not supported (Ulysses returns no "
+                                              "attention weights)")
+            elif arg == "is_causal":
+                if not val:
+                    raise NotImplementedError(f"{name}: bidirectional attention (is_causal=False) is not supported")
+            elif arg in _PACKING_KWARGS:
+                raise NotImplementedError(f"{name}: {arg} is not supported (packed sequences come as position ids "
+                                          "restarting at 0, or cu_seq_lens_q / cu_seq_lens_k: global offsets in the "
+                                          "whole row)")
+            else:
+                raise NotImplementedError(f"{name}: the attention function got an argument it does not know, "
+                                          f"{arg}={_short(val)}; it might change the result, so it is refused")
+        if not getattr(module, "is_causal", True):
+            raise NotImplementedError(f"{name}: {type(module).__name__} is not causal; only causal attention is "
+                                      "supported")
+        # transformers passes [B, heads, S_local, D]; Ulysses takes [B, S_local, heads, D], one head dim for q, k
+        # and v: MLA's value heads (narrower than its query/key heads) are padded with zeros and cut back
+        q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
+        d_qk, d_v = q.shape[-1], v.shape[-1]
+        scale = float(scaling) if scaling is not None else d_qk ** -0.5
+        if d_v < d_qk:
+            v = F.pad(v, (0, d_qk - d_v))
+        elif d_v > d_qk:
+            q, k = F.pad(q, (0, d_v - d_qk)), F.pad(k, (0, d_v - d_qk))
+        bounds = None if ctx.cu_seqlens is None else list(ctx.cu_seqlens)
+        if ctx.group.size == 1:
+            out = local_attention(q, k, v, scale, bounds)
+        else:
+            from allscan.ops.ulysses import ulysses_attention
+
+            out = ulysses_attention(q, k, v, ctx.group.process_group, causal=True, scale=scale, cu_seqlens=bounds)
+        return out[..., :d_v], None
+
+    return attention
+
+
+def _closure(fn) -> dict:
+    code, cells = getattr(fn, "__code__", None), getattr(fn, "__closure__", None) or ()
+    return {} if code is None else {n: c.cell_contents for n, c in zip(code.co_freevars, cells)}
+
+
+def _causal_or_packed(fn, mu) -> bool:
+    """Whether transformers composed ``fn`` from the causal mask and its packed-sequence overlays alone."""
+    if fn is mu.causal_mask_function:
+        return True
+    if getattr(fn, "__module__", None) != mu.__name__:
+        return False
+    qual = getattr(fn, "__qualname__", "")
+    if qual == "and_masks.<locals>.and_mask":
+        return all(_causal_or_packed(f, mu) for f in _closure(fn).get("mask_functions", ()))
+    if qual == "remap_positions_for_packed_sequence.<locals>.inner_mask":
+        return _causal_or_packed(_closure(fn).get("mask_function"), mu)
+    return qual == "packed_sequence_mask_function.<locals>.inner_mask"
+
+
+def _make_mask_function(name):
+    def mask_function(*args, mask_function=None, **kwargs):
+        """No mask: the attention is causal over the whole sequence, each packed sequence alone (their global
+        bounds come to the attention as cu_seq_lens_q from the model-level check, which found them in the whole
+        row on every rank; the packing transformers sees in this shard's positions is part of it). Anything
+        else on top of the causal mask (a sliding window, chunks, tokens that see ahead) is refused: from the
+        config, the same on every rank."""
+        mu = sys.modules.get("transformers.masking_utils")
+        if mask_function is not None and (mu is None or not _causal_or_packed(mask_function, mu)):
+            what = getattr(mask_function, "__qualname__", repr(mask_function))
+            raise NotImplementedError(f"{name}: the model asks for a mask other than the plain causal one ({what}: a "
+                                      "sliding window, chunked attention or a custom mask); not supported")
+        return None
+
+    return mask_function
+
+
+def _group_key(group):
+    """One name per group: None (the default group, looked up at each call) or the resolved process group
+    (None for one process)."""
+    if group is None:
+        return "default"
+    sp = sp_group(group, "sequence_parallel")
+    return sp.process_group if sp.process_group is not None else "local"
+
+
+def attention_implementation(group=None) -> str:
+    """The name of the attention implementation (registered in transformers' attention and mask registries on
+    first use) that runs the hybrids' softmax attention on Ulysses over ``group``: causal over the whole
+    sequence, each packed sequence alone (the batch's SequenceContext, or ``cu_seq_lens_q`` agreed across the
+    group for a layer called alone); masks, windows, dropout, a KV cache, attention weights and any argument it
+    does not know raise naming them. One name per group (a device-mesh dimension counts as its process group)."""
+    tf = _transformers()
+    key = _group_key(group)
+    for g, name in _ATTENTION_NAMES:
+        if g is key or (isinstance(key, str) and g == key):
+            return name
+    name = "allscan_hybrid_ulysses" + (f"_{len(_ATTENTION_NAMES)}" if _ATTENTION_NAMES else "")
+    tf.AttentionInterface.register(name, _make_attention(group, name))
+    tf.AttentionMaskInterface.register(name, _make_mask_function(name))
+    _ATTENTION_NAMES.append((key, name))
+    return name

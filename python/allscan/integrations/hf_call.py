@@ -1,0 +1,145 @@
+"""The call of a transformers model made sequence-parallel by :func:`allscan.integrations.hf_hybrids.sequence_parallel`:
+a forward pre-hook on each of its transformers models (acting once per outermost call) that refuses by name, on
+every rank alike, what sequence parallelism cannot run, gives the model global position ids where none are
+passed, and makes the batch's :class:`allscan.context.SequenceContext` once: the group resolved once, the packed
+cut found in the whole row from the position ids (:meth:`~allscan.context.SequenceContext.from_position_ids`: one
+exchange builds the global offsets on every rank and refuses malformed ids on every rank). The context travels to
+every layer as the keyword ``allscan_context`` (transformers hands a model's extra keywords to each decoder layer,
+its mixers and attention functions; also when gradient checkpointing recomputes a layer).
+"""
+from __future__ import annotations
+
+import inspect
+import threading
+
+import torch
+
+from .common import CONTEXT_KWARG, exchange, positions_context, restarts, sp_group
+from .hf_linear import SequenceParallelForward
+
+__all__ = ["CallCheck", "refuse_generate"]
+
+_CACHE, _USE_CACHE, _OUTPUT_ATTENTIONS, _LABELS, _PADDING, _FLASH_KWARGS, _POSITIONS_SHAPE, _CONTEXT_GIVEN, \
+    _POSITIONS_GIVEN, _RESTARTS = (1 << i for i in range(10))
+_REASONS = {
+    _CACHE: "a KV or recurrent cache (past_key_values / cache) is not supported: training and prefill only",
+    _USE_CACHE: "use_cache=True is not supported (no cache under sequence parallelism); pass use_cache=False",
+    _OUTPUT_ATTENTIONS: "output_attentions=True is not supported (Ulysses returns no attention weights)",
+    _LABELS: ("labels are not supported: transformers would shift them within each shard and average over the "
+              "shard; pass no labels and use causal_lm_loss(logits, shard_batch(input_ids, labels, ...))"),
+    _PADDING: ("an attention_mask with padding (or a custom mask) is not supported: every sequence is whole "
+               "(pack or trim the batch)"),
+    _FLASH_KWARGS: ("cu_seq_lens_* / max_length_* / seq_idx are not taken from the caller: pack sequences into one "
+                    "row marked by position ids that restart (shard_batch(..., position_ids=)); the bounds are found "
+                    "in the whole row"),
+    _POSITIONS_SHAPE: "position ids other than [B, T_local] (e.g. multimodal rotary positions) are not supported",
+    _CONTEXT_GIVEN: f"{CONTEXT_KWARG} is made by the model's call from the position ids; do not pass it",
+}
+_PACKING_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx", "cu_seqlens")
+NAME = "sequence_parallel"
+
+_STATE = threading.local()  # the module whose call is being checked (nested transformers models skip)
+
+
+def refuse_generate(*args, **kwargs):
+    raise NotImplementedError("sequence_parallel: generation is not supported on a sequence-parallel model "
+                              "(training and prefill only)")
+
+
+class CallCheck:
+    """Forward pre-hook (:meth:`pre`, with kwargs) and its closing forward hook (:meth:`post`) of a transformers
+    model made sequence-parallel over ``group``; ``rewired``: its linear-attention modules."""
+
+    def __init__(self, group, rewired):
+        self.group, self.rewired = group, rewired
+
+    def pre(self, module, args, kwargs):
+        if getattr(_STATE, "owner", None) is not None:
+            return None
+        try:
+            bound = inspect.signature(module.forward).bind_partial(*args, **kwargs)
+        except TypeError:
+            return None  # the forward raises on its own
+        if torch.compiler.is_compiling():
+            # no collective while tracing (the eager call before compiling checked the rest): the model's
+            # default position ids would be each shard's own, so they must be given
+            if bound.arguments.get("position_ids") is None and "position_ids" not in kwargs:
+                raise NotImplementedError("sequence_parallel: under torch.compile pass position_ids (the global "
+                                          "ones: shard_batch(...).position_ids)")
+            return None
+        _STATE.owner = module
+        try:
+            kwargs = self._check(bound, dict(kwargs))
+        except BaseException:
+            _STATE.owner = None
+            raise
+        return args, kwargs
+
+    def post(self, module, args, output):
+        if getattr(_STATE, "owner", None) is module:
+            _STATE.owner = None
+        return None
+
+    def _check(self, bound, kwargs):
+        for m in self.rewired:
+            if not isinstance(m.__dict__.get("forward"), SequenceParallelForward):
+                raise RuntimeError(f"{NAME}: {type(m).__name__}'s forward was replaced after sequence_parallel() "
+                                   "(kernelize? another wrapper?); call sequence_parallel() last")
+        a = dict(bound.arguments)
+        for p in bound.signature.parameters.values():
+            if p.kind is p.VAR_KEYWORD:
+                a.update(a.pop(p.name, {}) or {})
+        x = a.get("input_ids")
+        if x is None:
+            x = a.get("inputs_embeds")
+        if not isinstance(x, torch.Tensor) or x.dim() < 2:
+            return kwargs  # the forward raises on its own
+        B, T = int(x.shape[0]), int(x.shape[1])
+        sp = sp_group(self.group, NAME)
+        flags = 0
+        if any(a.get(k) is not None for k in ("past_key_values", "cache", "cache_params")):
+            flags |= _CACHE
+        if a.get("use_cache"):
+            flags |= _USE_CACHE
+        if a.get("output_attentions"):
+            flags |= _OUTPUT_ATTENTIONS
+        if a.get("labels") is not None:
+            flags |= _LABELS
+        mask = a.get("attention_mask")
+        if mask is not None and (not isinstance(mask, torch.Tensor) or mask.dim() != 2 or not bool(mask.all())):
+            flags |= _PADDING
+        if any(a.get(k) is not None for k in _PACKING_KWARGS):
+            flags |= _FLASH_KWARGS
+        if a.get(CONTEXT_KWARG) is not None:
+            flags |= _CONTEXT_GIVEN
+        positions = a.get("position_ids")
+        if positions is not None:
+            flags |= _POSITIONS_GIVEN
+            if not isinstance(positions, torch.Tensor) or positions.dim() != 2 or positions.shape[-1] != T \
+                    or positions.shape[0] not in (1, B):
+                flags |= _POSITIONS_SHAPE
+            elif restarts(positions, sp.rank):
+                flags |= _RESTARTS
+        rows = exchange(sp, [B, T, flags], x)
+        if any(r[:2] != rows[0][:2] for r in rows):
+            raise ValueError(f"{NAME}: the ranks passed different batch sizes / local lengths [B, T_local]: "
+                             f"{[r[:2] for r in rows]} (every rank holds an equal contiguous shard)")
+        refused = [(bit, [i for i, r in enumerate(rows) if r[2] & bit]) for bit in _REASONS]
+        refused = [(bit, ranks) for bit, ranks in refused if ranks]
+        if refused:
+            raise NotImplementedError(f"{NAME}: " + "; ".join(
+                _REASONS[bit] + ("" if sp.size == 1 else f" (rank{'s' if len(ranks) > 1 else ''} "
+                                                         f"{', '.join(map(str, ranks))} of the group)")
+                for bit, ranks in refused))
+        given = [bool(r[2] & _POSITIONS_GIVEN) for r in rows]
+        if any(given) and not all(given):
+            raise ValueError(f"{NAME}: some ranks passed position_ids and others none")
+        if positions is None:
+            # the global positions one process would use (the model's own default is 0 .. T_local-1 on every rank)
+            kwargs["position_ids"] = (torch.arange(T, device=x.device) + sp.rank * T).unsqueeze(0).expand(B, T)
+        # The batch's context, once for the whole model: packed rows (position ids restarting at 0) found in the
+        # whole row (the same cut on every rank, malformed ids refused on every rank); whole sequences without an
+        # exchange where no position ids were given
+        kwargs[CONTEXT_KWARG] = positions_context(positions.expand(B, T) if positions is not None else None, sp, NAME,
+                                                  B, any(r[2] & _RESTARTS for r in rows))
+        return kwargs
