@@ -132,6 +132,13 @@ def _mesh_case(rank, world, family):
     res["fsdp"] = _errors(spm.reduce_loss(loss, mesh).item(), want_all[0], _grads(model), want_all[1])
     res["fsdp_dtype"] = str(next(iter(_grads(model).values())).dtype)
     res["sharded"] = type(next(model.parameters())).__name__
+    if family == "llama":  # a row whose batch cannot be cut: every rank raises (the other row does not wait)
+        cut = T - 1 if d == 1 else T
+        try:
+            spm.shard_batch(ids[:, :cut], labels[:, :cut], mesh)
+            res["bad_row"] = "no error"
+        except ValueError as e:
+            res["bad_row"] = str(e)
     dist.barrier()
     return res
 
@@ -146,3 +153,5 @@ def test_dp_sp_mesh_with_fsdp2_equals_one_process(family):
         assert r["fsdp_dtype"] == "torch.float64" and r["sharded"] == "DTensor", r
         for key in ("row", "replicas", "fsdp"):
             assert r[key]["loss"] <= bound and r[key]["grads"] <= bound, (key, r)
+        if family == "llama":
+            assert "must be a multiple of the group size 2" in r["bad_row"] or "another DP row's batch" in r["bad_row"]

@@ -63,15 +63,30 @@ def shard_batch(input_ids: torch.Tensor, labels: Optional[torch.Tensor] = None, 
     count of the whole GLOBAL batch (summed over ``mesh[dp]``: one small all-reduce), so that
     ``causal_lm_loss(logits, shard)`` is this rank's share of the global batch's mean loss."""
     dp_mesh, sp_mesh = mesh_dims(mesh, dp, sp)
-    shard = _shard_row(input_ids, labels, group=sp_mesh, position_ids=position_ids)
+    rows = sp_group(dp_mesh, "shard_batch")
+    try:
+        shard = _shard_row(input_ids, labels, group=sp_mesh, position_ids=position_ids)
+    except (ValueError, NotImplementedError):
+        if rows.size > 1 and labels is not None:  # the other rows wait in the count's all-reduce: tell them
+            _row_counts(rows, -1, input_ids)
+        raise
     if shard.num_items is None:
         return shard
-    rows = sp_group(dp_mesh, "shard_batch")
     if rows.size > 1:
-        count = torch.tensor([shard.num_items], dtype=torch.int64, device=comm_device(rows, input_ids))
-        dist.all_reduce(count, group=rows.process_group)
-        shard.num_items = int(count.item())
+        total = _row_counts(rows, shard.num_items, input_ids)
+        if total is None:
+            raise ValueError("shard_batch: another DP row's batch could not be cut (its ranks raised why); every row "
+                             "must pass a batch [B, T] with T a multiple of the SP size")
+        shard.num_items = total
     return shard
+
+
+def _row_counts(rows, count: int, like) -> Optional[int]:
+    """The sum over the DP rows of their label counts, or None when a row failed (its count -1)."""
+    t = torch.tensor([max(count, 0), int(count < 0)], dtype=torch.int64, device=comm_device(rows, like))
+    dist.all_reduce(t, group=rows.process_group)
+    total, failed = t.tolist()
+    return None if failed else total
 
 
 def reduce_loss(loss: torch.Tensor, mesh, dp: str = "dp", sp: str = "sp") -> torch.Tensor:
