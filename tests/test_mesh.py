@@ -126,9 +126,17 @@ def _mesh_case(rank, world, family):
     loss = step(model, spm.shard_batch(ids, labels, mesh, position_ids=pos))
     spm.sync_gradients(model, mesh)
     res["replicas"] = _errors(spm.reduce_loss(loss, mesh).item(), want_all[0], _grads(model), want_all[1])
-    # FSDP2 over every rank of the mesh: one process on the global batch
+    # FSDP2 over every rank of the mesh: one process on the global batch; the batch's context made once for the
+    # whole model (every layer shares it)
+    from allscan.context import SequenceContext
+
     model = spm.fully_shard(parallel(), mesh)
-    loss = step(model, spm.shard_batch(ids, labels, mesh, position_ids=pos))
+    shard = spm.shard_batch(ids, labels, mesh, position_ids=pos)
+    made, original = [], SequenceContext.from_position_ids.__func__
+    SequenceContext.from_position_ids = classmethod(lambda cls, *a, **k: made.append(1) or original(cls, *a, **k))
+    loss = step(model, shard)
+    SequenceContext.from_position_ids = classmethod(original)
+    res["contexts"] = len(made)
     res["fsdp"] = _errors(spm.reduce_loss(loss, mesh).item(), want_all[0], _grads(model), want_all[1])
     res["fsdp_dtype"] = str(next(iter(_grads(model).values())).dtype)
     res["sharded"] = type(next(model.parameters())).__name__
@@ -150,7 +158,7 @@ def test_dp_sp_mesh_with_fsdp2_equals_one_process(family):
     # fp64 throughout; transformers' Gated DeltaNet norm computes in fp32 inside (test_hf_hybrids' bound)
     bound = 1e-12 if family == "llama" else 1e-6
     for r in results:
-        assert r["fsdp_dtype"] == "torch.float64" and r["sharded"] == "DTensor", r
+        assert r["fsdp_dtype"] == "torch.float64" and r["sharded"] == "DTensor" and r["contexts"] == 1, r
         for key in ("row", "replicas", "fsdp"):
             assert r[key]["loss"] <= bound and r[key]["grads"] <= bound, (key, r)
         if family == "llama":
