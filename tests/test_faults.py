@@ -424,6 +424,7 @@ def _own_work_fails(rank, world, op):
     from allscan.layers import zeco_gated_delta_rule, zeco_gla
     from allscan.ops import ulysses as U
     from allscan.ops.delta.chunk import TorchDelta
+    from allscan.ops.ulysses import passes as ulysses_passes
     from allscan.ops.gla.chunk import TorchGLA
 
     dev = torch.device("cuda", torch.cuda.current_device())
@@ -463,7 +464,7 @@ def _own_work_fails(rank, world, op):
 
     call(dist.group.WORLD)
     owner, name = {"gla": (TorchGLA, "fwd_states"), "gdn": (TorchDelta, "states"),
-                   "ulysses": (U, "_forward_buffers")}.get(op, (None, "forward"))
+                   "ulysses": (ulysses_passes, "_forward_buffers")}.get(op, (None, "forward"))
     if owner is None:  # a module's projection: its forward replaced on this instance, then removed
         owner = module(dist.group.WORLD).q_proj
         real, original = owner.forward, None
