@@ -13,6 +13,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(__file__))
 from distributed import run_distributed  # noqa: E402
 
+import allscan  # noqa: E402
 from allscan.context import LOCAL, SequenceContext, resolve_sp_group  # noqa: E402
 
 
@@ -29,6 +30,7 @@ def test_one_process_contexts():
         packed.cut(6)
     with pytest.raises(ValueError, match="strictly increasing"):
         SequenceContext(cu_seqlens=[0, 4, 4, 8])
+    assert allscan.SequenceContext is SequenceContext and allscan.ops.LOCAL is LOCAL
     with pytest.raises(ValueError, match="must start at 0"):
         SequenceContext(cu_seqlens=[1, 8])
     ids = torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2]])
@@ -71,6 +73,9 @@ def _packed_by_position_ids(rank, world):
     mine = [0, 5, total] if rank == 0 else [0, 7, total]
     with pytest.raises(ValueError, match="passed different cu_seqlens"):
         SequenceContext(cu_seqlens=mine)
+    # malformed offsets on one rank: every rank raises, naming it
+    with pytest.raises(ValueError, match="rank 0's cu_seqlens: .*strictly increasing"):
+        SequenceContext(cu_seqlens=[0, 5, 5, total] if rank == 0 else [0, 5, total])
     return True
 
 

@@ -26,6 +26,7 @@ from . import a2a  # noqa: E402
 from ._C import CommunicatorError  # noqa: E402  (a group's NCCL communicator failed: mismatch, a peer's report)
 from ._C import CommunicatorTimeout  # noqa: E402  (a CommunicatorError: a collective on NCCL timed out)
 from ._settings import settings  # noqa: E402
+from .context import SequenceContext  # noqa: E402  (one batch's group and packed cut, shared by every layer)
 from .ops.scan import ScanHandle, destroy_communicators, device_path, scan, set_check_every_call  # noqa: E402
 from .reference import scan_reference  # noqa: E402
 
@@ -53,6 +54,7 @@ __all__ = [
     "scan_reference",
     "a2a",
     "settings",
+    "SequenceContext",
     "CommunicatorError",
     "CommunicatorTimeout",
 ]

@@ -29,7 +29,7 @@ __all__ = ["LOCAL", "SPGroup", "resolve_sp_group", "ShardCut", "SequenceContext"
 
 class _Local:
     def __repr__(self):
-        return "allscan.LOCAL"
+        return "allscan.ops.LOCAL"
 
 
 LOCAL = _Local()
@@ -97,7 +97,9 @@ class ShardCut:
 
     def __init__(self, sp: SPGroup, T: int, B: int, cu: Optional[Tuple[int, ...]]):
         self.world, self.rank = sp.size, sp.rank
+        self.group = sp.process_group
         self.T = T
+        self.digest = offsets_digest(cu)  # the whole cut, for the signatures compared across ranks
         self.varlen = cu is not None
         if cu is None:
             self.bounds = [0, T]
@@ -128,9 +130,11 @@ def checked_offsets(cu_seqlens, T: int, B: int, world: int, op: str) -> Tuple[in
     if B != 1:
         raise ValueError(f"{op}: with cu_seqlens the batch size must be 1 (packed sequences), got B={B}")
     if isinstance(cu_seqlens, torch.Tensor):
-        if cu_seqlens.dim() != 1 or cu_seqlens.dtype.is_floating_point:
-            raise ValueError(f"{op}: cu_seqlens must be a 1-D integer tensor [N+1] of cumulative sequence lengths "
-                             f"over the GLOBAL packed sequence, got {cu_seqlens.dtype} {list(cu_seqlens.shape)}")
+        if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
+            raise ValueError(f"{op}: cu_seqlens must be a 1-D tensor [N+1] of cumulative sequence lengths "
+                             "over the GLOBAL packed sequence")
+        if cu_seqlens.dtype.is_floating_point:
+            raise ValueError(f"{op}: cu_seqlens must be an integer tensor, got {cu_seqlens.dtype}")
         cu = tuple(int(c) for c in cu_seqlens.tolist())
     elif isinstance(cu_seqlens, (list, tuple)) and all(isinstance(c, int) and not isinstance(c, bool)
                                                         for c in cu_seqlens):
@@ -163,17 +167,17 @@ class SequenceContext:
 
     def __init__(self, group=None, *, cu_seqlens=None, local_len: Optional[int] = None):
         self.group = resolve_sp_group(group, "SequenceContext")
-        cu = None
+        cu, problem = None, ""
         if cu_seqlens is not None:
-            total = int(cu_seqlens[-1])
-            if total % self.group.size:
-                raise ValueError(f"SequenceContext: the packed length cu_seqlens[-1] = {total} must be a multiple "
-                                 f"of the group size {self.group.size}")
-            cu = checked_offsets(cu_seqlens, total // self.group.size, 1, self.group.size, "SequenceContext")
-            local_len = total // self.group.size if local_len is None else local_len
+            try:  # judged after the exchange, so that a rank's bad offsets raise on every rank
+                cu = checked_offsets(cu_seqlens, _local_length(cu_seqlens, self.group.size), 1, self.group.size,
+                                     "SequenceContext")
+            except (TypeError, ValueError, IndexError) as e:
+                problem = str(e)
+            local_len = None if cu is None else (cu[-1] // self.group.size if local_len is None else local_len)
         self._set(cu, local_len)
-        if cu is not None:
-            self._agree()
+        if cu_seqlens is not None:
+            self._agree(problem)
 
     @classmethod
     def from_position_ids(cls, position_ids: torch.Tensor, group=None) -> "SequenceContext":
@@ -213,12 +217,17 @@ class SequenceContext:
         self._cuts: Dict[Tuple[int, int], ShardCut] = {}
         self._device_offsets: Dict[torch.device, torch.Tensor] = {}
 
-    def _agree(self) -> None:
-        """Compare the packed offsets across the group once (every rank raises on a difference)."""
+    def _agree(self, problem: str) -> None:
+        """Compare the packed offsets across the group once: a rank whose offsets are malformed
+        (``problem``) or differ from its peers' makes every rank raise."""
         if self.group.size == 1:
+            if problem:
+                raise ValueError(problem)
             return
-        mine = torch.tensor([len(self.cu_seqlens), self.digest], dtype=torch.int64)
-        rows = _gather(self.group, mine.tolist())
+        rows = _gather(self.group, (problem, 0 if problem else len(self.cu_seqlens), self.digest))
+        bad = [(r, row[0]) for r, row in enumerate(rows) if row[0]]
+        if bad:
+            raise ValueError(f"SequenceContext: rank {bad[0][0]}'s cu_seqlens: {bad[0][1]}")
         if any(row != rows[self.group.rank] for row in rows):
             differ = [r for r, row in enumerate(rows) if row != rows[0]]
             raise ValueError(f"SequenceContext: the ranks of the group passed different cu_seqlens (ranks {differ} "
@@ -254,6 +263,14 @@ class SequenceContext:
     def __repr__(self) -> str:
         what = f"{len(self.cu_seqlens) - 1} packed sequences" if self.packed else "whole sequences"
         return f"SequenceContext(rank {self.group.rank} of {self.group.size}, {what})"
+
+
+def _local_length(cu_seqlens, world: int) -> int:
+    """Tokens per rank implied by packed offsets (their last is the whole row's length)."""
+    total = int(cu_seqlens[-1])
+    if total % world:
+        raise ValueError(f"the packed length cu_seqlens[-1] = {total} must be a multiple of the group size {world}")
+    return total // world
 
 
 def _shard_summary(rows: torch.Tensor) -> dict:
