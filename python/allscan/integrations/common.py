@@ -20,7 +20,6 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from allscan import context as _context_module
 from allscan import ops as _ops
 from allscan.context import SequenceContext, SPGroup, offsets_digest, resolve_sp_group
 
@@ -32,11 +31,17 @@ CONTEXT_KWARG = "allscan_context"
 passes a model's extra keyword arguments down to each decoder layer, its mixers and attention functions)."""
 
 
+def require_transformers(who: str):
+    """The transformers package, or an ImportError that names the install."""
+    try:
+        import transformers
+    except ImportError as e:
+        raise ImportError(f"{who} needs Hugging Face transformers 5.x: pip install 'transformers>=5,<6'") from e
+    return transformers
+
+
 def sp_group(group, op: str) -> SPGroup:
-    """``group`` resolved once (see the module docstring); ``allscan.ops.LOCAL`` is one process, as
-    ``allscan.context.LOCAL``."""
-    if group is _ops.LOCAL:
-        group = _context_module.LOCAL
+    """``group`` resolved once (see the module docstring; ``allscan.ops.LOCAL`` is one process)."""
     return resolve_sp_group(group, op)
 
 

@@ -13,7 +13,7 @@ from typing import List, Tuple
 import torch
 import torch.nn.functional as F
 
-from .common import CONTEXT_KWARG, handed_context, local_attention, sp_group
+from .common import CONTEXT_KWARG, handed_context, local_attention, require_transformers, sp_group
 
 __all__ = ["attention_implementation"]
 
@@ -24,13 +24,6 @@ _HARMLESS = frozenset({"position_ids", "use_cache", "cache_position", "output_ro
 _PACKING_KWARGS = ("seq_idx", "cu_seqlens")
 
 
-def _transformers():
-    try:
-        import transformers
-    except ImportError as e:
-        raise ImportError("allscan.integrations.hf_hybrids needs Hugging Face transformers 5.x: "
-                          "pip install 'transformers>=5,<6'") from e
-    return transformers
 
 
 _ATTENTION_NAMES: List[Tuple[object, str]] = []  # (group key, name), one name per group
@@ -148,7 +141,7 @@ def attention_implementation(group=None) -> str:
     sequence, each packed sequence alone (the batch's SequenceContext, or ``cu_seq_lens_q`` agreed across the
     group for a layer called alone); masks, windows, dropout, a KV cache, attention weights and any argument it
     does not know raise naming them. One name per group (a device-mesh dimension counts as its process group)."""
-    tf = _transformers()
+    tf = require_transformers("allscan.integrations.hf_hybrids")
     key = _group_key(group)
     for g, name in _ATTENTION_NAMES:
         if g is key or (isinstance(key, str) and g == key):

@@ -68,6 +68,7 @@ import torch.nn as nn
 
 from .batch import IGNORE_INDEX, BatchShard, causal_lm_loss, reduce_loss, shard_batch, sync_gradients  # noqa: F401
 from .hf_attention import attention_implementation
+from .common import require_transformers
 from .hf_call import CallCheck, refuse_generate
 from .hf_linear import SequenceParallelForward
 
@@ -102,13 +103,6 @@ _MIXER_NAME = re.compile(r"(Attention|Attn|DeltaNet|Mixer|MambaLayer|Mamba|SSM|R
 
 
 
-def _transformers():
-    try:
-        import transformers
-    except ImportError as e:
-        raise ImportError("allscan.integrations.hf_hybrids needs Hugging Face transformers 5.x: "
-                          "pip install 'transformers>=5,<6'") from e
-    return transformers
 
 
 def _family_of(cls) -> Optional[Tuple[str, str]]:
@@ -150,7 +144,7 @@ def _source_digest(cls) -> Optional[str]:
 
 def _inspect(model: nn.Module):
     """(linear mixers, softmax attention modules, refused) as lists of (name, module[, model_type])."""
-    tf = _transformers()
+    tf = require_transformers("allscan.integrations.hf_hybrids")
     linear, attention, refused, seen = [], [], [], []
     named = dict(model.named_modules())
     for name, mod in named.items():
@@ -184,7 +178,7 @@ def sequence_parallel(model: nn.Module, group=None) -> nn.Module:
 
     Raises ``NotImplementedError`` naming every sequence-mixing module it does not support (module docstring),
     before anything is changed."""
-    tf = _transformers()
+    tf = require_transformers("allscan.integrations.hf_hybrids")
     linear, attention, refused = _inspect(model)
     if refused:
         supported = ", ".join(f"{t} ({spec[0]}, {spec[1]})" for t, spec in SUPPORTED.items())

@@ -12,6 +12,8 @@ from typing import List, Optional, Tuple
 
 import torch
 
+from .common import require_transformers
+
 __all__ = ["SEQUENCE_PARALLEL", "config_refusal", "model_refusal", "registered_implementation", "modeling_module_of"]
 
 SEQUENCE_PARALLEL = "allscan.integrations.transformers.sequence_parallel"  # the refusals name it: it exists
@@ -120,7 +122,7 @@ def _mixer_class(mod: torch.nn.Module) -> Optional[str]:
 
 def model_refusal(model: torch.nn.Module, where: str) -> Optional[str]:
     """Why register() cannot run ``model`` (None: it can): its config, and every module in it."""
-    tf = _transformers()
+    tf = require_transformers("allscan.integrations.transformers")
     mixers = {}
     named = dict(model.named_modules())
     for name, mod in named.items():
@@ -159,9 +161,3 @@ def registered_implementation(config, names) -> Optional[str]:
         for key in getattr(cfg, "sub_configs", None) or ():
             todo.append(getattr(cfg, key, None))
     return None
-
-
-def _transformers():
-    import transformers
-
-    return transformers

@@ -71,7 +71,8 @@ from typing import Optional, Tuple
 import torch
 
 from .batch import IGNORE_INDEX, BatchShard, causal_lm_loss, reduce_loss, shard_batch, sync_gradients  # noqa: F401
-from .common import agreed_offsets, exchange, local_attention, offsets_of, positions_context, restarts, sp_group
+from .common import (agreed_offsets, exchange, local_attention, offsets_of, positions_context, require_transformers,
+                     restarts, sp_group)
 from .hf_hybrids import sequence_parallel  # noqa: F401  (the hybrids' entry, under the name issue 53 gives it)
 from .hf_refusals import SEQUENCE_PARALLEL, config_refusal, model_refusal, registered_implementation  # noqa: F401
 
@@ -90,13 +91,6 @@ _HOOK = None
 _PASSED = weakref.WeakKeyDictionary()  # model -> the attention implementation it passed check_model with
 
 
-def _transformers():
-    try:
-        import transformers
-    except ImportError as e:
-        raise ImportError("allscan.integrations.transformers needs Hugging Face transformers 5.x: "
-                          "pip install 'transformers>=5,<6'") from e
-    return transformers
 
 
 def check_model(model: torch.nn.Module, name: Optional[str] = None) -> None:
@@ -375,7 +369,7 @@ def register(group=None, *, name: str = NAME, num_chunks="auto") -> str:
     pre-hook that checks, at its first forward, every transformers model configured with a registered
     name (:func:`check_model`)."""
     global _HOOK
-    tf = _transformers()
+    tf = require_transformers("allscan.integrations.transformers")
     from allscan.ops.ulysses import ulysses_attention
 
     fixed = None if group is None else sp_group(group, "register")
