@@ -69,6 +69,12 @@ def _packed_by_position_ids(rank, world):
         inner[0, 2] = 9
     with pytest.raises(ValueError, match="rank 0: position ids neither count up"):
         SequenceContext.from_position_ids(inner)
+    # one rank's ids of the wrong kind, or a batch size of its own: every rank raises, naming it
+    with pytest.raises(ValueError, match=f"rank {world - 1}: position_ids must be a"):
+        SequenceContext.from_position_ids(glob[:, rank * T:(rank + 1) * T].float() if rank == world - 1
+                                          else glob[:, rank * T:(rank + 1) * T])
+    with pytest.raises(ValueError, match="different batch sizes"):
+        SequenceContext.from_position_ids(torch.arange(total)[None, rank * T:(rank + 1) * T].expand(1 + (rank == 0), T))
     # different offsets given on the ranks: every rank raises
     mine = [0, 5, total] if rank == 0 else [0, 7, total]
     with pytest.raises(ValueError, match="passed different cu_seqlens"):

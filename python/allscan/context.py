@@ -187,12 +187,18 @@ class SequenceContext:
         are not whole sequences counted from 0 (or ``[B, T_local]`` rows with B > 1 that restart) raise
         ``ValueError`` on every rank. Ids counting straight through the shards give whole sequences."""
         sp = resolve_sp_group(group, "SequenceContext")
-        if not isinstance(position_ids, torch.Tensor) or position_ids.dim() not in (1, 2):
-            raise ValueError("SequenceContext.from_position_ids: position_ids must be a [B, T_local] or [T_local] "
-                             f"integer tensor, got {type(position_ids).__name__}")
-        rows = position_ids.reshape(-1, position_ids.shape[-1]).to("cpu", torch.long)
-        T = rows.shape[1]
-        summary = _shard_summary(rows)  # checked here, judged after the exchange so every rank agrees
+        # every check is judged after the exchange, so that one rank's bad ids raise on every rank
+        if (not isinstance(position_ids, torch.Tensor) or position_ids.dim() not in (1, 2)
+                or position_ids.dtype.is_floating_point or position_ids.shape[-1] == 0):
+            what = (f"{position_ids.dtype} {list(position_ids.shape)}" if isinstance(position_ids, torch.Tensor)
+                    else type(position_ids).__name__)
+            summary = {"problem": f"position_ids must be a [B, T_local] or [T_local] integer tensor, got {what}",
+                       "starts": [], "first": 0, "last": 0, "T": -1, "B": 0}
+            rows = None
+        else:
+            rows = position_ids.reshape(-1, position_ids.shape[-1]).to("cpu", torch.long)
+            summary = _shard_summary(rows)
+        T = summary["T"]
         everyone = [summary] if sp.size == 1 else _gather(sp, summary)
         problem = next((f"rank {r}: {s['problem']}" for r, s in enumerate(everyone) if s["problem"]), None)
         if problem is None:
@@ -202,7 +208,7 @@ class SequenceContext:
                              "along each sequence, restarting at 0 where a packed sequence starts)")
         starts = sorted({r * T + s for r, info in enumerate(everyone) for s in info["starts"]} | {sp.size * T})
         cu = None if starts == [0, sp.size * T] else tuple(starts)
-        if cu is not None and rows.shape[0] != 1:
+        if cu is not None and rows.shape[0] != 1:  # every rank's B is the same here (checked above)
             raise ValueError(f"SequenceContext.from_position_ids: packed sequences need one row (B = 1), got "
                              f"B = {rows.shape[0]}")
         ctx = cls.__new__(cls)
@@ -285,13 +291,16 @@ def _shard_summary(rows: torch.Tensor) -> dict:
         problem = "the rows' position ids differ"
     row = rows[0]
     starts: List[int] = [int(i) for i in torch.nonzero(row == 0).flatten().tolist()]
-    return {"problem": problem, "starts": starts, "first": int(row[0]), "last": int(row[-1]), "T": rows.shape[1]}
+    return {"problem": problem, "starts": starts, "first": int(row[0]), "last": int(row[-1]), "T": rows.shape[1],
+            "B": rows.shape[0]}
 
 
 def _continuity_problem(everyone: List[dict], T: int) -> Optional[str]:
     """Each rank's first id continues the previous rank's last (or restarts at 0); rank 0 starts at 0."""
     if any(s["T"] != T for s in everyone):
         return f"the ranks hold different shard lengths {[s['T'] for s in everyone]}"
+    if any(s["B"] != everyone[0]["B"] for s in everyone):
+        return f"the ranks hold different batch sizes {[s['B'] for s in everyone]}"
     if everyone[0]["first"] != 0:
         return f"rank 0's first position id is {everyone[0]['first']}, not 0"
     for r in range(1, len(everyone)):
