@@ -18,6 +18,7 @@ from typing import Callable, Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from allscan._comm import normalize_group
 from allscan._agreement import peers_exchange, still_checked
 from allscan._settings import settings
 
@@ -30,10 +31,18 @@ __all__ = ["LOCAL", "sequence_parallel_group", "ShardSegments", "world_and_rank"
 
 
 def sequence_parallel_group(group, op: str):
-    """``group`` as a ``zeco_*`` op takes it -> the process group to scan over, or None for one process
-    (:func:`allscan.context.resolve_sp_group`: None is the default group, or one process where
-    torch.distributed is not initialised; :data:`LOCAL` one process; a device mesh's dimension)."""
-    return resolve_sp_group(group, op).process_group
+    """``group`` as a ``zeco_*`` op takes it -> the process group to scan over, or None for one process:
+    :func:`allscan.context.resolve_sp_group`'s rule (None is the default group, or one process where
+    torch.distributed is not initialised; :data:`LOCAL` one process), without its cache, which
+    torch.compile traces through here and cannot guard (a dict keyed by process groups)."""
+    if group is LOCAL:
+        return None
+    initialised = dist.is_available() and dist.is_initialized()
+    if group is None:
+        return normalize_group(None) if initialised else None
+    if not initialised:
+        raise RuntimeError(f"{op}: group given but torch.distributed is not initialised")
+    return normalize_group(group)
 
 
 def inputs_need_grad(*inputs) -> bool:
