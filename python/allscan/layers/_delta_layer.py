@@ -20,6 +20,7 @@ from allscan.ops.delta import METHODS
 from allscan.ops.halo import halo_exchange
 
 from ._inputs import check_layer_inputs
+from .causal_conv import depthwise_causal_conv
 
 __all__ = ["DeltaRuleLayer", "ShortConvolution"]
 
@@ -30,19 +31,6 @@ class ShortConvolution(nn.Conv1d):
     def __init__(self, hidden_size: int, kernel_size: int, bias: bool = False):
         super().__init__(hidden_size, hidden_size, kernel_size, padding=kernel_size - 1, groups=hidden_size,
                          bias=bias)
-
-
-def _first_visible(T: int, k: int, offset: int, cu_seqlens: Optional[torch.Tensor], device) -> torch.Tensor:
-    """``[T, k]`` mask: window slot i of local token t (global token offset + t - (k-1) + i) is read only if
-    it belongs to t's sequence (and is not before the global start)."""
-    pos = offset + torch.arange(T, device=device)
-    if cu_seqlens is None:
-        start = torch.zeros_like(pos)
-    else:
-        cu = cu_seqlens.to(device=device, dtype=torch.long)
-        start = cu[torch.searchsorted(cu, pos, right=True) - 1]
-    src = pos[:, None] - (k - 1) + torch.arange(k, device=device)[None, :]
-    return src >= start[:, None]
 
 
 class DeltaRuleLayer(nn.Module):
@@ -96,15 +84,10 @@ class DeltaRuleLayer(nn.Module):
                     cu_seqlens: Optional[torch.Tensor]) -> torch.Tensor:
         """silu(causal depthwise conv) over the global sequence, q, k and v concatenated (one halo message:
         ``halo``, the previous rank's last ``conv_size - 1`` tokens of ``qkv``)."""
-        k = self.conv_size
         convs = (self.q_conv1d, self.k_conv1d, self.v_conv1d)
-        weight = torch.cat([c.weight[:, 0, :] for c in convs]).to(qkv.dtype)  # [D, k]
-        B, T, D = qkv.shape
-        windows = torch.cat([halo, qkv], dim=1).unfold(1, k, 1)  # [B, T, D, k]: tokens t-k+1 .. t
-        mask = _first_visible(T, k, rank * T, cu_seqlens, qkv.device).to(qkv.dtype)  # [T, k]
-        out = torch.einsum("btdk,tk,dk->btd", windows, mask, weight)
-        if self.conv_bias:
-            out = out + torch.cat([c.bias for c in convs]).to(qkv.dtype)
+        weight = torch.cat([c.weight[:, 0, :] for c in convs])  # [D, k]
+        bias = torch.cat([c.bias for c in convs]) if self.conv_bias else None
+        out = depthwise_causal_conv(qkv, halo, weight, bias, rank * qkv.shape[1], cu_seqlens)
         return F.silu(out)
 
     def _projections(self, hidden_states, attention_mask, past_key_values, use_cache, cu_seqlens):
