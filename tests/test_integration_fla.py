@@ -275,3 +275,29 @@ def test_fla_layer_options_carry_over():
         n for n, _ in new.named_parameters())
     assert new.rotary.inv_freq is old.rotary.inv_freq and torch.equal(new.rotary.inv_freq,
                                                                        new.rotary._compute_inv_freq())
+
+
+def test_fla_mamba2_swaps_with_its_options_or_is_refused_by_name():
+    """fla's Mamba2 becomes allscan's (the same Parameter objects and options: transformers' mixer, whose
+    arithmetic tests/test_mamba2_layer.py checks); the options allscan's layer cannot run are refused by name."""
+    import fla.layers
+
+    from allscan.integrations import fla as sp
+    from allscan.layers import Mamba2
+
+    options = dict(hidden_size=32, head_dim=8, state_size=4, n_groups=2, conv_kernel=3, use_conv_bias=False,
+                   use_bias=True, dt_limit=(0.01, 3.0), norm_eps=1e-4, layer_idx=2)
+    old = fla.layers.Mamba2(**options)
+    params = dict(old.named_parameters())
+    new = sp.sequence_parallel(old)
+    assert isinstance(new, Mamba2)
+    assert all(p is params[n] for n, p in new.named_parameters()) and sorted(params) == sorted(
+        n for n, _ in new.named_parameters())
+    for name in ("hidden_size", "num_heads", "head_dim", "ssm_state_size", "n_groups", "conv_kernel_size",
+                 "use_conv_bias", "use_bias", "layer_idx"):
+        assert getattr(new, name) == getattr(old, name), name
+    assert new.time_step_limit == (0.01, 3.0) and new.norm.variance_epsilon == 1e-4
+    assert new.norm.group_size == old.norm.group_size
+    for option in (dict(D_has_hdim=True), dict(rmsnorm=False), dict(norm_before_gate=True)):
+        with pytest.raises(NotImplementedError, match=f"Mamba2 with {next(iter(option))}="):
+            sp.sequence_parallel(fla.layers.Mamba2(**options, **option))

@@ -13,7 +13,10 @@
 :class:`allscan.layers.GatedDeltaNet`, every ``fla.layers.KimiDeltaAttention`` by
 :class:`allscan.layers.KimiDeltaAttention` and every softmax ``fla.layers.Attention`` (the attention
 layers of fla's hybrid models, ``config.attn``) by :class:`allscan.layers.Attention` (Ulysses; full
-causal attention only: a sliding ``window_size`` is refused), built with the same options and holding the very same
+causal attention only: a sliding ``window_size`` is refused) and every ``fla.layers.Mamba2`` by
+:class:`allscan.layers.Mamba2` (the same parameters; a skip per channel ``D_has_hdim``, ``rmsnorm=False``
+and ``norm_before_gate=True`` are refused; with ``n_groups > 1`` head h reads group ``h // (num_heads /
+n_groups)``, as fla's mamba_ssm path and transformers do, not as fla's torch fallback, which tiles them), built with the same options and holding the very same
 ``Parameter`` objects (so an optimizer or parameter hooks made before keep working, though the
 optimizer is best built after; forward hooks registered on the old layer modules do not carry over).
 Swap after the weights are initialised or loaded: fla's ``_init_weights`` draws ``A_log`` and ``dt_bias``
@@ -83,6 +86,20 @@ def _kda_options(old) -> Dict:
                 conv_size=old.conv_size, conv_bias=old.conv_bias, layer_idx=old.layer_idx, norm_eps=old.o_norm.eps)
 
 
+def _mamba2_options(old) -> Dict:
+    name = type(old).__name__
+    for option, value, runs in (("D_has_hdim", old.D_has_hdim, False), ("rmsnorm", old.rmsnorm, True),
+                                ("norm_before_gate", old.norm_before_gate, False)):
+        if bool(value) != runs:
+            raise NotImplementedError(f"sequence_parallel: {name} with {option}={value} is not supported "
+                                      f"(allscan's Mamba2 is transformers' mixer: {option}={runs})")
+    return dict(hidden_size=old.hidden_size, num_heads=old.num_heads, head_dim=old.head_dim,
+                state_size=old.ssm_state_size, expand=old.expand, n_groups=old.n_groups,
+                conv_kernel=old.conv_kernel_size, use_conv_bias=old.use_conv_bias, use_bias=old.use_bias,
+                hidden_act=old.activation, layer_norm_epsilon=old.norm.eps, time_step_limit=tuple(old.dt_limit),
+                layer_idx=old.layer_idx)
+
+
 def _attention_options(old) -> Dict:
     rotary = old.rotary
     if rotary.scale_base is not None or rotary.interleaved or not rotary.pos_idx_in_fp32:
@@ -116,18 +133,20 @@ def _adopt_parameters(new: nn.Module, old: nn.Module) -> None:
 
 
 def sequence_parallel(model: nn.Module, group=None, *, method: str = "zeco") -> nn.Module:
-    """Swap ``model``'s fla GLA, Gated DeltaNet, KDA and softmax attention layers (in place) for allscan's,
+    """Swap ``model``'s fla GLA, Gated DeltaNet, KDA, Mamba2 and softmax attention layers (in place) for allscan's,
     sequence-parallel over ``group`` (None: the default process group, resolved at each call); the linear
-    layers with ``method`` (as in ``zeco_gla`` / ``zeco_gated_delta_rule`` / ``zeco_kda``). Returns ``model``.
+    layers with ``method`` (as in ``zeco_gla`` / ``zeco_gated_delta_rule`` / ``zeco_kda`` / ``zeco_ssd``). Returns
+    ``model``.
     Raises NotImplementedError naming any other fla sequence-mixing layer the model holds, or an option
     allscan's layer cannot run, before anything is swapped."""
-    from allscan.layers import Attention, GatedDeltaNet, GatedLinearAttention, KimiDeltaAttention
+    from allscan.layers import Attention, GatedDeltaNet, GatedLinearAttention, KimiDeltaAttention, Mamba2
 
     fla_layers = _fla_layers()
     linear = dict(method=method)
     swaps = {fla_layers.GatedLinearAttention: (GatedLinearAttention, _gla_options, linear),
              fla_layers.GatedDeltaNet: (GatedDeltaNet, _gdn_options, linear),
              fla_layers.KimiDeltaAttention: (KimiDeltaAttention, _kda_options, linear),
+             fla_layers.Mamba2: (Mamba2, _mamba2_options, linear),
              fla_layers.Attention: (Attention, _attention_options, {})}
     todo, unsupported, seen = [], [], []
     for name, module in model.named_modules():
