@@ -2,8 +2,9 @@
 on Ulysses (:func:`allscan.ops.ulysses.ulysses_attention`), registered in transformers' attention and mask
 registries under one name per group (:func:`attention_implementation`): causal over the whole sequence, each
 packed sequence alone (the batch's :class:`allscan.context.SequenceContext`, handed down by the model-level hook);
-masks other than the causal one, windows, dropout, a KV cache, attention weights and any argument it does not
-know raise naming them.
+a sliding window (the mask's ``sliding_window_overlay`` and the ``sliding_window`` argument, agreed), a logit
+soft-cap and attention sinks honoured (:mod:`.hf_options`); other masks, dropout, a KV cache, attention weights
+and any argument it does not know raise naming them.
 """
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ from typing import List, Tuple
 import torch
 import torch.nn.functional as F
 
-from .common import CONTEXT_KWARG, handed_context, local_attention, require_transformers, sp_group
+from .common import CONTEXT_KWARG, handed_context, require_transformers, sp_group
+from .hf_options import OPTION_KWARGS, features_of, one_process_attention
 
 __all__ = ["attention_implementation"]
 
@@ -29,6 +31,18 @@ _PACKING_KWARGS = ("seq_idx", "cu_seqlens")
 _ATTENTION_NAMES: List[Tuple[object, str]] = []  # (group key, name), one name per group
 
 
+class WindowMask:
+    """What the mask function hands the attention of a sliding layer in place of a mask: its window (tokens)."""
+
+    __slots__ = ("window",)
+
+    def __init__(self, window: int):
+        self.window = window
+
+    def __repr__(self):
+        return f"WindowMask(window={self.window})"
+
+
 def _short(value) -> str:
     if isinstance(value, torch.Tensor):
         return f"<tensor {tuple(value.shape)} {value.dtype}>"
@@ -38,7 +52,8 @@ def _short(value) -> str:
 
 def _make_attention(group, name):
     def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-        if attention_mask is not None:
+        marked = isinstance(attention_mask, WindowMask)
+        if attention_mask is not None and not marked:
             raise NotImplementedError(f"{name}: an attention mask ({_short(attention_mask)}: padding or a custom "
                                       "mask) is not supported; every sequence is whole")
         if dropout:
@@ -50,7 +65,7 @@ def _make_attention(group, name):
         # agreed across the group)
         ctx = handed_context(kwargs, group, query.shape[0], query.shape[2], name, query)
         for arg, val in kwargs.items():
-            if val is None or arg in _HARMLESS:
+            if val is None or arg in _HARMLESS or arg in OPTION_KWARGS:
                 continue
             if arg == "output_attentions":
                 if val:
@@ -79,12 +94,16 @@ def _make_attention(group, name):
         elif d_v > d_qk:
             q, k = F.pad(q, (0, d_v - d_qk)), F.pad(k, (0, d_v - d_qk))
         bounds = None if ctx.cu_seqlens is None else list(ctx.cu_seqlens)
+        # a window (the mask's, agreed with the argument), soft-cap and sinks, honoured on the whole sequence
+        features = features_of(name, kwargs, query.shape[2] * ctx.group.size, mask_known=True,
+                               mask_window=attention_mask.window if marked else None)
         if ctx.group.size == 1:
-            out = local_attention(q, k, v, scale, bounds)
+            out = one_process_attention(q, k, v, scale, bounds, True, features)
         else:
             from allscan.ops.ulysses import ulysses_attention
 
-            out = ulysses_attention(q, k, v, ctx.group.process_group, causal=True, scale=scale, cu_seqlens=bounds)
+            out = ulysses_attention(q, k, v, ctx.group.process_group, causal=True, scale=scale, cu_seqlens=bounds,
+                                    **features.ulysses_kwargs())
         return out[..., :d_v], None
 
     return attention
@@ -95,17 +114,21 @@ def _closure(fn) -> dict:
     return {} if code is None else {n: c.cell_contents for n, c in zip(code.co_freevars, cells)}
 
 
-def _causal_or_packed(fn, mu) -> bool:
-    """Whether transformers composed ``fn`` from the causal mask and its packed-sequence overlays alone."""
+def _causal_or_packed(fn, mu, windows: list) -> bool:
+    """Whether transformers composed ``fn`` from the causal mask, its sliding-window overlay (each window
+    appended to ``windows``) and its packed-sequence overlays alone."""
     if fn is mu.causal_mask_function:
         return True
     if getattr(fn, "__module__", None) != mu.__name__:
         return False
     qual = getattr(fn, "__qualname__", "")
     if qual == "and_masks.<locals>.and_mask":
-        return all(_causal_or_packed(f, mu) for f in _closure(fn).get("mask_functions", ()))
+        return all(_causal_or_packed(f, mu, windows) for f in _closure(fn).get("mask_functions", ()))
     if qual == "remap_positions_for_packed_sequence.<locals>.inner_mask":
-        return _causal_or_packed(_closure(fn).get("mask_function"), mu)
+        return _causal_or_packed(_closure(fn).get("mask_function"), mu, windows)
+    if qual == "sliding_window_overlay.<locals>.inner_mask":
+        windows.append(_closure(fn).get("sliding_window"))
+        return True
     return qual == "packed_sequence_mask_function.<locals>.inner_mask"
 
 
@@ -113,15 +136,16 @@ def _make_mask_function(name):
     def mask_function(*args, mask_function=None, **kwargs):
         """No mask: the attention is causal over the whole sequence, each packed sequence alone (their global
         bounds come to the attention as cu_seq_lens_q from the model-level check, which found them in the whole
-        row on every rank; the packing transformers sees in this shard's positions is part of it). Anything
-        else on top of the causal mask (a sliding window, chunks, tokens that see ahead) is refused: from the
-        config, the same on every rank."""
+        row on every rank; the packing transformers sees in this shard's positions is part of it); a sliding
+        window comes as a :class:`WindowMask`. Anything else on top of the causal mask (chunks, tokens that see
+        ahead) is refused: from the config, the same on every rank."""
         mu = sys.modules.get("transformers.masking_utils")
-        if mask_function is not None and (mu is None or not _causal_or_packed(mask_function, mu)):
+        windows: list = []
+        if mask_function is not None and (mu is None or not _causal_or_packed(mask_function, mu, windows)):
             what = getattr(mask_function, "__qualname__", repr(mask_function))
-            raise NotImplementedError(f"{name}: the model asks for a mask other than the plain causal one ({what}: a "
-                                      "sliding window, chunked attention or a custom mask); not supported")
-        return None
+            raise NotImplementedError(f"{name}: the model asks for a mask other than the causal or sliding-window "
+                                      f"one ({what}: chunked attention or a custom mask); not supported")
+        return WindowMask(min(windows)) if windows else None
 
     return mask_function
 
@@ -139,8 +163,8 @@ def attention_implementation(group=None) -> str:
     """The name of the attention implementation (registered in transformers' attention and mask registries on
     first use) that runs the hybrids' softmax attention on Ulysses over ``group``: causal over the whole
     sequence, each packed sequence alone (the batch's SequenceContext, or ``cu_seq_lens_q`` agreed across the
-    group for a layer called alone); masks, windows, dropout, a KV cache, attention weights and any argument it
-    does not know raise naming them. One name per group (a device-mesh dimension counts as its process group)."""
+    group for a layer called alone), a sliding window, soft-cap and sinks honoured; other masks, dropout, a KV
+    cache, attention weights and any argument it does not know raise naming them. One name per group (a device-mesh dimension counts as its process group)."""
     tf = require_transformers("allscan.integrations.hf_hybrids")
     key = _group_key(group)
     for g, name in _ATTENTION_NAMES:

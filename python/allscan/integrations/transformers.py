@@ -12,7 +12,12 @@
 Every rank holds the same parameters and a contiguous slice of every sequence (rank order = sequence
 order). Attention runs as Ulysses: the chunked all-to-all gives each rank the whole sequence for its
 share of the heads, SDPA runs on it, the inverse all-to-all returns the slice
-(:func:`allscan.ops.ulysses.ulysses_attention`). Everything else in the model must be per token. So the
+(:func:`allscan.ops.ulysses.ulysses_attention`). What transformers passes beside q, k and v and that acts per
+head on the whole sequence is honoured exactly there (:mod:`allscan.integrations.hf_options`): a sliding
+window (the mask's ``sliding_window_overlay``, the ``sliding_window`` argument: Mistral, Gemma 2, Qwen3's and
+GPT-OSS's sliding layers; never across a packed sequence's start), a logit soft-cap (``softcap``: Gemma 2) and
+attention sinks (``s_aux`` / ``sinks``: GPT-OSS; their gradient summed by ``sync_gradients`` like any other).
+Everything else in the model must be per token. So the
 model needs global position ids (``shard_batch`` makes them), labels shifted across the rank
 boundaries before cutting (``shard_batch``), and a loss normalised by the whole batch's token count
 (``causal_lm_loss``); those helpers are :mod:`allscan.integrations.batch`'s.
@@ -47,10 +52,9 @@ Refused, with ``NotImplementedError`` naming the cause, on every rank (never a s
   attention call. :func:`check_model` runs the same check on demand. The message points the Gated
   DeltaNet / KDA hybrids (Qwen3-Next, Qwen3.5, OLMo-Hybrid, Kimi Linear) to :func:`sequence_parallel`;
   for the others it says that sequence parallelism is not yet supported for them;
-- a sliding window shorter than the whole sequence, chunked attention with chunks shorter than it,
-  attention sinks (``s_aux``, ``sinks``), a logit soft-cap, a position bias, attention dropout, an
-  ``or``/block mask (bidirectional image tokens), and any other argument the attention function does not
-  know that is not None;
+- chunked attention with chunks shorter than the sequence, a position bias, attention dropout, an
+  ``or``/block mask (bidirectional image tokens), a ``sliding_window`` argument that differs from the
+  model's mask, and any other argument the attention function does not know that is not None;
 - padding masks (each sequence is whole), 4-D masks, decoding with a KV cache (training and prefill only),
   ``output_attentions``, several packed rows in one batch, a packed row with an attention mask or a cache
   (transformers would attend across its sequences then).
@@ -71,8 +75,8 @@ from typing import Optional, Tuple
 import torch
 
 from .batch import IGNORE_INDEX, BatchShard, causal_lm_loss, reduce_loss, shard_batch, sync_gradients  # noqa: F401
-from .common import (agreed_offsets, exchange, local_attention, offsets_of, positions_context, require_transformers,
-                     restarts, sp_group)
+from .common import agreed_offsets, exchange, offsets_of, positions_context, require_transformers, restarts, sp_group
+from .hf_options import OPTION_KWARGS, features_of, one_process_attention
 from .hf_hybrids import sequence_parallel  # noqa: F401  (the hybrids' entry, under the name issue 53 gives it)
 from .hf_refusals import SEQUENCE_PARALLEL, config_refusal, model_refusal, registered_implementation  # noqa: F401
 
@@ -265,23 +269,15 @@ _LOCAL_POSITIONS = (
     "it with cu_seq_lens_q=shard.cu_seqlens")
 
 
-def _check_kwargs(name: str, kwargs: dict, S: int) -> None:
+def _check_kwargs(name: str, kwargs: dict) -> None:
     """Refuse, naming it, each argument transformers passed beside q, k and v that would change the result."""
     for key, value in kwargs.items():
         if value is None or key in _HARMLESS or key in ("is_causal", "cu_seq_lens_q", "cu_seq_lens_k",
                                                          "max_length_q", "max_length_k"):
             continue
-        if key == "sliding_window":
-            if isinstance(value, bool) or not isinstance(value, int) or value < S:
-                raise NotImplementedError(
-                    f"{name}: a sliding window of {value} tokens over a sequence of {S} is not supported yet "
-                    "(the attention would see the whole causal sequence; a window at least as long as the whole "
-                    "sequence changes nothing and passes)")
-        elif key in ("s_aux", "sinks"):
-            raise NotImplementedError(f"{name}: attention sinks ({key}) are not supported yet")
-        elif key == "softcap":
-            raise NotImplementedError(f"{name}: a logit soft-cap (softcap={value}) is not supported yet")
-        elif key == "position_bias":
+        if key in OPTION_KWARGS:
+            continue  # honoured: features_of reads them
+        if key == "position_bias":
             raise NotImplementedError(f"{name}: an additive position bias (position_bias) is not supported")
         elif key == "output_attentions":
             if value:
@@ -394,7 +390,7 @@ def register(group=None, *, name: str = NAME, num_chunks="auto") -> str:
         if query.shape[2] != key.shape[2]:
             raise NotImplementedError(f"{name}: a KV cache (query length {query.shape[2]}, key length "
                                       f"{key.shape[2]}) is not supported; call the model with use_cache=False")
-        _check_kwargs(name, kwargs, S)
+        _check_kwargs(name, kwargs)
         causal = kwargs.get("is_causal")
         causal = bool(getattr(module, "is_causal", True) if causal is None else causal)
         bounds = None
@@ -405,14 +401,15 @@ def register(group=None, *, name: str = NAME, num_chunks="auto") -> str:
             if mask.causal != causal:
                 raise NotImplementedError(f"{name}: the model's mask is {'causal' if mask.causal else 'bidirectional'} "
                                           f"but its attention module says is_causal={causal}; ambiguous, refused")
-            if mask.window is not None and mask.window < S:
-                raise NotImplementedError(
-                    f"{name}: a sliding window of {mask.window} tokens over a sequence of {S} is not supported yet "
-                    "(a window at least as long as the whole sequence changes nothing and passes)")
             if mask.chunk is not None and mask.chunk < S:
                 raise NotImplementedError(f"{name}: chunked attention (chunks of {mask.chunk} tokens over a sequence "
                                           f"of {S}) is not supported yet")
             bounds = mask.bounds
+        # the window (the mask's and the argument's, agreed), soft-cap and sinks: honoured on the whole sequence
+        features = features_of(name, kwargs, S, mask_known=mask is not None,
+                               mask_window=None if mask is None else mask.window)
+        if features.window is not None and not causal:
+            raise NotImplementedError(f"{name}: a sliding window over bidirectional attention is not supported")
         # Everything above is the same on every rank (the config, the model's code, the agreed batch); the
         # caller's packed offsets are agreed before they are judged, so a rank whose offsets differ raises on
         # every rank.
@@ -429,9 +426,9 @@ def register(group=None, *, name: str = NAME, num_chunks="auto") -> str:
         q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
         if sp.size == 1:
             scale = float(scaling) if scaling is not None else q.shape[-1] ** -0.5
-            return local_attention(q, k, v, scale, bounds, causal), None
+            return one_process_attention(q, k, v, scale, bounds, causal, features), None
         out = ulysses_attention(q, k, v, sp.process_group, causal=causal, scale=scaling, num_chunks=num_chunks,
-                                cu_seqlens=None if bounds is None else list(bounds))
+                                cu_seqlens=None if bounds is None else list(bounds), **features.ulysses_kwargs())
         return out, None
 
     def mask_function(*args, attention_mask=None, config=None, mask_function=None, batch_size=None,

@@ -25,6 +25,7 @@ On CPU (or any non-NCCL group) the same code runs sequentially through the torch
 One concern a module, each importing only those above it:
 
 - :mod:`.checks`: the checks of one call's arguments, its cross-rank signature, packed bounds;
+- :mod:`.masked`: the local attention with a sliding window, a soft-cap or sinks (math path; FlexAttention on CUDA);
 - :mod:`.plan`: the plan of one call (head chunks, grouped-query indexing) and a chunk's attention;
 - :mod:`.pipeline`: the two-stream driver and where a failing step is reported;
 - :mod:`.passes`: the forward and backward passes over the pipeline and their autograd function;
@@ -34,6 +35,7 @@ One concern a module, each importing only those above it:
 """
 from .api import clear_auto_cache, ulysses_attention
 from .checks import packed_bounds, refuse_packed_while_tracing, signature  # noqa: F401  (the packed layers' checks)
+from .masked import MaskSpec, masked_attention  # noqa: F401  (one process's form of the same attention)
 from .tune import choose_num_chunks, model_time, pick_measured  # noqa: F401
 
 __all__ = ["ulysses_attention", "choose_num_chunks", "pick_measured", "clear_auto_cache"]

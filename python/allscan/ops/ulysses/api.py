@@ -11,7 +11,7 @@ import torch.distributed as dist
 from ..._comm import normalize_group
 from ..._contract import announce_invalid, check_across_ranks
 from .._launch import PlanCache
-from .checks import OP, check_inputs, packed_bounds, refuse_packed_while_tracing, signature
+from .checks import OP, check_inputs, check_options, packed_bounds, refuse_packed_while_tracing, signature
 from .passes import UlyssesFn, forward_pass
 from .pipeline import use_streams
 from .plan import CallSpec, ChunkPlan
@@ -30,13 +30,24 @@ def clear_auto_cache() -> None:
 
 def ulysses_attention(q, k, v, group=None, *, causal: bool = False, scale: Optional[float] = None,
                       num_chunks: Union[int, str] = "auto", chunk_weights: Optional[Sequence[float]] = None,
-                      max_chunks: Optional[int] = None, cu_seqlens=None, return_info: bool = False):
+                      max_chunks: Optional[int] = None, cu_seqlens=None, return_info: bool = False,
+                      window: Optional[int] = None, softcap: Optional[float] = None,
+                      sinks: Optional[torch.Tensor] = None):
     """Functional form of :class:`UlyssesAttention` (see there). Traced by torch.compile it is plain
-    Ulysses with one head chunk (:mod:`allscan.ops.ulysses.traced`), without packed sequences."""
+    Ulysses with one head chunk (:mod:`allscan.ops.ulysses.traced`), without packed sequences.
+
+    Per-head options, honoured exactly on the whole sequence each rank holds after the all-to-all
+    (:mod:`.masked`): ``window`` (causal only: token i sees keys ``i - window < j <= i``, never across a
+    packed sequence's start), ``softcap`` (scores ``softcap * tanh(scores / softcap)``), ``sinks`` (``[Hq]``,
+    one logit per query head in the softmax denominator, GPT-OSS; differentiable: each rank's gradient holds
+    its heads' share, summed over the group it is one process's). Not traced by torch.compile."""
     group = normalize_group(group)
     if torch.compiler.is_compiling():
         if cu_seqlens is not None:
             refuse_packed_while_tracing(OP)
+        if window is not None or softcap is not None or sinks is not None:
+            raise NotImplementedError(f"{OP}: a sliding window, soft-cap or sinks under torch.compile are not "
+                                      "traced; call it eagerly")
         chunks = 0 if num_chunks == "auto" else num_chunks
         if not (chunks == 0 or (isinstance(chunks, int) and not isinstance(chunks, bool) and chunks >= 1)):
             chunks = -1  # refused by the op, on every rank, when it runs
@@ -55,6 +66,7 @@ def ulysses_attention(q, k, v, group=None, *, causal: bool = False, scale: Optio
                                           or any(w <= 0 for w in chunk_weights)):
             raise ValueError("UlyssesAttention: chunk_weights needs an int num_chunks and one positive weight per chunk")
         bounds = packed_bounds(cu_seqlens, B, Sl * world)
+        options = check_options(window, softcap, sinks, q, causal, Sl * world)
     except (ValueError, TypeError) as e:
         # The other ranks may be in the signature exchange: join it, so they raise too. Packed calls
         # exchange on every call (their bounds change from batch to batch and are read on the host anyway).
@@ -64,7 +76,8 @@ def ulysses_attention(q, k, v, group=None, *, causal: bool = False, scale: Optio
     # A mismatch raises on every rank instead of hanging in an all-to-all.
     check_across_ranks(group, q.device, OP, signature(q, k, causal, scale, 0 if num_chunks == "auto" else num_chunks,
                                                        torch.is_grad_enabled() and any(t.requires_grad
-                                                                                       for t in (q, k, v)), bounds),
+                                                                                       for t in (q, k, v)), bounds,
+                                                       options),
                        every_call=bounds is not None)
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     info = None
@@ -85,17 +98,19 @@ def ulysses_attention(q, k, v, group=None, *, causal: bool = False, scale: Optio
         else:
             num_chunks = 1  # no second stream: nothing to overlap
     pkey = (group.group_name, world, me, B, Sl, Hq, Hkv, D, int(num_chunks),
-            tuple(chunk_weights) if chunk_weights is not None else None, bool(causal), scale, bounds)
+            tuple(chunk_weights) if chunk_weights is not None else None, bool(causal), scale, bounds,
+            options.window, options.softcap, options.sinks is not None)
     plan = _PLANS.get(pkey)
     if plan is None:
         spec = CallSpec(group=group, world=world, me=me, B=B, Sl=Sl, Hq=Hq, Hkv=Hkv, D=D, causal=causal, scale=scale,
-                        bounds=bounds)
+                        bounds=bounds, window=options.window, softcap=options.softcap, sinks=options.sinks is not None)
         plan = ChunkPlan(spec, int(num_chunks), chunk_weights)
         _PLANS[pkey] = plan
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
-        out = UlyssesFn.apply(q, k, v, plan)
+    sinks = options.sinks
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, sinks) if t is not None):
+        out = UlyssesFn.apply(q, k, v, sinks, plan)
     else:
-        out, _ = forward_pass(plan, q, k, v, keep_graph=False)
+        out, _ = forward_pass(plan, q, k, v, keep_graph=False, sinks=sinks)
     if return_info:
         return out, {"num_chunks": int(num_chunks), "auto": info}
     return out

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import operator
 import zlib
+from dataclasses import dataclass
 from typing import Optional, Tuple
 
 import torch
@@ -46,15 +47,61 @@ def check_inputs(q, k, v, world):
 
 
 def signature(q, k, causal: bool, scale: Optional[float], num_chunks: int, needs_grad: bool,
-              bounds: Optional[Tuple[int, ...]] = None):
-    """The fields every rank's call must agree on (``num_chunks`` 0: "auto"), for ``check_across_ranks``."""
+              bounds: Optional[Tuple[int, ...]] = None, options: Optional["AttentionOptions"] = None):
+    """The fields every rank's call must agree on (``num_chunks`` 0: "auto"), for ``check_across_ranks``;
+    ``options``: the call's window, soft-cap and sinks (None: none of them)."""
     B, Sl, Hq, D = q.shape
+    window, cap, sinks = (0, 0.0, 0) if options is None else (options.window or 0, options.softcap or 0.0,
+                                                              int(options.sinks is not None))
     return [("batch B", B), ("local sequence length S_local", Sl), ("query heads", Hq), ("k/v heads", k.shape[2]),
             ("head_dim D", D), ("dtype", DTYPE_CODES[q.dtype]), ("causal", int(bool(causal))),
             ("scale (x1e9)", int(round((scale or 0.0) * 1e9))), ("num_chunks (0 auto)", int(num_chunks)),
             ("needs grad", int(needs_grad)),
             ("packed sequences (0: cu_seqlens None)", 0 if bounds is None else len(bounds) - 1),
-            ("cu_seqlens checksum", 0 if bounds is None else zlib.crc32(repr(tuple(bounds)).encode()))]
+            ("cu_seqlens checksum", 0 if bounds is None else zlib.crc32(repr(tuple(bounds)).encode())),
+            ("sliding window (0: none)", window), ("soft-cap (x1e6, 0: none)", int(round(cap * 1e6))),
+            ("sinks (1: given)", sinks)]
+
+
+@dataclass(frozen=True)
+class AttentionOptions:
+    """A call's attention beyond plain causal SDPA, as checked (:func:`check_options`): ``window`` (a causal
+    sliding window, tokens, shorter than the whole sequence; longer ones are None: they change nothing),
+    ``softcap`` (a float > 0), ``sinks`` (a ``[Hq]`` tensor of sink logits)."""
+    window: Optional[int] = None
+    softcap: Optional[float] = None
+    sinks: Optional[torch.Tensor] = None
+
+    @property
+    def any(self) -> bool:
+        return self.window is not None or self.softcap is not None or self.sinks is not None
+
+
+def check_options(window, softcap, sinks, q: torch.Tensor, causal: bool, S: int) -> AttentionOptions:
+    """``window``, ``softcap`` and ``sinks`` of a call on q ``[B, S_local, Hq, D]`` over a whole sequence of
+    ``S`` tokens, checked: TypeError or ValueError naming the argument otherwise."""
+    if window is not None:
+        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+            raise ValueError(f"{OP}: window must be a positive int (tokens each query sees, itself included) or "
+                             f"None, got {window!r}")
+        if not causal:
+            raise ValueError(f"{OP}: a sliding window needs causal=True (token i sees keys i - window < j <= i)")
+        if window >= S:
+            window = None  # the whole causal sequence: no window
+    if softcap is not None:
+        if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not 0 < softcap < float("inf"):
+            raise ValueError(f"{OP}: softcap must be a positive finite number or None, got {softcap!r}")
+        softcap = float(softcap)
+    if sinks is not None:
+        if not isinstance(sinks, torch.Tensor):
+            raise TypeError(f"{OP}: sinks must be a torch.Tensor of one logit per query head, got "
+                            f"{type(sinks).__name__}")
+        if sinks.dim() != 1 or sinks.shape[0] != q.shape[2] or not sinks.dtype.is_floating_point:
+            raise ValueError(f"{OP}: sinks must be a 1-D floating tensor of {q.shape[2]} logits (one per query "
+                             f"head), got {sinks.dtype} of shape {tuple(sinks.shape)}")
+        if sinks.device != q.device:
+            raise ValueError(f"{OP}: sinks must be on q's device {q.device}, got {sinks.device}")
+    return AttentionOptions(window=window, softcap=softcap, sinks=sinks)
 
 
 def refuse_packed_while_tracing(op: str) -> None:

@@ -1,6 +1,8 @@
 """The forward and backward passes of Ulysses attention over the two-stream pipeline
 (:mod:`.pipeline`), and the autograd function that joins them: the forward keeps each chunk's attention
-graph, the backward runs through it (nothing recomputed)."""
+graph, the backward runs through it (nothing recomputed). Sinks (one logit per query head, a Parameter of the
+model) are an input of the function: each rank's gradient holds its own heads' share (the whole sequence's),
+zeros elsewhere, so the gradients summed over the group are one process's."""
 from __future__ import annotations
 
 from typing import List, Optional
@@ -11,7 +13,7 @@ from ..._contract import settings
 from ..a2a import GATHER, SCATTER, a2a_multi
 from .checks import OP
 from .pipeline import chunks_checked, report_failure, run_pipeline, use_streams
-from .plan import ChunkPlan, attend_chunk, expand_kv, kv_for_chunk, sdpa
+from .plan import ChunkPlan, attend_chunk, chunk_attention, expand_kv, kv_for_chunk
 
 
 DOUBLE_BACKWARD_REFUSED = (
@@ -29,10 +31,11 @@ def _graph_kept() -> bool:
 
 class UlyssesFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, plan: ChunkPlan):
-        out, graphs = forward_pass(plan, q, k, v, keep_graph=True)
+    def forward(ctx, q, k, v, sinks, plan: ChunkPlan):
+        out, graphs = forward_pass(plan, q, k, v, keep_graph=True, sinks=sinks)
         ctx.plan = plan
         ctx.graphs = graphs
+        ctx.sinks_dtype = None if sinks is None else sinks.dtype
         return out
 
     @staticmethod
@@ -42,10 +45,12 @@ class UlyssesFn(torch.autograd.Function):
         # next one raises torch's "backward through the graph a second time" error first.
         plan, graphs = ctx.plan, ctx.graphs
         retain = _graph_kept()
-        dq, dk, dv = _backward_pass(plan, graphs, dout, ctx.needs_input_grad, retain)
+        dq, dk, dv, dsinks = _backward_pass(plan, graphs, dout, ctx.needs_input_grad, retain)
         if not retain:
             ctx.graphs = None
-        return dq, dk, dv, None
+        if dsinks is not None:
+            dsinks = dsinks.to(ctx.sinks_dtype)
+        return dq, dk, dv, dsinks, None
 
 
 def _forward_buffers(plan: ChunkPlan, q, k, v):
@@ -60,8 +65,10 @@ def _forward_buffers(plan: ChunkPlan, q, k, v):
     return out, ins
 
 
-def forward_pass(plan: ChunkPlan, q, k, v, keep_graph: bool, streams: Optional[bool] = None):
+def forward_pass(plan: ChunkPlan, q, k, v, keep_graph: bool, streams: Optional[bool] = None, *,
+                 sinks: Optional[torch.Tensor] = None):
     """streams: None = two streams on CUDA unless ALLSCAN_ULYSSES_STREAMS=0; False = one stream.
+    sinks: ``[Hq]`` sink logits (the plan's spec says sinks), or None.
     With ALLSCAN_CHECK=always a two-stream forward is repeated on one stream (same chunks, same
     kernels) and must match it bitwise, else RuntimeError (a pipeline synchronisation bug)."""
     B, Sl, D, P = plan.B, plan.Sl, plan.D, plan.world
@@ -98,11 +105,12 @@ def forward_pass(plan: ChunkPlan, q, k, v, keep_graph: bool, streams: Optional[b
             # rather than by autograd's index_select backward, which adds in the storage dtype.
             kc, vc = expand_kv(ch, kc, vc)
             qc, kc, vc = (t.detach().requires_grad_(True) for t in (qc, kc, vc))
+            sc = None if sinks is None else sinks.detach()[ch.q_lo:ch.q_hi].requires_grad_(sinks.requires_grad)
             with torch.enable_grad():
-                oc = sdpa(plan, qc, kc, vc)
-            graphs[c] = (oc, qc, kc, vc)
+                oc = chunk_attention(plan, qc, kc, vc, sc)
+            graphs[c] = (oc, qc, kc, vc, sc)
             return oc.detach()
-        return attend_chunk(plan, ch, qc, kc, vc)
+        return attend_chunk(plan, ch, qc, kc, vc, sinks)
 
     def gather(c, oc, stream):
         ch = chunks[c]
@@ -113,7 +121,7 @@ def forward_pass(plan: ChunkPlan, q, k, v, keep_graph: bool, streams: Optional[b
     del ins
     if cuda is not None and settings.check == "always":
         with torch.no_grad():
-            ref, _ = forward_pass(plan, q, k, v, keep_graph=False, streams=False)
+            ref, _ = forward_pass(plan, q, k, v, keep_graph=False, streams=False, sinks=sinks)
         if not torch.equal(out, ref):
             diff = (out.float() - ref.float()).abs()
             bad = (diff > 0).reshape(B, Sl, plan.Hq, D).any(3).any(1).any(0).nonzero().flatten().tolist()
@@ -144,7 +152,7 @@ def _backward_buffers(plan: ChunkPlan, dout):
 
 
 def _backward_pass(plan: ChunkPlan, graphs, dout, needs, retain: bool = False):
-    """dq, dk, dv (None where ``needs`` says none is wanted) from the per-chunk graphs the forward kept;
+    """dq, dk, dv, dsinks (None where ``needs`` says none is wanted) from the per-chunk graphs the forward kept;
     ``retain``: keep those graphs for another backward (``retain_graph=True``), else free each once used.
     Refused (every rank runs the same graph, so every rank raises, before any all-to-all) under
     ``create_graph=True``: the gradients it returns are not differentiable."""
@@ -160,6 +168,11 @@ def _backward_pass(plan: ChunkPlan, graphs, dout, needs, retain: bool = False):
         if torch.is_grad_enabled():  # the engine runs a backward in grad mode only for create_graph=True
             raise RuntimeError(DOUBLE_BACKWARD_REFUSED)
         dout, dq, dk, dv, douts, acc_k, acc_v = _backward_buffers(plan, dout)
+        # this rank's heads' share of the sinks' gradient (the others' zeros: summed over the group later)
+        dsinks = None
+        if len(needs) > 3 and needs[3]:
+            dsinks = torch.zeros(plan.Hq, dtype=torch.float64 if dout.dtype == torch.float64 else torch.float32,
+                                 device=dout.device)
     except Exception as e:
         failed(None, e)
         raise
@@ -176,8 +189,12 @@ def _backward_pass(plan: ChunkPlan, graphs, dout, needs, retain: bool = False):
             if plan.kv_accumulate:  # the k/v gradients travel in the accumulators' dtype
                 return dout.new_empty(B, S, 0, D), acc_k[:, :, :0], acc_v[:, :, :0]
             return tuple(dout.new_empty(B, S, 0, D) for _ in range(3))
-        oc, qc, kc, vc = g
-        gq, gk, gv = torch.autograd.grad(oc, (qc, kc, vc), douts[c], retain_graph=retain)
+        oc, qc, kc, vc, sc = g
+        if dsinks is not None:
+            gq, gk, gv, gs = torch.autograd.grad(oc, (qc, kc, vc, sc), douts[c], retain_graph=retain)
+            dsinks[ch.q_lo:ch.q_hi] = gs
+        else:
+            gq, gk, gv = torch.autograd.grad(oc, (qc, kc, vc), douts[c], retain_graph=retain)
         if not retain:
             graphs[c] = None
         if not plan.kv_accumulate:
@@ -206,4 +223,4 @@ def _backward_pass(plan: ChunkPlan, graphs, dout, needs, retain: bool = False):
     run_pipeline(len(chunks), scatter, attend, gather, cuda, failed=failed)
     if plan.kv_accumulate:
         dk, dv = dk.to(dout.dtype), dv.to(dout.dtype)
-    return (dq if needs[0] else None, dk if needs[1] else None, dv if needs[2] else None)
+    return (dq if needs[0] else None, dk if needs[1] else None, dv if needs[2] else None, dsinks)

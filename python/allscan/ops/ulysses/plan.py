@@ -1,6 +1,7 @@
 """The plan of one Ulysses call: the head maps of each chunk (rank-major, see
 :func:`allscan.ops.chunk_head_ranges`), the local k/v index of grouped-query attention, and the
-attention of a chunk (SDPA, one call per packed sequence)."""
+attention of a chunk (SDPA, one call per packed sequence; with a sliding window, a soft-cap or sinks,
+:func:`.masked.masked_attention`)."""
 from __future__ import annotations
 
 import zlib
@@ -11,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from ..a2a import chunk_head_ranges, kv_head_ranges, split_heads
+from .masked import MaskSpec, masked_attention
 
 
 class Chunk:
@@ -77,7 +79,9 @@ def _first_last_maps(chunks, world):
 class CallSpec:
     """What a plan is made from: the group and this rank's place in it, the shapes of q ``[B, Sl, Hq,
     D]`` and k, v ``[B, Sl, Hkv, D]``, and the attention's options (``bounds``: packed sequences'
-    global bounds, a tuple of ints, or None: one sequence)."""
+    global bounds, a tuple of ints, or None: one sequence; ``window``: a causal sliding window of that
+    many tokens, shorter than the whole sequence, or None; ``softcap``: a logit soft-cap or None;
+    ``sinks``: whether the call passes one sink logit per query head)."""
     group: Any
     world: int
     me: int
@@ -89,6 +93,14 @@ class CallSpec:
     causal: bool
     scale: Optional[float]
     bounds: Optional[Tuple[int, ...]] = None
+    window: Optional[int] = None
+    softcap: Optional[float] = None
+    sinks: bool = False
+
+    @property
+    def masked(self) -> bool:
+        """Whether the attention is more than plain SDPA (a window, a soft-cap, sinks)."""
+        return self.window is not None or self.softcap is not None or self.sinks
 
 
 class ChunkPlan:
@@ -105,7 +117,12 @@ class ChunkPlan:
         self.causal, self.scale = causal, scale
         self.bounds = bounds
         # what the all-to-alls' in-band signature carries besides their shapes (a2a_multi)
-        self.call_signature = zlib.crc32(repr((bool(causal), scale, bounds, num_chunks, weights)).encode()) or 1
+        options = (bool(causal), scale, bounds, num_chunks, weights)
+        if spec.masked:  # the plain call's signature stays what it was
+            options += (spec.window, spec.softcap, spec.sinks)
+        self.call_signature = zlib.crc32(repr(options).encode()) or 1
+        self.mask = MaskSpec(scale=scale, causal=bool(causal), window=spec.window, softcap=spec.softcap,
+                             bounds=bounds) if spec.masked else None
         q_maps = chunk_head_ranges(Hq, world, num_chunks, weights)
         chunks = []
         for qm in q_maps:
@@ -159,6 +176,17 @@ def _sdpa_one(plan: ChunkPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     return o.transpose(1, 2)
 
 
-def attend_chunk(plan: ChunkPlan, ch: Chunk, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+def chunk_attention(plan: ChunkPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+           sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """A chunk's attention on [B, S, n, D] tensors (k, v already expanded; ``sinks``: the chunk's ``[n]`` sink
+    logits, where the call has sinks): SDPA, or the masked attention where the plan has a window, a
+    soft-cap or sinks."""
+    if plan.mask is None:
+        return sdpa(plan, q, k, v)
+    return masked_attention(q, k, v, plan.mask, sinks).contiguous()
+
+
+def attend_chunk(plan: ChunkPlan, ch: Chunk, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
     k, v = expand_kv(ch, k, v)
-    return sdpa(plan, q, k, v)
+    return chunk_attention(plan, q, k, v, None if sinks is None else sinks[ch.q_lo:ch.q_hi])

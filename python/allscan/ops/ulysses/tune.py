@@ -149,7 +149,7 @@ def _time_candidates(spec: CallSpec, q, k, v, candidates, train: bool, reps: int
 
         def run(pl):
             with torch.enable_grad():
-                out = UlyssesFn.apply(qg, kg, vg, pl)
+                out = UlyssesFn.apply(qg, kg, vg, None, pl)
                 torch.autograd.grad(out, (qg, kg, vg), dout)
     else:
         def run(pl):
