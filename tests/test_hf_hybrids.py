@@ -209,18 +209,17 @@ def test_unknown_sequence_mixer_is_named_and_nothing_changes():
     from allscan.integrations import hf_hybrids as sp
 
     tf = transformers
-    config = tf.NemotronHConfig(vocab_size=VOCAB, hidden_size=32, layers_block_type=["mamba", "attention"],
-                                num_attention_heads=4, num_key_value_heads=2, head_dim=8, intermediate_size=48,
-                                ssm_state_size=8, mamba_num_heads=4, mamba_head_dim=8, n_groups=1, conv_kernel=4,
-                                expand=1, use_mamba_kernels=False)
-    model = tf.NemotronHForCausalLM(config)
+    # Mamba-1 (its selective scan has no sequence-parallel form here; Mamba2's does: test_hf_mamba2.py)
+    model = tf.MambaForCausalLM(tf.MambaConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=1, state_size=8,
+                                               expand=1, conv_kernel=4))
     impl = model.config._attn_implementation
-    with pytest.raises(NotImplementedError, match=r"model.layers.0.mixer \(NemotronHMamba2Mixer\)"):
+    with pytest.raises(NotImplementedError, match=r"backbone.layers.0.mixer \(MambaMixer\)"):
         sp.sequence_parallel(model)
     assert model.config._attn_implementation == impl and not model._forward_pre_hooks
 
     # a supported family with one module it does not know: refused, the known layers left as they were
     model = tiny_model("qwen3_5")
+    impl = model.config._attn_implementation
     model.model.layers[1].mlp.extra = torch.nn.Conv1d(4, 4, kernel_size=3, groups=4)
     with pytest.raises(NotImplementedError, match=r"model.layers.1.mlp \(Qwen3_5MLP: a Conv1d of kernel \(3,\)\)"):
         sp.sequence_parallel(model)

@@ -1,8 +1,8 @@
-"""Sequence parallelism for transformers' (5.x) linear-attention hybrids: Gated DeltaNet and KDA on the matrix
-All-Scan, their softmax attention on Ulysses.
+"""Sequence parallelism for transformers' (5.x) linear-attention and Mamba2 hybrids: Gated DeltaNet and KDA on
+the matrix All-Scan, Mamba2's SSD on the diagonal All-Scan, their softmax attention on Ulysses.
 
     from allscan.integrations import transformers as sp    # or hf_hybrids: the same sequence_parallel
-    model = AutoModelForCausalLM.from_config(cfg)    # Qwen3-Next, Qwen3.5 (text), OLMo-Hybrid, Kimi Linear
+    model = AutoModelForCausalLM.from_config(cfg)    # Qwen3-Next, Qwen3.5, OLMo-Hybrid, Kimi Linear, Nemotron-H, ...
     sp.sequence_parallel(model, group)               # in place, before building the optimizer (and before FSDP2)
     shard = sp.shard_batch(input_ids, labels, group=group)    # this rank's contiguous slice
     logits = model(input_ids=shard.input_ids, position_ids=shard.position_ids).logits   # no labels
@@ -22,6 +22,10 @@ crosses the rank boundaries:
   transformers' ``chunk_gated_delta_rule`` / ``chunk_kda`` (q, k, v after the convolution, the gates it
   computed in its own dtypes, the in-kernel q/k l2-norm, fewer key than value heads repeated as the module
   does); fla-core's kernels on GPU, allscan's torch backend elsewhere;
+- the Mamba2 mixers' SSD is allscan's sequence-parallel :func:`allscan.ops.ssd.zeco_ssd`, given what
+  transformers' torch scan computes with (``dt`` after its bias, softplus and ``time_step_limit``, ``A``, B and
+  C per group, ``D``; :mod:`~allscan.integrations.hf_mamba2`), Falcon-H1's multipliers and Zamba2's shared
+  attention blocks (per token and softmax attention) as the model has them;
 - the models' softmax attention (Kimi Linear's MLA included) runs on Ulysses
   (:func:`allscan.ops.ulysses.ulysses_attention`): the model's attention implementation is set to one
   registered here for the group (:func:`attention_implementation`).
@@ -35,16 +39,18 @@ Packed rows: sequences packed in one row (B = 1) and marked by position ids rest
 position_ids=)`` cuts the row, its positions and its labels) are found once per call, in the whole row, by the
 batch's :class:`allscan.context.SequenceContext` (:mod:`allscan.integrations.hf_call`), and computed each as if
 alone, also where a sequence starts inside a shard or crosses a rank boundary: the convolution reads nothing
-before its sequence's start, the delta rule starts each sequence from a zero state (``cu_seqlens``: the
-context's offsets), the attention attends within each sequence. The context travels to every layer as the
+before its sequence's start, the delta rule and the SSD start each sequence from a zero state
+(``cu_seqlens``: the context's offsets), the attention attends within each sequence. The context travels to every layer as the
 keyword ``allscan_context``.
 
 The pieces: :mod:`~allscan.integrations.hf_linear` (the rewired Gated DeltaNet / KDA forwards),
+:mod:`~allscan.integrations.hf_mamba2` (the Mamba2 mixers'), :mod:`~allscan.integrations.hf_shard` (what they
+share: the conv across ranks, the layer-level refusals),
 :mod:`~allscan.integrations.hf_attention` (the softmax attention on Ulysses), :mod:`~allscan.integrations.hf_call`
 (the call's refusals and the batch's context); this module inspects the model and wires them.
 
-The whole model is inspected before anything changes: a sequence-mixing module this does not know (a Mamba
-mixer, a convolution over the sequence, an attention of another kind, a vision tower) raises
+The whole model is inspected before anything changes: a sequence-mixing module this does not know (Mamba-1
+and other SSM mixers, a convolution over the sequence, an attention of another kind, a vision tower) raises
 ``NotImplementedError`` naming its class and where it is, and the model is left as it was. At call time
 (a forward pre-hook on the model's transformers models, once per outermost call, agreed on by every rank of
 the group so that all of them raise together) a KV or recurrent cache (``past_key_values``, ``use_cache=True``),
@@ -70,30 +76,50 @@ from .batch import IGNORE_INDEX, BatchShard, causal_lm_loss, reduce_loss, shard_
 from .hf_attention import attention_implementation
 from .common import require_transformers
 from .hf_call import CallCheck, refuse_generate
-from .hf_linear import SequenceParallelForward
+from .hf_linear import FORWARDS as LINEAR_FORWARDS
+from .hf_mamba2 import CHECKED_HELPERS, helpers_digest
+from .hf_mamba2 import FORWARDS as MAMBA2_FORWARDS
+from .hf_shard import SequenceParallelForward
 
 __all__ = ["sequence_parallel", "is_sequence_parallel", "attention_implementation", "SUPPORTED", "shard_batch",
            "causal_lm_loss", "reduce_loss", "sync_gradients", "BatchShard", "IGNORE_INDEX", "SequenceParallelForward"]
 
 _TF = "transformers.models."
 
-# model_type -> (linear mixer class, softmax attention class, recurrence), in the modeling modules of transformers 5.x
-SUPPORTED: Dict[str, Tuple[str, str, str]] = {
+# model_type -> (linear mixer class, softmax attention class or None, recurrence), in the modeling modules of
+# transformers 5.x
+SUPPORTED: Dict[str, Tuple[str, Optional[str], str]] = {
     "qwen3_next": ("Qwen3NextGatedDeltaNet", "Qwen3NextAttention", "gated delta rule"),
     "qwen3_5": ("Qwen3_5GatedDeltaNet", "Qwen3_5Attention", "gated delta rule"),
     "qwen3_5_moe": ("Qwen3_5MoeGatedDeltaNet", "Qwen3_5MoeAttention", "gated delta rule"),
     "olmo_hybrid": ("OlmoHybridGatedDeltaNet", "OlmoHybridAttention", "gated delta rule"),
     "kimi_linear": ("KimiLinearDeltaAttention", "KimiLinearAttention", "KDA"),
+    "mamba2": ("Mamba2Mixer", None, "Mamba2 SSD"),
+    "nemotron_h": ("NemotronHMamba2Mixer", "NemotronHAttention", "Mamba2 SSD"),
+    "bamba": ("BambaMixer", "BambaAttention", "Mamba2 SSD"),
+    "granitemoehybrid": ("GraniteMoeHybridMambaLayer", "GraniteMoeHybridAttention", "Mamba2 SSD"),
+    "falcon_h1": ("FalconH1Mixer", "FalconH1Attention", "Mamba2 SSD"),
+    "zamba2": ("Zamba2MambaMixer", "Zamba2Attention", "Mamba2 SSD"),
 }
 
+# The rewired forward of each family's linear mixer
+_FORWARDS = {**LINEAR_FORWARDS, **MAMBA2_FORWARDS}
+
 # The forwards this file mirrors, as transformers 5.25.0 wrote them (sha1 of the source of ``cls.forward``): a
-# class whose forward differs warns at sequence_parallel(), since its arithmetic may have changed.
+# class whose forward differs warns at sequence_parallel(), since its arithmetic may have changed. The Mamba2
+# mixers' conv and scan helpers are checked too (hf_mamba2.helpers_digest).
 _CHECKED_SOURCES = {
     "Qwen3NextGatedDeltaNet": "69447aee6baf4d4be649090273a2755ef680ba78",
     "Qwen3_5GatedDeltaNet": "1d11b814a309459e8ffc0e083f7862f17a14913c",
     "Qwen3_5MoeGatedDeltaNet": "1d11b814a309459e8ffc0e083f7862f17a14913c",
     "OlmoHybridGatedDeltaNet": "36ff8556e6e45e229ee558091d2e19113006ac47",
     "KimiLinearDeltaAttention": "46e373182a8b14f144e6b45cd8a0460bce6e4005",
+    "Mamba2Mixer": "6812178fed7f0747fb48dd55006b0b0114659d46",
+    "NemotronHMamba2Mixer": "6812178fed7f0747fb48dd55006b0b0114659d46",
+    "BambaMixer": "6812178fed7f0747fb48dd55006b0b0114659d46",
+    "GraniteMoeHybridMambaLayer": "6812178fed7f0747fb48dd55006b0b0114659d46",
+    "FalconH1Mixer": "8f00c20b11f3c2f1aa3846518dbf836fedc4b451",
+    "Zamba2MambaMixer": "6812178fed7f0747fb48dd55006b0b0114659d46",
 }
 
 # Class names of sequence mixers (anything else is per token, or a container of what is checked on its own);
@@ -117,7 +143,7 @@ def _family_of(cls) -> Optional[Tuple[str, str]]:
         return None
     if cls.__name__ == spec[0]:
         return model_type, "linear"
-    if cls.__name__ == spec[1]:
+    if spec[1] is not None and cls.__name__ == spec[1]:
         return model_type, "attention"
     return None
 
@@ -169,8 +195,9 @@ def _inspect(model: nn.Module):
 
 
 def sequence_parallel(model: nn.Module, group=None) -> nn.Module:
-    """Make ``model`` (a transformers 5.x Qwen3-Next, Qwen3.5, Qwen3.5-MoE, OLMo-Hybrid or Kimi Linear model, or
-    a module holding one) sequence-parallel over ``group``, in place: each rank runs it on its contiguous shard of
+    """Make ``model`` (a transformers 5.x model of a family in :data:`SUPPORTED`: Qwen3-Next, Qwen3.5, Qwen3.5-MoE,
+    OLMo-Hybrid, Kimi Linear, Mamba2, Nemotron-H, Bamba, Granite 4.0 hybrid, Falcon-H1, Zamba2; or a module
+    holding one) sequence-parallel over ``group``, in place: each rank runs it on its contiguous shard of
     every sequence (``shard_batch``) and gets what one process gets on the whole sequence, restricted to its
     shard. ``group``: the sequence-parallel process group (rank order = sequence order); None: the default group,
     resolved at each call (one process when torch.distributed is not initialised); a one-dimensional device
@@ -181,7 +208,7 @@ def sequence_parallel(model: nn.Module, group=None) -> nn.Module:
     tf = require_transformers("allscan.integrations.hf_hybrids")
     linear, attention, refused = _inspect(model)
     if refused:
-        supported = ", ".join(f"{t} ({spec[0]}, {spec[1]})" for t, spec in SUPPORTED.items())
+        supported = ", ".join(f"{t} ({', '.join(c for c in spec[:2] if c)})" for t, spec in SUPPORTED.items())
         raise NotImplementedError("sequence_parallel: these sequence-mixing modules have no sequence-parallel form "
                                   "here (run on a shard they would compute something else): " + ", ".join(refused)
                                   + f". Supported: {supported}")
@@ -191,12 +218,14 @@ def sequence_parallel(model: nn.Module, group=None) -> nn.Module:
         raise NotImplementedError("sequence_parallel: softmax attention modules outside a transformers model (their "
                                   "attention implementation is set through the model's config): "
                                   + ", ".join(n for n, _, _ in attention))
-    for name, mod, _ in linear:
-        expected = _CHECKED_SOURCES.get(type(mod).__name__)
-        digest = _source_digest(type(mod))
-        if expected is not None and digest != expected:
-            warnings.warn(f"sequence_parallel: {type(mod).__name__}.forward differs from the one this integration "
-                          f"mirrors (transformers 5.25.0; this is {tf.__version__}): check that its arithmetic is "
+    for cls, model_type in {type(mod): model_type for _, mod, model_type in linear}.items():
+        expected = _CHECKED_SOURCES.get(cls.__name__)
+        changed = [f"{cls.__name__}.forward"] if expected is not None and _source_digest(cls) != expected else []
+        if model_type in MAMBA2_FORWARDS and helpers_digest(model_type) != CHECKED_HELPERS:
+            changed.append(f"the conv / scan functions of {cls.__module__}")
+        if changed:
+            warnings.warn(f"sequence_parallel: {' and '.join(changed)} differ from what this integration mirrors "
+                          f"(transformers 5.25.0; this is {tf.__version__}): check that the arithmetic is "
                           "unchanged", stacklevel=2)
     # Everything is checked: change the model.
     if outermost:
@@ -204,7 +233,7 @@ def sequence_parallel(model: nn.Module, group=None) -> nn.Module:
         for m in outermost:
             m.set_attn_implementation(name)
     for _, mod, model_type in linear:
-        mod.forward = SequenceParallelForward(mod, model_type, group)
+        mod.forward = SequenceParallelForward(mod, model_type, group, _FORWARDS[model_type])
     rewired = [mod for _, mod, _ in linear]
     for m in pretrained:
         for handle in _HOOKS.pop(m, ()):

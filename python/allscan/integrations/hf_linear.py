@@ -9,95 +9,21 @@ own projections, gates, norms and Parameters; what crosses the rank boundaries i
   transformers' ``chunk_gated_delta_rule`` / ``chunk_kda``.
 
 Packed rows come as the batch's :class:`allscan.context.SequenceContext`, handed down by the model-level hook
-(:mod:`allscan.integrations.hf_call`): the convolution reads nothing before its sequence's start (its mask made
-once per batch), the delta rule starts each sequence from a zero state (``cu_seqlens``: the context's global
-offsets, copied to the device once per batch).
+(:mod:`allscan.integrations.hf_call`): the convolution reads nothing before its sequence's start
+(:func:`allscan.integrations.hf_shard.causal_conv`, shared with the Mamba2 mixers), the delta rule starts each
+sequence from a zero state (``cu_seqlens``: the context's global offsets, copied to the device once per batch).
 """
 from __future__ import annotations
 
-import weakref
-
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
 
 from allscan.context import SequenceContext
-from allscan.ops.halo import halo_exchange
 
-from .common import handed_context, op_group
+from .common import op_group
+from .hf_shard import causal_conv, layer_call
 
-__all__ = ["SequenceParallelForward", "FORWARDS"]
-
-
-def _layer_call(mod, group, hidden_states, cache, attention_mask, kwargs) -> SequenceContext:
-    """What the model-level check refuses, once more at the layer (a layer called on its own); returns the batch's
-    context (handed down by the model-level hook; for a layer called alone, from the caller's ``cu_seq_lens_q``,
-    agreed across the group)."""
-    name = type(mod).__name__
-    if cache is not None or kwargs.get("cache_params") is not None or kwargs.get("past_key_values") is not None:
-        raise NotImplementedError(f"{name} under sequence parallelism: a recurrent cache is not supported "
-                                  "(training and prefill only; call the model with use_cache=False)")
-    if attention_mask is not None:
-        raise NotImplementedError(f"{name} under sequence parallelism: a padding mask is not supported (every "
-                                  "sequence is whole: pack or trim the batch)")
-    if kwargs.get("seq_idx") is not None or kwargs.get("cu_seqlens") is not None:
-        raise NotImplementedError(f"{name} under sequence parallelism: seq_idx / cu_seqlens are not supported (packed "
-                                  "sequences come as position ids restarting at 0, or cu_seq_lens_q: global offsets "
-                                  "in the whole row)")
-    return handed_context(kwargs, group, hidden_states.shape[0], hidden_states.shape[1], name, hidden_states)
-
-
-_CONV_MASKS: "weakref.WeakKeyDictionary[SequenceContext, dict]" = weakref.WeakKeyDictionary()
-
-
-def _conv_mask(ctx: SequenceContext, T: int, width: int, device, dtype) -> torch.Tensor:
-    """``[width, T]``: 1 where window slot i of local token t reads a token of t's own sequence (global token
-    ``p - (width - 1) + i``, ``p = rank * T + t``, at or after the start of ``p``'s sequence), else 0. Made once
-    per batch, shape, device and dtype."""
-    masks = _CONV_MASKS.setdefault(ctx, {})
-    key = (T, width, torch.device(device), dtype)
-    got = masks.get(key)
-    if got is None:
-        pos = ctx.group.rank * T + torch.arange(T, device=device)
-        cu = ctx.offsets(device).to(torch.long)
-        start = cu[torch.searchsorted(cu, pos, right=True) - 1]
-        got = masks[key] = torch.stack([(pos - (width - 1) + i >= start) for i in range(width)]).to(dtype)
-    return got
-
-
-def _causal_conv(mod, mixed_qkv: torch.Tensor, ctx: SequenceContext) -> torch.Tensor:
-    """transformers' ``causal_conv1d_fn`` (depthwise, causal, then ``mod.activation``) over the global sequence:
-    ``mixed_qkv [B, T_local, C]`` with the previous rank's last ``kernel - 1`` tokens before it (zeros on rank
-    0: the module's own left padding). With packed sequences (``ctx.packed``, B = 1) no window reads before its
-    token's sequence start: each sequence is convolved as if alone (zero-padded). Returns ``[B, T_local, C]`` in
-    ``mixed_qkv``'s dtype."""
-    conv = mod.conv1d
-    width = conv.kernel_size[0]
-    x = mixed_qkv
-    if width > 1:
-        x = torch.cat([halo_exchange(mixed_qkv, width - 1, op_group(ctx.group)), mixed_qkv], dim=1)
-    weight = conv.weight  # [C, 1, width], as transformers' weight.squeeze(1).unsqueeze(1)
-    if not ctx.packed:
-        out = F.conv1d(x.transpose(1, 2).to(weight.dtype), weight, conv.bias, padding=0, groups=conv.groups)
-    else:
-        # window slot i of local token t reads global token p - (width - 1) + i (p = rank * T + t): counted only
-        # from the start of p's sequence on
-        T = mixed_qkv.shape[1]
-        seen_all = _conv_mask(ctx, T, width, x.device, weight.dtype)
-        xw = x.to(weight.dtype)
-        out = None
-        for i in range(width):
-            seen = seen_all[i][None, :, None]
-            term = xw[:, i:i + T, :] * weight[:, 0, i] * seen
-            out = term if out is None else out + term
-        if conv.bias is not None:
-            out = out + conv.bias
-        out = out.transpose(1, 2)  # [B, C, T], as F.conv1d's
-    if mod.activation is not None:
-        from transformers.activations import ACT2FN
-
-        out = ACT2FN[mod.activation](out)
-    return out.to(mixed_qkv.dtype).transpose(1, 2)
+__all__ = ["FORWARDS"]
 
 
 def _gated_delta_rule(q, k, v, g, beta, ctx: SequenceContext):
@@ -119,13 +45,13 @@ def _kda(q, k, v, g, beta, ctx: SequenceContext):
 
 
 def _qwen3_next_forward(mod, group, hidden_states, cache, attention_mask, kwargs):
-    ctx = _layer_call(mod, group, hidden_states, cache, attention_mask, kwargs)
+    ctx = layer_call(mod, group, hidden_states, cache, attention_mask, kwargs)
     batch_size, seq_len, _ = hidden_states.shape
     projected_states_qkvz = mod.in_proj_qkvz(hidden_states)
     projected_states_ba = mod.in_proj_ba(hidden_states)
     query, key, value, z, b, a = mod.fix_query_key_value_ordering(projected_states_qkvz, projected_states_ba)
     query, key, value = (x.reshape(x.shape[0], x.shape[1], -1) for x in (query, key, value))
-    mixed_qkv = _causal_conv(mod, torch.cat((query, key, value), dim=-1), ctx)
+    mixed_qkv = causal_conv(mod, torch.cat((query, key, value), dim=-1), ctx)
     query, key, value = torch.split(mixed_qkv, [mod.key_dim, mod.key_dim, mod.value_dim], dim=-1)
     query = query.reshape(query.shape[0], query.shape[1], -1, mod.head_k_dim)
     key = key.reshape(key.shape[0], key.shape[1], -1, mod.head_k_dim)
@@ -143,14 +69,14 @@ def _qwen3_next_forward(mod, group, hidden_states, cache, attention_mask, kwargs
 
 
 def _qwen3_5_forward(mod, group, hidden_states, cache, attention_mask, kwargs):
-    ctx = _layer_call(mod, group, hidden_states, cache, attention_mask, kwargs)
+    ctx = layer_call(mod, group, hidden_states, cache, attention_mask, kwargs)
     batch_size, seq_len, _ = hidden_states.shape
     mixed_qkv = mod.in_proj_qkv(hidden_states)
     z = mod.in_proj_z(hidden_states)
     z = z.reshape(batch_size, seq_len, -1, mod.head_v_dim)
     b = mod.in_proj_b(hidden_states)
     a = mod.in_proj_a(hidden_states)
-    mixed_qkv = _causal_conv(mod, mixed_qkv, ctx)
+    mixed_qkv = causal_conv(mod, mixed_qkv, ctx)
     query, key, value = torch.split(mixed_qkv, [mod.key_dim, mod.key_dim, mod.value_dim], dim=-1)
     query = query.reshape(batch_size, seq_len, -1, mod.head_k_dim)
     key = key.reshape(batch_size, seq_len, -1, mod.head_k_dim)
@@ -166,10 +92,10 @@ def _qwen3_5_forward(mod, group, hidden_states, cache, attention_mask, kwargs):
 
 
 def _olmo_hybrid_forward(mod, group, hidden_states, cache, attention_mask, kwargs):
-    ctx = _layer_call(mod, group, hidden_states, cache, attention_mask, kwargs)
+    ctx = layer_call(mod, group, hidden_states, cache, attention_mask, kwargs)
     batch_size, seq_len, _ = hidden_states.shape
     mixed_qkv = torch.cat([mod.q_proj(hidden_states), mod.k_proj(hidden_states), mod.v_proj(hidden_states)], dim=-1)
-    mixed_qkv = _causal_conv(mod, mixed_qkv, ctx)
+    mixed_qkv = causal_conv(mod, mixed_qkv, ctx)
     q, k, v = torch.split(mixed_qkv, [mod.key_dim, mod.key_dim, mod.value_dim], dim=-1)
     q = q.reshape(batch_size, seq_len, -1, mod.head_k_dim)
     k = k.reshape(batch_size, seq_len, -1, mod.head_k_dim)
@@ -188,11 +114,11 @@ def _olmo_hybrid_forward(mod, group, hidden_states, cache, attention_mask, kwarg
 
 
 def _kimi_linear_forward(mod, group, hidden_states, cache, attention_mask, kwargs):
-    ctx = _layer_call(mod, group, hidden_states, cache, attention_mask, kwargs)
+    ctx = layer_call(mod, group, hidden_states, cache, attention_mask, kwargs)
     batch_size, seq_len = hidden_states.shape[:2]
     hidden_shape = (batch_size, seq_len, -1, mod.head_dim)
     mixed_qkv = torch.cat([mod.q_proj(hidden_states), mod.k_proj(hidden_states), mod.v_proj(hidden_states)], dim=-1)
-    mixed_qkv = _causal_conv(mod, mixed_qkv, ctx)
+    mixed_qkv = causal_conv(mod, mixed_qkv, ctx)
     query, key, value = torch.split(mixed_qkv, [mod.qkv_dim] * 3, dim=-1)
     query = query.reshape(hidden_shape)
     key = key.reshape(hidden_shape)
@@ -207,22 +133,3 @@ def _kimi_linear_forward(mod, group, hidden_states, cache, attention_mask, kwarg
 
 FORWARDS = {"qwen3_next": _qwen3_next_forward, "qwen3_5": _qwen3_5_forward, "qwen3_5_moe": _qwen3_5_forward,
              "olmo_hybrid": _olmo_hybrid_forward, "kimi_linear": _kimi_linear_forward}
-
-
-class SequenceParallelForward:
-    """The ``forward`` of a rewired linear-attention module (held in the module's ``__dict__``): the module's own
-    arithmetic on this rank's shard of the sequence, over ``group``."""
-
-    def __init__(self, module: nn.Module, model_type: str, group):
-        self.module, self.model_type, self.group = module, model_type, group
-
-    def __call__(self, hidden_states, cache=None, attention_mask=None, **kwargs):
-        return FORWARDS[self.model_type](self.module, self.group, hidden_states, cache, attention_mask, kwargs)
-
-    def __deepcopy__(self, memo):  # the module is copied, the process group is not
-        import copy
-
-        return SequenceParallelForward(copy.deepcopy(self.module, memo), self.model_type, self.group)
-
-    def __repr__(self):
-        return f"SequenceParallelForward({type(self.module).__name__}, {self.model_type!r})"
