@@ -2,8 +2,10 @@
 
 allscan, torch, CUDA, NCCL (the version the extension was compiled against, the one loaded and the
 library file it came from), the GPUs and which pairs can reach each other (peer access), the
-optional packages found, every ``ALLSCAN_*`` setting in force, and the path a CUDA and a CPU tensor
-take on the default group. :func:`report` returns the same as a dict.
+optional packages found, every ``ALLSCAN_*`` setting in force, the path a CUDA and a CPU tensor
+take on the default group, and the transformers model families allscan makes sequence-parallel (from
+``allscan.integrations.hf_hybrids.SUPPORTED``, read without importing transformers). :func:`report` returns the
+same as a dict.
 """
 from __future__ import annotations
 
@@ -102,6 +104,24 @@ def _paths() -> Dict[str, str]:
             else "no CPU backend in the default group"}
 
 
+REGISTER_LINE = ("Ulysses attention (a sliding window, a logit soft-cap and attention sinks honoured; "
+                 "chunked attention, dropout, padding masks refused by name)")
+
+
+def transformers_families() -> Dict[str, str]:
+    """The transformers families :func:`allscan.integrations.transformers.sequence_parallel` makes
+    sequence-parallel, by model type (its ``SUPPORTED`` table: the sequence mixer, its recurrence and the softmax
+    attention beside it), and what ``register()`` does for any softmax-attention model."""
+    try:
+        from allscan.integrations.hf_hybrids import SUPPORTED
+    except Exception as e:  # noqa: BLE001 - reported, not raised: info must run whatever is broken
+        return {"(the table could not be read)": f"{type(e).__name__}: {e}"}
+    out = {kind: f"{mixer} ({recurrence})" + (f" beside {attention}" if attention else ", no attention")
+           for kind, (mixer, attention, recurrence) in SUPPORTED.items()}
+    out["any softmax-attention model, register()"] = REGISTER_LINE
+    return out
+
+
 def report() -> Dict:
     loaded = None
     try:
@@ -127,6 +147,7 @@ def report() -> Dict:
         "settings": {v.name: os.environ.get(v.name) or f"(unset: {getattr(settings, v.attr)!r})"
                      for v in VARIABLES if v.attr},
         "paths": _paths(),
+        "transformers families (sequence_parallel)": transformers_families(),
     }
 
 
