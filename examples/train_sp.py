@@ -45,7 +45,8 @@ def _hybrid(args):
     common = dict(vocab_size=args.vocab, hidden_size=h, intermediate_size=2 * h, num_hidden_layers=args.layers,
                   num_attention_heads=heads, num_key_value_heads=max(1, heads // 2),
                   layer_types=["linear_attention", "full_attention"] * (args.layers // 2) + ["linear_attention"] *
-                  (args.layers % 2), max_position_embeddings=args.seq)
+                  (args.layers % 2), max_position_embeddings=args.seq,
+                  pad_token_id=0, bos_token_id=1, eos_token_id=2)  # within the tiny vocabulary
     gdn = dict(linear_num_key_heads=max(1, heads // 2), linear_num_value_heads=heads, linear_key_head_dim=h // heads,
                linear_value_head_dim=h // heads, linear_conv_kernel_dim=4)
     if args.model == "qwen3_next":
