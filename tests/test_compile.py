@@ -252,16 +252,16 @@ def _opcheck_delta_rule(rank, world):
     _, _, _, gk, _ = (t.double().requires_grad_() for t in _inputs(rank, "kda"))
     A_log = torch.zeros(2, dtype=torch.float64, requires_grad=True)
     dt_bias = torch.full((2,), 0.1, dtype=torch.float64, requires_grad=True)
-    # l2norm, gate, beta sigmoid, negative eigenvalues, safe gate, lower bound
-    opts = (False, False, False, False, False, None)
+    plain = dict(group_name=name, per_key=False, scale=0.35, l2norm=False, gate=False, beta_sigmoid=False,
+                 neg_eigval=False, safe_gate=False, lower_bound=None, method="zeco", want_final=True, needs_grad=True)
     cu = _packed(world)
-    for args in ((q, k, v, g, beta, None, None, None, None, name, False, 0.35, *opts, "zeco", True, True),
-                 (q, k, v, gk, beta, None, None, h0, cu, name, True, 0.35, *opts, "zeco", True, True),
-                 (q, k, v, g, beta, A_log, dt_bias, h0, cu, name, False, 0.35, True, True, True, True, False, None,
-                  "allgather", True, True),
-                 (q.transpose(1, 2).contiguous().transpose(1, 2), k, v, g, beta, None, None, None, None, name, False,
-                  0.35, *opts, "zeco", False, True)):
-        torch.library.opcheck(torch.ops.allscan.zeco_delta_rule.default, args)
+    strided = q.transpose(1, 2).contiguous().transpose(1, 2)
+    for args, kwargs in (((q, k, v, g, beta, None, None, None, None), plain),
+                         ((q, k, v, gk, beta, None, None, h0, cu), dict(plain, per_key=True)),
+                         ((q, k, v, g, beta, A_log, dt_bias, h0, cu),
+                          dict(plain, l2norm=True, gate=True, beta_sigmoid=True, neg_eigval=True, method="allgather")),
+                         ((strided, k, v, g, beta, None, None, None, None), dict(plain, want_final=False))):
+        torch.library.opcheck(torch.ops.allscan.zeco_delta_rule.default, args, kwargs)
     # the backward's first op (Q'^T do), whole shard and packed (the first segment's rows)
     q_eff, do = torch.randn_like(q), torch.randn_like(v)  # no gradient: it runs inside the backward
     for cut in (None, cu):

@@ -11,7 +11,7 @@ own projections, gates, norms and Parameters; what crosses the rank boundaries i
 Packed rows come as the batch's :class:`allscan.context.SequenceContext`, handed down by the model-level hook
 (:mod:`allscan.integrations.hf_call`): the convolution reads nothing before its sequence's start
 (:func:`allscan.integrations.hf_shard.causal_conv`, shared with the Mamba2 mixers), the delta rule starts each
-sequence from a zero state (``cu_seqlens``: the context's global offsets, copied to the device once per batch).
+sequence from a zero state (the ops take the context itself: its cut agreed once per batch, not per layer).
 """
 from __future__ import annotations
 
@@ -20,7 +20,6 @@ import torch.nn.functional as F
 
 from allscan.context import SequenceContext
 
-from .common import op_group
 from .hf_shard import causal_conv, layer_call
 
 __all__ = ["FORWARDS"]
@@ -30,8 +29,7 @@ def _gated_delta_rule(q, k, v, g, beta, ctx: SequenceContext):
     """What the module asks of ``chunk_gated_delta_rule`` (no state in, none out), on the whole sequence."""
     from allscan.ops.delta import zeco_gated_delta_rule
 
-    o, _ = zeco_gated_delta_rule(q, k, v, g, beta, op_group(ctx.group), use_qk_l2norm_in_kernel=True,
-                                 cu_seqlens=ctx.offsets(q.device))
+    o, _ = zeco_gated_delta_rule(q, k, v, g, beta, use_qk_l2norm_in_kernel=True, context=ctx)
     return o
 
 
@@ -39,8 +37,7 @@ def _kda(q, k, v, g, beta, ctx: SequenceContext):
     """What the module asks of ``chunk_kda`` (no state in, none out), on the whole sequence."""
     from allscan.ops.delta import zeco_kda
 
-    o, _ = zeco_kda(q, k, v, g, beta, op_group(ctx.group), use_qk_l2norm_in_kernel=True,
-                    cu_seqlens=ctx.offsets(q.device))
+    o, _ = zeco_kda(q, k, v, g, beta, use_qk_l2norm_in_kernel=True, context=ctx)
     return o
 
 

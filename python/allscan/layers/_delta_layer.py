@@ -15,7 +15,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from allscan.ops import own_work, sequence_parallel_group
+from allscan.ops import own_work
+from allscan.ops.batch_context import context_conflict, context_group
 from allscan.ops.delta import METHODS
 from allscan.ops.halo import halo_exchange
 
@@ -37,7 +38,7 @@ class DeltaRuleLayer(nn.Module):
     """The common part of fla's delta-rule layers. A subclass calls :meth:`_init_heads`, then builds its
     parameters in fla's order (:meth:`_init_projections` and :meth:`_init_convolutions` among them), and
     defines ``_gates(hidden_states) -> (g, beta)`` (the gate logits its delta rule takes),
-    ``_recurrence(q, k, v, g, beta, cu_seqlens) -> o`` (``[B, T, HV, head_v_dim]``) and
+    ``_recurrence(q, k, v, g, beta, cu_seqlens, context) -> o`` (``[B, T, HV, head_v_dim]``) and
     ``_output(o, hidden_states)`` (the output norm and projection)."""
 
     def _init_heads(self, hidden_size: int, expand_v: float, head_dim: int, num_heads: int,
@@ -90,12 +91,16 @@ class DeltaRuleLayer(nn.Module):
         out = depthwise_causal_conv(qkv, halo, weight, bias, rank * qkv.shape[1], cu_seqlens)
         return F.silu(out)
 
-    def _projections(self, hidden_states, attention_mask, past_key_values, use_cache, cu_seqlens):
+    def _projections(self, hidden_states, attention_mask, past_key_values, use_cache, cu_seqlens, context):
         """The input checks, then q, k and v projected and concatenated (the halo's message)."""
         name = type(self).__name__
         check_layer_inputs(name, hidden_states, self.hidden_size, attention_mask, past_key_values, use_cache)
-        if cu_seqlens is not None and hidden_states.shape[0] != 1:
-            raise ValueError(f"{name}: with cu_seqlens the batch size must be 1, got {hidden_states.shape[0]}")
+        conflict = context_conflict(context, self.group, cu_seqlens, name)
+        if conflict is not None:
+            raise conflict
+        packed = cu_seqlens is not None or (context is not None and context.packed)
+        if packed and hidden_states.shape[0] != 1:
+            raise ValueError(f"{name}: with packed sequences the batch size must be 1, got {hidden_states.shape[0]}")
         return torch.cat([self.q_proj(hidden_states), self.k_proj(hidden_states), self.v_proj(hidden_states)], -1)
 
     def _recurrence_inputs(self, hidden_states, qkv, halo, rank, cu_seqlens):
@@ -107,16 +112,20 @@ class DeltaRuleLayer(nn.Module):
                 v.reshape(B, T, self.num_v_heads, self.head_v_dim), *self._gates(hidden_states))
 
     def forward(self, hidden_states: torch.Tensor, attention_mask=None, past_key_values=None, use_cache=False,
-                output_attentions=False, cu_seqlens=None, **kwargs):
+                output_attentions=False, cu_seqlens=None, context=None, **kwargs):
+        """``context``: the batch's :class:`allscan.SequenceContext` (its group and packed cut, agreed once
+        per batch), instead of ``cu_seqlens`` (and of the layer's ``group``, which must then be None or
+        the context's)."""
         name = type(self).__name__
-        pg = sequence_parallel_group(self.group, name)
+        pg = context_group(context, self.group, name)
         # This rank's own work before each collective of the call (the halo exchange, the delta rule's
         # first): if it raises, the peers waiting there are told instead of waiting until the timeout.
         qkv = own_work(pg, name, "its projections", self._projections, hidden_states, attention_mask,
-                       past_key_values, use_cache, cu_seqlens)
-        halo = halo_exchange(qkv, self.conv_size - 1, self.group) if self.use_short_conv else None
+                       past_key_values, use_cache, cu_seqlens, context)
+        halo = halo_exchange(qkv, self.conv_size - 1, self.group, context=context) if self.use_short_conv else None
         rank = 0 if pg is None else torch.distributed.get_rank(pg)
+        offsets = cu_seqlens if context is None else context.offsets(hidden_states.device)
         q, k, v, g, beta = own_work(pg, name, "its convolutions", self._recurrence_inputs, hidden_states, qkv, halo,
-                                    rank, cu_seqlens)
-        o = self._recurrence(q, k, v, g, beta, cu_seqlens)
+                                    rank, offsets)
+        o = self._recurrence(q, k, v, g, beta, cu_seqlens, context)
         return self._output(o, hidden_states), None, None

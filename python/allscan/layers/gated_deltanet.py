@@ -73,9 +73,9 @@ class GatedDeltaNet(DeltaRuleLayer):
         """The decay's logits a ``[B, T, HV]`` and beta's ``[B, T, HV]``."""
         return self.a_proj(hidden_states), self.b_proj(hidden_states)
 
-    def _recurrence(self, q, k, v, a, b, cu_seqlens):
-        o, _ = zeco_gated_delta_rule(q, k, v, a, b, self.group,
-                                     cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=True, method=self.method,
+    def _recurrence(self, q, k, v, a, b, cu_seqlens, context):
+        o, _ = zeco_gated_delta_rule(q, k, v, a, b, self.group, cu_seqlens=cu_seqlens, context=context,
+                                     use_qk_l2norm_in_kernel=True, method=self.method,
                                      use_gate_in_kernel=True, A_log=self.A_log, dt_bias=self.dt_bias,
                                      use_beta_sigmoid_in_kernel=True, allow_neg_eigval=self.allow_neg_eigval)
         return o

@@ -11,7 +11,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from allscan.ops import own_work, sequence_parallel_group
+from allscan.ops import own_work
+from allscan.ops.batch_context import context_group
 from allscan.ops.gla import LOCAL, METHODS, recurrent_gla_reference, zeco_gla
 
 from ._inputs import check_layer_inputs
@@ -119,14 +120,17 @@ class GatedLinearAttention(nn.Module):
         return q, k, v, gk
 
     def forward(self, hidden_states: torch.Tensor, attention_mask=None, past_key_values=None, use_cache=False,
-                output_attentions=False, cu_seqlens=None, **kwargs):
+                output_attentions=False, cu_seqlens=None, context=None, **kwargs):
+        """``context``: the batch's :class:`allscan.SequenceContext` (its group and packed cut, agreed once
+        per batch), instead of ``cu_seqlens`` (and of the layer's ``group``, which must then be None or
+        the context's)."""
         # This rank's own work before the call's first collective: if it raises, the peers waiting there
         # are told instead of waiting until the timeout.
-        q, k, v, gk = own_work(sequence_parallel_group(self.group, "GatedLinearAttention"), "GatedLinearAttention",
+        q, k, v, gk = own_work(context_group(context, self.group, "GatedLinearAttention"), "GatedLinearAttention",
                                "its projections", self._recurrence_inputs, hidden_states, attention_mask,
                                past_key_values, use_cache)
         B, T, _ = hidden_states.shape
-        o, _ = zeco_gla(q, k, v, gk, self.group, cu_seqlens=cu_seqlens, method=self.method)
+        o, _ = zeco_gla(q, k, v, gk, self.group, cu_seqlens=cu_seqlens, method=self.method, context=context)
         if self.use_output_gate:
             gate = self.g_proj(hidden_states)
             if self.fuse_norm_and_gate:

@@ -75,9 +75,9 @@ class KimiDeltaAttention(DeltaRuleLayer):
         return (self.f_proj(hidden_states).reshape(B, T, self.num_v_heads, self.head_k_dim),
                 self.b_proj(hidden_states))
 
-    def _recurrence(self, q, k, v, g, beta, cu_seqlens):
-        o, _ = zeco_kda(q, k, v, g, beta, self.group, cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=True,
-                        method=self.method, use_gate_in_kernel=True, A_log=self.A_log, dt_bias=self.dt_bias,
+    def _recurrence(self, q, k, v, g, beta, cu_seqlens, context):
+        o, _ = zeco_kda(q, k, v, g, beta, self.group, cu_seqlens=cu_seqlens, context=context,
+                        use_qk_l2norm_in_kernel=True, method=self.method, use_gate_in_kernel=True, A_log=self.A_log, dt_bias=self.dt_bias,
                         use_beta_sigmoid_in_kernel=True, allow_neg_eigval=self.allow_neg_eigval,
                         safe_gate=self.safe_gate, lower_bound=self.lower_bound)
         return o

@@ -30,7 +30,7 @@ from allscan._dtypes import DTYPE_CODES
 from allscan._threads import one_thread
 
 from ._launch import nccl_preflight, stream_ptr, validated_group
-from ._shards import sequence_parallel_group
+from .batch_context import context_conflict, context_group
 
 __all__ = ["halo_exchange"]
 
@@ -120,16 +120,21 @@ def _halo_shift_backward(ctx, grad):
 halo_shift.register_autograd(_halo_shift_backward, setup_context=_halo_shift_setup)
 
 
-def halo_exchange(x: torch.Tensor, w: int, group=None) -> torch.Tensor:
+def halo_exchange(x: torch.Tensor, w: int, group=None, *, context=None) -> torch.Tensor:
     """Returns the previous rank's last ``w`` tokens of ``x [B, T_local, ...]`` (dim 1 is the sequence),
     zeros on rank 0. ``group``: the sequence-parallel group (rank order = sequence order); None: the
     default group (one process when torch.distributed is not initialised); ``allscan.ops.LOCAL``: this
-    process alone. Every rank must pass the same ``w`` and shape; ``T_local >= w`` with several ranks."""
+    process alone. Every rank must pass the same ``w`` and shape; ``T_local >= w`` with several ranks.
+    ``context``: the batch's :class:`allscan.SequenceContext`, whose group is taken instead (a ``group``
+    given beside it must be the same)."""
     if not isinstance(x, torch.Tensor) or x.dim() < 2:
         raise ValueError("halo_exchange: x must be a tensor [B, T_local, ...] (dim 1 the sequence)")
     if not isinstance(w, int) or w < 0:
         raise ValueError(f"halo_exchange: w must be a non-negative int, got {w!r}")
-    pg = sequence_parallel_group(group, "halo_exchange")
+    conflict = context_conflict(context, group, None, "halo_exchange")
+    if conflict is not None:
+        raise conflict
+    pg = context_group(context, group, "halo_exchange")
     T = x.shape[1]
     # one process: zeros, through the op all the same (so the halo is part of x's autograd graph, as
     # with several ranks); it may hold fewer than w tokens

@@ -6,6 +6,8 @@ backend (:func:`select_backend`) and the shard's plan (:func:`shard_plan`).
 from __future__ import annotations
 
 import warnings
+from dataclasses import dataclass, replace
+from typing import Any, Optional
 
 import torch
 
@@ -14,17 +16,47 @@ from allscan._dtypes import DTYPE_CODES, dtype_code
 
 from .._launch import validated_group
 from .._shards import ShardSegments, checked_cut
+from ..batch_context import context_fields
 from .chunk import TorchDelta, compute_dtype
 from .fla import FlaDelta, fla_delta_available
 from .gates import DeltaOptions
 from .shard import ShardRun, plan
 
-__all__ = ["METHODS", "SCAN_METHOD", "fla_usable", "select_backend", "shard_cut", "prepared", "shard_plan"]
+__all__ = ["METHODS", "SCAN_METHOD", "DeltaCall", "fla_usable", "select_backend", "shard_cut", "prepared",
+           "shard_plan"]
 
 SCAN_METHOD = {"zeco": "pipelined", "allgather": "allgather", "fla_cp": None}
 METHODS = tuple(SCAN_METHOD)  # the ``method=`` values of zeco_gated_delta_rule and zeco_kda
 
 _WARNED: list = []
+
+
+@dataclass(frozen=True)
+class DeltaCall:
+    """What a call of zeco_gated_delta_rule (``options.per_key`` False) or zeco_kda passes besides its
+    tensors q, k, v, g, beta and initial_state, as the caller gave it (checked by :func:`prepared`):
+    the op's name, its input options (``A_log``, ``dt_bias`` among them), ``method``, ``scale`` (None:
+    ``K ** -0.5``), ``output_final_state``, the packed offsets or the batch's
+    :class:`allscan.SequenceContext`, and whether the call differentiates (compared across ranks)."""
+
+    op: str
+    options: DeltaOptions
+    method: str = "zeco"
+    scale: Optional[float] = None
+    output_final_state: bool = False
+    cu_seqlens: Optional[torch.Tensor] = None
+    context: Any = None
+    needs_grad: bool = False
+
+    @property
+    def per_key(self) -> bool:
+        return self.options.per_key
+
+    def packed_count(self) -> Optional[int]:
+        """The number of sequences packed in the row (None: whole sequences), from the offsets or the context."""
+        if self.context is not None:
+            return len(self.context.cu_seqlens) - 1 if self.context.packed else None
+        return None if self.cu_seqlens is None else self.cu_seqlens.numel() - 1
 
 
 def fla_usable(q: torch.Tensor) -> bool:
@@ -55,7 +87,8 @@ def _check_tensor(op, name, t, shape, what):
         raise TypeError(f"{op}: {name} must be a floating-point tensor, got {t.dtype}")
 
 
-def _validate(op, q, k, v, g, beta, per_key, initial_state, output_final_state, cu_seqlens, method):
+def _validate(call: DeltaCall, q, k, v, g, beta, initial_state):
+    op, per_key, cu_seqlens, method = call.op, call.per_key, call.cu_seqlens, call.method
     if method not in SCAN_METHOD:
         raise ValueError(f"{op}: method must be one of {list(METHODS)}, got {method!r}")
     for name, t in (("q", q), ("k", k), ("v", v)):
@@ -88,14 +121,14 @@ def _validate(op, q, k, v, g, beta, per_key, initial_state, output_final_state, 
     if cu_seqlens is not None and not isinstance(cu_seqlens, torch.Tensor):
         raise TypeError(f"{op}: cu_seqlens must be a 1-D integer tensor [N+1] or None, got {type(cu_seqlens).__name__}")
     if initial_state is not None:
-        n = B if cu_seqlens is None else cu_seqlens.numel() - 1
-        _check_tensor(op, "initial_state", initial_state, (n, HV, K, V),
-                      "[B, HV, K, V]" if cu_seqlens is None else "[N, HV, K, V] (N sequences in cu_seqlens)")
+        n = call.packed_count()
+        _check_tensor(op, "initial_state", initial_state, (B if n is None else n, HV, K, V),
+                      "[B, HV, K, V]" if n is None else "[N, HV, K, V] (N packed sequences)")
         if initial_state.dtype != compute_dtype(v):
             raise TypeError(f"{op}: initial_state must be {compute_dtype(v)} (the states' dtype for {v.dtype} "
                             f"inputs), got {initial_state.dtype}")
     if method == "fla_cp":
-        _check_fla_cp(op, q, initial_state, output_final_state)
+        _check_fla_cp(op, q, initial_state, call.output_final_state)
 
 
 def _check_fla_cp(op, q, initial_state, output_final_state):
@@ -116,9 +149,10 @@ def _check_fla_cp(op, q, initial_state, output_final_state):
                          f"B = {q.shape[0]}; use method='zeco'")
 
 
-def _check_gate_options(op, per_key, HV, K, use_gate_in_kernel, A_log, dt_bias, use_beta_sigmoid_in_kernel,
-                        allow_neg_eigval, safe_gate, lower_bound):
-    if allow_neg_eigval and not use_beta_sigmoid_in_kernel:
+def _check_gate_options(op, opts: DeltaOptions, HV, K):
+    per_key, A_log, dt_bias, lower_bound = opts.per_key, opts.A_log, opts.dt_bias, opts.lower_bound
+    use_gate_in_kernel, allow_neg_eigval = opts.use_gate_in_kernel, opts.allow_neg_eigval
+    if allow_neg_eigval and not opts.use_beta_sigmoid_in_kernel:
         raise ValueError(f"{op}: allow_neg_eigval=True requires use_beta_sigmoid_in_kernel=True")
     if not use_gate_in_kernel:
         if A_log is not None or dt_bias is not None:
@@ -131,13 +165,14 @@ def _check_gate_options(op, per_key, HV, K, use_gate_in_kernel, A_log, dt_bias, 
         _check_tensor(op, "A_log", A_log, (HV,), "[HV]")
     if dt_bias is not None:
         _check_tensor(op, "dt_bias", dt_bias, (HV * K,) if per_key else (HV,), "[HV * K]" if per_key else "[HV]")
-    if safe_gate and (lower_bound is None or not -5 <= lower_bound < 0):
+    if opts.safe_gate and (lower_bound is None or not -5 <= lower_bound < 0):
         raise ValueError(f"{op}: safe_gate=True with use_gate_in_kernel=True needs lower_bound in [-5, 0), "
                          f"got {lower_bound}")
 
 
-def _signature(q, v, segs, method, h0, opts, needs_grad):
+def _signature(call: DeltaCall, q, v, segs, h0, opts):
     B, T, H, K = q.shape
+    method, given = call.method, call.context is not None  # a context's cut was agreed when it was built
     return [
         ("dtype", DTYPE_CODES[q.dtype]),
         ("B", B),
@@ -146,14 +181,15 @@ def _signature(q, v, segs, method, h0, opts, needs_grad):
         ("K", K),
         ("V", v.shape[3]),
         ("T_local (packed sequences, fla_cp)", T if segs.varlen or method == "fla_cp" else 0),
-        ("number of packed sequences", segs.num_seqs if segs.varlen else 0),
-        ("packed sequence boundaries (hash; none: 0)", segs.digest),
+        ("number of packed sequences", segs.num_seqs if segs.varlen and not given else 0),
+        ("packed sequence boundaries (hash; none: 0)", 0 if given else segs.digest),
+        *context_fields(call.context),
         ("method", METHODS.index(method)),
         ("initial_state given", int(h0 is not None)),
         ("options (l2norm, gate, beta sigmoid, negative eigenvalues, safe gate)", opts.flags()),
         ("lower_bound (float64 bits; none: -1)", opts.lower_bound_bits()),
         # a rank whose inputs need no gradient runs no backward: its peers would wait in the reverse scan
-        ("inputs need gradients", int(needs_grad)),
+        ("inputs need gradients", int(call.needs_grad)),
     ]
 
 
@@ -162,26 +198,30 @@ def shard_cut(group, q, cu_seqlens, op) -> ShardSegments:
     return ShardSegments(group, q.shape[1], q.shape[0], cu_seqlens, op)
 
 
-def prepared(op, per_key, q, k, v, g, beta, group, scale, initial_state, output_final_state, cu_seqlens,
-             use_qk_l2norm_in_kernel, method, use_gate_in_kernel, A_log, dt_bias, use_beta_sigmoid_in_kernel,
-             allow_neg_eigval, safe_gate, lower_bound, needs_grad):
-    """Every check of a call (the local ones, then across ranks: a rank whose arguments fail tells its
-    peers, whose signature exchange then fails too): ``(segs, opts, scale)``, the shard's cut (a
-    repeated call's: :func:`~allscan.ops._shards.checked_cut`), the options and the scale."""
-    opts = DeltaOptions(per_key, bool(use_qk_l2norm_in_kernel), bool(use_gate_in_kernel), A_log, dt_bias,
-                        bool(use_beta_sigmoid_in_kernel), bool(allow_neg_eigval), bool(safe_gate), lower_bound)
-
-    packed = cu_seqlens is not None  # the cut changes from batch to batch: compared on every call
+def prepared(call: DeltaCall, group, q, k, v, g, beta, initial_state, conflict: Optional[Exception] = None):
+    """Every check of a call on ``group`` (a process group, None: one process): the local ones (a rank
+    whose arguments fail tells its peers, whose signature exchange then fails too; ``conflict``: what
+    :func:`~allscan.ops.batch_context.context_conflict` found), then across ranks: ``(segs, opts,
+    scale)``, the shard's cut (a repeated call's: :func:`~allscan.ops._shards.checked_cut`; the
+    context's, agreed once per batch, when the call has one), the options and the scale."""
+    given = call.options  # as the caller gave them: the check-skipping key reads their values
+    opts = replace(given, use_qk_l2norm_in_kernel=bool(given.use_qk_l2norm_in_kernel),
+                   use_gate_in_kernel=bool(given.use_gate_in_kernel),
+                   use_beta_sigmoid_in_kernel=bool(given.use_beta_sigmoid_in_kernel),
+                   allow_neg_eigval=bool(given.allow_neg_eigval), safe_gate=bool(given.safe_gate))
+    op, context, cu_seqlens = call.op, call.context, call.cu_seqlens
+    packed = cu_seqlens is not None and context is None  # the cut changes from batch to batch: compared every call
 
     def check():
         segs = None
 
         def validate():  # every local check, the packed sequences' cut of this shard included
             nonlocal segs
-            _validate(op, q, k, v, g, beta, per_key, initial_state, output_final_state, cu_seqlens, method)
-            _check_gate_options(op, per_key, v.shape[2], q.shape[-1], use_gate_in_kernel, A_log, dt_bias,
-                                use_beta_sigmoid_in_kernel, allow_neg_eigval, safe_gate, lower_bound)
-            segs = shard_cut(group, q, cu_seqlens, op)
+            if conflict is not None:
+                raise conflict
+            _validate(call, q, k, v, g, beta, initial_state)
+            _check_gate_options(op, given, v.shape[2], q.shape[-1])
+            segs = shard_cut(group, q, cu_seqlens, op) if context is None else context.cut(q.shape[1], q.shape[0], op)
 
         if group is None:
             validate()
@@ -189,15 +229,20 @@ def prepared(op, per_key, q, k, v, g, beta, group, scale, initial_state, output_
             validated_group(group, q, op, validate, every_call=packed)
         signature = None
         if segs.world > 1:
-            signature = check_across_ranks(group, q.device, op, _signature(q, v, segs, method, initial_state,
-                                                                           opts, needs_grad), every_call=packed)
+            signature = check_across_ranks(group, q.device, op, _signature(call, q, v, segs, initial_state, opts),
+                                           every_call=packed)
         return segs, signature
 
-    tensors = None if cu_seqlens is not None else (q, k, v, g, beta, initial_state, A_log, dt_bias)
-    options = (output_final_state, method, use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel,
-               allow_neg_eigval, safe_gate, lower_bound, needs_grad)
+    tensors = None if packed else (q, k, v, g, beta, initial_state, given.A_log, given.dt_bias)
+    options = (call.output_final_state, call.method, given.use_qk_l2norm_in_kernel, given.use_gate_in_kernel,
+               given.use_beta_sigmoid_in_kernel, given.allow_neg_eigval, given.safe_gate, given.lower_bound,
+               call.needs_grad)
+    if context is not None:  # what the checks read of the context (its cut is its own, made once per shape)
+        options += (conflict is None, context.local_len, call.packed_count())
     segs = checked_cut(op, group, q.device if isinstance(q, torch.Tensor) else None, tensors, options, check)
-    return segs, opts, q.shape[-1] ** -0.5 if scale is None else float(scale)
+    if context is not None:
+        segs = context.cut(q.shape[1], q.shape[0], op)
+    return segs, opts, q.shape[-1] ** -0.5 if call.scale is None else float(call.scale)
 
 
 def shard_plan(segs, q, opts, scale, group, method, output_final_state, plain_head=True) -> ShardRun:

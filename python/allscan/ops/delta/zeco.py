@@ -38,40 +38,44 @@ depend on its outputs or final state (a rank whose backward does not run leaves 
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Optional
 
 import torch
 
-from .._shards import inputs_need_grad, own_precision, sequence_parallel_group
+from .._launch import traced_refusal
+from .._shards import inputs_need_grad, own_precision
+from ..batch_context import context_conflict, context_group
 from .compiled import compiled_delta_rule
 from .fla import fla_context_parallel, fla_kernel
-from .prepare import METHODS, prepared, shard_plan
+from .gates import DeltaOptions
+from .prepare import METHODS, DeltaCall, prepared, shard_plan
 from .shard import ShardFunction
 
 __all__ = ["zeco_gated_delta_rule", "zeco_kda", "METHODS"]
 
 
-def _delta_rule(op, per_key, q, k, v, g, beta, group, scale, initial_state, output_final_state, cu_seqlens,
-                use_qk_l2norm_in_kernel, method, use_gate_in_kernel, A_log, dt_bias, use_beta_sigmoid_in_kernel,
-                allow_neg_eigval, safe_gate=False, lower_bound=None):
-    group = sequence_parallel_group(group, op)
+def _delta_rule(call: DeltaCall, q, k, v, g, beta, group, initial_state):
+    conflict = context_conflict(call.context, group, call.cu_seqlens, call.op)
+    group = context_group(call.context if conflict is None else None, group, call.op)
+    opts = call.options
     # a rank whose inputs need no gradient runs no backward: its peers would wait in the reverse scan
-    needs_grad = inputs_need_grad(q, k, v, g, beta, initial_state, A_log, dt_bias)
-    args = (q, k, v, g, beta, group, scale, initial_state, output_final_state, cu_seqlens, use_qk_l2norm_in_kernel,
-            method, use_gate_in_kernel, A_log, dt_bias, use_beta_sigmoid_in_kernel, allow_neg_eigval, safe_gate,
-            lower_bound)
-    if torch.compiler.is_compiling() and method != "fla_cp":
+    call = replace(call, needs_grad=inputs_need_grad(q, k, v, g, beta, initial_state, opts.A_log, opts.dt_bias))
+    if torch.compiler.is_compiling() and call.method != "fla_cp":
+        if conflict is not None:  # refused when the graph runs, on every rank
+            return traced_refusal(group, v, call.op, conflict), None
         # checked, cut and run inside the custom op, when it runs (the trace runs no collective)
-        return compiled_delta_rule(op, per_key, *args, needs_grad)
-    segs, opts, scale = prepared(op, per_key, *args, needs_grad)
-    if method == "fla_cp":
+        return compiled_delta_rule(call, q, k, v, g, beta, group, initial_state)
+    segs, opts, scale = prepared(call, group, q, k, v, g, beta, initial_state, conflict)
+    if call.method == "fla_cp":
         fn, kw = fla_kernel(opts)
+        cu_seqlens = call.cu_seqlens if call.context is None else call.context.offsets(q.device)
         o = fla_context_parallel(fn, kw, q, k, v, g, beta, scale, group if segs.world > 1 else None, cu_seqlens,
                                  q.shape[1] * segs.world)
         return o, None
-    run = shard_plan(segs, q, opts, scale, group, method, output_final_state)
+    run = shard_plan(segs, q, opts, scale, group, call.method, call.output_final_state)
     with own_precision(q.device.type):  # the compute dtype is ours
-        return ShardFunction.apply(q, k, v, g, beta, A_log, dt_bias, initial_state, run)
+        return ShardFunction.apply(q, k, v, g, beta, opts.A_log, opts.dt_bias, initial_state, run)
 
 
 def zeco_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
@@ -80,7 +84,7 @@ def zeco_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: 
                           use_qk_l2norm_in_kernel: bool = False, method: str = "zeco",
                           use_gate_in_kernel: bool = False, A_log: Optional[torch.Tensor] = None,
                           dt_bias: Optional[torch.Tensor] = None, use_beta_sigmoid_in_kernel: bool = False,
-                          allow_neg_eigval: bool = False):
+                          allow_neg_eigval: bool = False, context=None):
     """Sequence-parallel Gated DeltaNet (fla's ``chunk_gated_delta_rule`` conventions).
 
     Args:
@@ -103,13 +107,17 @@ def zeco_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: 
             transition all-gathered, predecessors folded locally: fla's CP pattern, same code) or
             ``"fla_cp"`` (fla's own CP, the baseline: CUDA and fla-core only, and what fla supports:
             B = 1, no ``initial_state``, no final state).
+        context: the batch's :class:`allscan.SequenceContext`, instead of ``group`` and ``cu_seqlens``
+            (as :func:`allscan.ops.gla.zeco_gla`): its group and its cut, agreed across ranks once
+            when it was built and not compared again here.
 
     Returns:
         ``(o [B, T_local, HV, V] in v's dtype, final_state or None)``.
     """
-    return _delta_rule("zeco_gated_delta_rule", False, q, k, v, g, beta, group, scale, initial_state,
-                       output_final_state, cu_seqlens, use_qk_l2norm_in_kernel, method, use_gate_in_kernel, A_log,
-                       dt_bias, use_beta_sigmoid_in_kernel, allow_neg_eigval)
+    options = DeltaOptions(False, use_qk_l2norm_in_kernel, use_gate_in_kernel, A_log, dt_bias,
+                           use_beta_sigmoid_in_kernel, allow_neg_eigval)
+    call = DeltaCall("zeco_gated_delta_rule", options, method, scale, output_final_state, cu_seqlens, context)
+    return _delta_rule(call, q, k, v, g, beta, group, initial_state)
 
 
 def zeco_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, group=None, *,
@@ -118,13 +126,15 @@ def zeco_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
              use_qk_l2norm_in_kernel: bool = False, method: str = "zeco", use_gate_in_kernel: bool = False,
              A_log: Optional[torch.Tensor] = None, dt_bias: Optional[torch.Tensor] = None,
              use_beta_sigmoid_in_kernel: bool = False, allow_neg_eigval: bool = False, safe_gate: bool = False,
-             lower_bound: Optional[float] = None):
+             lower_bound: Optional[float] = None, context=None):
     """Sequence-parallel KDA (fla's ``chunk_kda`` conventions): :func:`zeco_gated_delta_rule` with one
     decay per key dimension, g ``[B, T_local, HV, K]``. With ``use_gate_in_kernel`` g is the raw gate
     input: ``-exp(A_log) * softplus(g + dt_bias)`` (``A_log`` ``[HV]``, ``dt_bias`` ``[HV * K]``), or with
     ``lower_bound`` ``lower_bound * sigmoid(exp(A_log) * (g + dt_bias))`` (``A_log`` optional there).
     ``safe_gate`` is a kernel hint in fla (gates within ``[lower_bound, 0)``); here it only checks
-    ``lower_bound``, as fla does."""
-    return _delta_rule("zeco_kda", True, q, k, v, g, beta, group, scale, initial_state, output_final_state,
-                       cu_seqlens, use_qk_l2norm_in_kernel, method, use_gate_in_kernel, A_log, dt_bias,
-                       use_beta_sigmoid_in_kernel, allow_neg_eigval, safe_gate, lower_bound)
+    ``lower_bound``, as fla does. ``context``: the batch's :class:`allscan.SequenceContext`, as in
+    :func:`zeco_gated_delta_rule`."""
+    options = DeltaOptions(True, use_qk_l2norm_in_kernel, use_gate_in_kernel, A_log, dt_bias,
+                           use_beta_sigmoid_in_kernel, allow_neg_eigval, safe_gate, lower_bound)
+    call = DeltaCall("zeco_kda", options, method, scale, output_final_state, cu_seqlens, context)
+    return _delta_rule(call, q, k, v, g, beta, group, initial_state)

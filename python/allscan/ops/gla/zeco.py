@@ -72,11 +72,12 @@ from allscan._settings import settings
 
 from allscan._comm import resolve_group
 
-from .._launch import absent, or_empty, tell_peers_of_failure, validated_group
+from .._launch import absent, or_empty, tell_peers_of_failure, traced_refusal, validated_group
 from ..diagonal_scan import OP as SCAN_OP
 from ..hooks import op_hooks
 from .._shards import (LOCAL, ShardSegments, checked_cut, inputs_need_grad, on_device, own_precision,
                        sequence_parallel_group, world_and_rank)
+from ..batch_context import context_conflict, context_fields, context_group
 from .chunk import TorchGLA
 from .fla import FlaGLA, fla_available
 
@@ -471,8 +472,9 @@ def _op_backward(ctx, do, dfinal, _dS_in, _dgamma, _dsaved):
 zeco_gla_op.register_autograd(_op_backward, setup_context=_op_setup_context)
 
 
-def _signature(q, v, g, h0, segs: ShardSegments, method, needs_grad):
+def _signature(q, v, g, h0, segs: ShardSegments, method, needs_grad, context=None):
     B, T, H, K = q.shape
+    given = context is not None  # the context's cut was agreed when it was built: not compared again
     return [
         ("dtype", DTYPE_CODES.get(q.dtype, -1)),
         ("B", B),
@@ -480,8 +482,9 @@ def _signature(q, v, g, h0, segs: ShardSegments, method, needs_grad):
         ("K", K),
         ("V", v.shape[3]),
         ("g (0 none, 1 [B, T, H], 2 [B, T, H, K])", 0 if g is None else g.dim() - 2),
-        ("number of packed sequences", segs.num_seqs if segs.varlen else 0),
-        ("packed sequence boundaries (hash; none: 0)", segs.digest),
+        ("number of packed sequences", segs.num_seqs if segs.varlen and not given else 0),
+        ("packed sequence boundaries (hash; none: 0)", 0 if given else segs.digest),
+        *context_fields(context),
         ("method", METHODS.index(method)),
         ("initial_state given", int(h0 is not None)),
         # a rank whose inputs need no gradient runs no backward: its peers would wait in the reverse scan
@@ -489,34 +492,56 @@ def _signature(q, v, g, h0, segs: ShardSegments, method, needs_grad):
     ]
 
 
-def checked_segments(group, q, k, v, g, h0, cu_seqlens, method, needs_grad) -> ShardSegments:
-    """Every check of a call: the local ones (a rank whose arguments fail tells its peers, whose
-    exchange then fails too), then the call's signature across ranks; the shard's cut (a repeated
-    call's: :func:`~allscan.ops._shards.checked_cut`)."""
+def checked_segments(group, q, k, v, g, h0, cu_seqlens, method, needs_grad, *, context=None,
+                     conflict=None) -> ShardSegments:
+    """Every check of a call on ``group`` (a process group, None: one process): the local ones (a rank
+    whose arguments fail tells its peers, whose exchange then fails too; ``conflict``: what
+    :func:`~allscan.ops.batch_context.context_conflict` found), then the call's signature across
+    ranks; the shard's cut (a repeated call's: :func:`~allscan.ops._shards.checked_cut`). With the
+    batch's ``context`` the cut is the context's (agreed once per batch: not exchanged per call)."""
+    packed = cu_seqlens is not None and context is None  # the cut changes from batch to batch: compared every call
+
     def check():
         segs = []
 
         def validate():
-            _check_arguments(q, k, v, g, h0, cu_seqlens, method)
-            segs.append(ShardSegments(group, q.shape[1], q.shape[0], cu_seqlens, "zeco_gla"))
+            if conflict is not None:
+                raise conflict
+            _check_arguments(q, k, v, g, h0, cu_seqlens, method, _packed_count(context))
+            if context is None:
+                segs.append(ShardSegments(group, q.shape[1], q.shape[0], cu_seqlens, "zeco_gla"))
+            else:
+                segs.append(context.cut(q.shape[1], q.shape[0], "zeco_gla"))
 
         if group is None:
             validate()
             return segs[0], None
-        packed = cu_seqlens is not None  # the cut changes from batch to batch: compared on every call
         validated_group(group, q, "zeco_gla", validate, every_call=packed)
         signature = None
         if segs[0].world > 1:
             signature = check_across_ranks(group, q.device, "zeco_gla",
-                                           _signature(q, v, g, h0, segs[0], method, needs_grad), every_call=packed)
+                                           _signature(q, v, g, h0, segs[0], method, needs_grad, context),
+                                           every_call=packed)
         return segs[0], signature
 
-    return checked_cut("zeco_gla", group, q.device if isinstance(q, torch.Tensor) else None,
-                       None if cu_seqlens is not None else (q, k, v, g, h0), (method, needs_grad), check)
+    device = q.device if isinstance(q, torch.Tensor) else None
+    if context is None:
+        return checked_cut("zeco_gla", group, device, None if packed else (q, k, v, g, h0), (method, needs_grad),
+                           check)
+    # the context's cut is its own (made once per shape); what the checks read of the context is keyed
+    options = (method, needs_grad, conflict is None, context.local_len, _packed_count(context))
+    checked_cut("zeco_gla", group, device, (q, k, v, g, h0), options, check)
+    return context.cut(q.shape[1], q.shape[0], "zeco_gla")
 
 
-def _check_arguments(q, k, v, g, initial_state, cu_seqlens, method):
-    """zeco_gla's local argument checks (the packed sequences' cut is checked by ShardSegments)."""
+def _packed_count(context) -> Optional[int]:
+    """The number of packed sequences of a context (None: none given, or whole sequences)."""
+    return len(context.cu_seqlens) - 1 if context is not None and context.packed else None
+
+
+def _check_arguments(q, k, v, g, initial_state, cu_seqlens, method, packed_count=None):
+    """zeco_gla's local argument checks (the packed sequences' cut is checked by ShardSegments;
+    ``packed_count``: the number of sequences a context packs)."""
     if cu_seqlens is not None and not isinstance(cu_seqlens, torch.Tensor):
         raise TypeError(f"zeco_gla: cu_seqlens must be a 1-D integer tensor [N+1] or None, got "
                         f"{type(cu_seqlens).__name__}")
@@ -541,8 +566,10 @@ def _check_arguments(q, k, v, g, initial_state, cu_seqlens, method):
         raise ValueError(f"zeco_gla: g must be a floating-point tensor, got {g.dtype}")
     if initial_state is not None:
         n = B if cu_seqlens is None else cu_seqlens.numel() - 1
+        n = n if packed_count is None else packed_count
+        per_sequence = cu_seqlens is not None or packed_count is not None
         if tuple(initial_state.shape) != (n, H, K, V):
-            raise ValueError(f"zeco_gla: initial_state must be [{'B' if cu_seqlens is None else 'N'}, H, K, V] = "
+            raise ValueError(f"zeco_gla: initial_state must be [{'N' if per_sequence else 'B'}, H, K, V] = "
                              f"{(n, H, K, V)}, got {tuple(initial_state.shape)}")
         if initial_state.dtype != torch.float32:
             raise ValueError(f"zeco_gla: initial_state must be float32, got {initial_state.dtype}")
@@ -550,7 +577,8 @@ def _check_arguments(q, k, v, g, initial_state, cu_seqlens, method):
 
 def zeco_gla(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: Optional[torch.Tensor] = None, group=None, *,
              scale: Optional[float] = None, initial_state: Optional[torch.Tensor] = None,
-             output_final_state: bool = False, cu_seqlens: Optional[torch.Tensor] = None, method: str = "zeco"):
+             output_final_state: bool = False, cu_seqlens: Optional[torch.Tensor] = None, method: str = "zeco",
+             context=None):
     """Sequence-parallel gated linear attention (fla's ``chunk_gla`` conventions).
 
     Args:
@@ -575,20 +603,31 @@ def zeco_gla(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: Optional[torc
             anywhere, inside a rank or on a rank boundary. Same tensor on every rank.
         method: ``"zeco"`` (pipelined All-Scan overlapped with the local work), ``"lasp1"`` (serial
             chain, waited for: the LASP-1 baseline), ``"lasp2"`` (all-gather: the LASP-2 baseline).
+        context: the batch's :class:`allscan.SequenceContext`, instead of ``group`` and ``cu_seqlens``:
+            its group and its cut (agreed across ranks once, when it was built; not compared again
+            here). Given with ``cu_seqlens`` or with another ``group``: ``ValueError``.
 
     Returns:
         ``(o [B, T_local, H, V] in v's dtype, final_state or None)``.
     """
-    spg = sequence_parallel_group(group, "zeco_gla")
     needs_grad = inputs_need_grad(q, k, v, g, initial_state)
     if torch.compiler.is_compiling():
         scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+        conflict = context_conflict(context, group, cu_seqlens, "zeco_gla")
+        spg = context_group(context if conflict is None else None, group, "zeco_gla")
+        if conflict is not None:  # refused when the graph runs, on every rank
+            return traced_refusal(spg, v, "zeco_gla", conflict), None
+        if context is not None:  # the context is not traceable: the op takes its offsets and group name
+            cu_seqlens = context.offsets(q.device)
         # the arguments are checked and the shard cut inside the op, when it runs (a failed check
         # traced here could not tell the peers: the trace runs no collective)
         o, final = zeco_gla_op(q, k, v, g, initial_state, cu_seqlens, "" if spg is None else spg.group_name, scale,
                                method, bool(output_final_state), needs_grad)[:2]
         return o, (final if output_final_state else None)
-    segs = checked_segments(spg, q, k, v, g, initial_state, cu_seqlens, method, needs_grad)
+    conflict = context_conflict(context, group, cu_seqlens, "zeco_gla")
+    spg = context_group(context if conflict is None else None, group, "zeco_gla")
+    segs = checked_segments(spg, q, k, v, g, initial_state, cu_seqlens, method, needs_grad,
+                            context=None if conflict is not None else context, conflict=conflict)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     o, final = ZecoGLAFunction.apply(q, k, v, g, initial_state, scale, segs, method, bool(output_final_state))
     return o, (final if output_final_state else None)

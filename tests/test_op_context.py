@@ -1,0 +1,76 @@
+"""The ops and layers take the batch's SequenceContext (``context=``): the same results as with
+``cu_seqlens``, no cross-rank exchange for the cut (the context agreed on it once, when it was built),
+and ``context=`` beside ``cu_seqlens=`` or another ``group=`` refused on every rank."""
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(__file__))
+from distributed import run_distributed  # noqa: E402
+
+import allscan._agreement as agreement  # noqa: E402
+from allscan import SequenceContext  # noqa: E402
+from allscan.layers import GatedDeltaNet  # noqa: E402
+from allscan.ops import LOCAL  # noqa: E402
+from allscan.ops.delta import zeco_gated_delta_rule  # noqa: E402
+from allscan.ops.gla import zeco_gla  # noqa: E402
+
+
+def _inputs(rank, T=8, H=2, K=4):
+    gen = torch.Generator().manual_seed(rank)
+    q, k, v = (torch.randn(1, T, H, K, generator=gen, dtype=torch.float64) for _ in range(3))
+    g = -torch.rand(1, T, H, generator=gen, dtype=torch.float64)
+    beta = torch.rand(1, T, H, generator=gen, dtype=torch.float64)
+    return q, torch.nn.functional.normalize(k, dim=-1), v, g, beta
+
+
+def _ops_take_the_context(rank, world):
+    torch.manual_seed(0)
+    q, k, v, g, beta = _inputs(rank)
+    cuts = ([0, 5, 12, 16], [0, 3, 9, 16])  # two batches' cuts: sequences starting inside either rank
+    gla = lambda **kw: zeco_gla(q, k, v, g, **kw)[0]  # noqa: E731
+    gdn = lambda **kw: zeco_gated_delta_rule(q, k, v, g, beta, **kw)[0]  # noqa: E731
+    layer = GatedDeltaNet(hidden_size=16, head_dim=4, num_heads=2, expand_v=1, conv_size=3).double()
+    x = torch.randn(1, 8, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(10 + rank))
+    on_layer = lambda **kw: layer(x, **kw)[0]  # noqa: E731
+    for run in (gla, gdn, on_layer):
+        for cu in cuts:
+            ctx = SequenceContext(cu_seqlens=cu)
+            torch.testing.assert_close(run(context=ctx), run(cu_seqlens=torch.tensor(cu)), rtol=0, atol=0)
+    # Exchanges under NCCL's rule (a signature checked once, then skipped; gloo exchanges every call):
+    # a new batch's cut costs the ops no exchange with a context, one per op with cu_seqlens
+    exchanges = []
+    real_on_nccl, real_gather = agreement._on_nccl, agreement._gather_rows
+    agreement._on_nccl = lambda group, device: True
+    agreement._gather_rows = lambda *a: exchanges.append(1) or real_gather(*a)
+    try:
+        for run in (gla, gdn):
+            run(context=SequenceContext(cu_seqlens=cuts[0]))  # these shapes' first call: checked
+            before = len(exchanges)
+            run(context=SequenceContext(cu_seqlens=cuts[1]))
+            assert len(exchanges) == before, "a context's cut was exchanged again"
+            run(cu_seqlens=torch.tensor(cuts[0]))
+            before = len(exchanges)
+            run(cu_seqlens=torch.tensor(cuts[1]))
+            assert len(exchanges) > before  # (the count sees the exchanges)
+    finally:
+        agreement._on_nccl, agreement._gather_rows = real_on_nccl, real_gather
+    # a context with cu_seqlens, or with another group: refused on every rank, naming both
+    ctx = SequenceContext(cu_seqlens=cuts[0])
+    for run in (gla, gdn, on_layer):
+        with pytest.raises(ValueError, match="context= and cu_seqlens= given together"):
+            run(context=ctx, cu_seqlens=torch.tensor(cuts[0]))
+    for run in (gla, gdn):
+        with pytest.raises(ValueError, match="context= and group= name different groups"):
+            run(context=ctx, group=LOCAL)
+        run(context=ctx, group=dist.group.WORLD)  # the context's own group: accepted
+    return True
+
+
+def test_ops_and_layers_take_the_context():
+    assert run_distributed(_ops_take_the_context, 2, timeout=180) == [True, True]
