@@ -52,41 +52,37 @@ PLACES = ("middle", "last", "first")  # the ranks one GPU can stand in for (midd
 
 
 @contextlib.contextmanager
-def middle_rank_stand_in(world: int, module: str, place: str = "middle"):
-    """With one rank: the layer of ``module`` (``allscan.ops.gla.zeco``, ``allscan.ops.delta.prepare``) cuts
-    its shards as rank 1 of 3 (``place="middle"``), as the last of 2 (``"last"``) or as the first of 2
-    (``"first"``). For the first two the sequence continues from a previous rank, so the incoming-state
-    work is issued (GLA's last rank takes its incoming state's gradient from its local backward; a
-    middle rank computes it beside); every place issues both scans, over the one-rank group, so one GPU
-    issues that rank's work. With more ranks: nothing changes."""
-    import importlib
+def middle_rank_stand_in(world: int, module: str = "", place: str = "middle"):
+    """With one rank: the sequence-parallel ops (``zeco_gla`` and the delta rules alike; ``module`` names
+    the op for the reader only) cut their shards as rank 1 of 3 (``place="middle"``), as the last of 2
+    (``"last"``) or as the first of 2 (``"first"``), through the documented hook
+    ``allscan.ops.hooks.op_hooks.shard_cut``. For the first two the sequence continues from a previous
+    rank, so the incoming-state work is issued (GLA's last rank takes its incoming state's gradient from
+    its local backward; a middle rank computes it beside); every place issues both scans, over the
+    one-rank group, so one GPU issues that rank's work. With more ranks: nothing changes."""
+    from allscan.ops.hooks import forget_plans, op_hooks, replaced
 
-    zeco_module = importlib.import_module(module)
     if place not in PLACES:
         raise ValueError(f"place: one of {PLACES}, got {place!r}")
-
-    real = zeco_module.ShardSegments
     if world > 1:
         yield
         return
+    real = op_hooks.shard_cut
 
-    class MiddleRank(real):
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, **kwargs)
-            if not self.varlen:
-                self.world, self.rank = {"middle": (3, 1), "last": (2, 1), "first": (2, 0)}[place]
-                self.continued = self.rank > 0
+    def stand_in(*args):
+        cut = real(*args)
+        if not cut.varlen:
+            cut.world, cut.rank = {"middle": (3, 1), "last": (2, 1), "first": (2, 0)}[place]
+            cut.continued = cut.rank > 0
+        return cut
 
-    # the layers reuse the cut of a call repeated with the same arguments: forget the cuts made
-    # before (and, leaving, under) the stand-in
-    from allscan.ops._launch import forget_plans
-
+    # the ops reuse the cut of a call repeated with the same arguments: forget the cuts made before
+    # (and, leaving, under) the stand-in
     forget_plans()
-    zeco_module.ShardSegments = MiddleRank
     try:
-        yield
+        with replaced(op_hooks, shard_cut=stand_in):
+            yield
     finally:
-        zeco_module.ShardSegments = real
         forget_plans()
 
 

@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from allscan.ops.delta.fla import _fns
+from allscan.ops.delta.fla import fla_functions
 from allscan.ops.delta.fold_in import head_outputs
 
 C = 64
@@ -58,7 +58,7 @@ def main():
     args = ap.parse_args()
     T, H, K = args.tokens, args.heads, args.dim
     V, NT, dev, bf = K, -(-T // C), "cuda", torch.bfloat16
-    fla = _fns()
+    fla = fla_functions()
     q = torch.randn(1, T, H, K, device=dev, dtype=bf) * K ** -0.5
     k = torch.randn(1, T, H, K, device=dev, dtype=bf) * K ** -0.5
     v_wide = torch.randn(1, T, H, V + K, device=dev, dtype=bf)

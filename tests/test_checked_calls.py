@@ -22,7 +22,7 @@ from distributed import run_distributed  # noqa: E402
 import allscan  # noqa: E402
 import allscan._agreement as agreement  # noqa: E402
 import allscan.ops.delta.prepare as delta_prepare  # noqa: E402
-import allscan.ops.gla.zeco as gla_zeco  # noqa: E402
+import allscan.ops.gla.checks as gla_checks  # noqa: E402
 from allscan._settings import settings  # noqa: E402
 from allscan.layers import zeco_gated_delta_rule  # noqa: E402
 from allscan.ops.gla import zeco_gla  # noqa: E402
@@ -82,7 +82,7 @@ def _fresh_cuts():
 
 def test_gla_repeated_call_checks_once_and_gives_the_same_answer():
     q, k, v, g = _gla()
-    with _Counted(gla_zeco, "_check_arguments") as checks:
+    with _Counted(gla_checks, "check_arguments") as checks:
         o1, _ = zeco_gla(q, k, v, g)
         o2, _ = zeco_gla(q, k, v, g)
         assert checks.calls == 1
@@ -114,7 +114,7 @@ def test_gla_repeated_call_checks_once_and_gives_the_same_answer():
 def test_gla_checks_every_call_with_packed_sequences_or_check_always(env):
     q, k, v, g = _gla()
     cu = torch.tensor([0, 5, 16])
-    with _Counted(gla_zeco, "_check_arguments") as checks:
+    with _Counted(gla_checks, "check_arguments") as checks:
         zeco_gla(q, k, v, g, cu_seqlens=cu)
         zeco_gla(q, k, v, g, cu_seqlens=cu)
         assert checks.calls == 2  # the cut reads cu_seqlens' values
@@ -162,7 +162,7 @@ def _run_gloo_checks_every_call(rank, world):
     is caught on every rank."""
     torch.manual_seed(0)
     q, k, v, g = _gla()
-    with _Counted(gla_zeco, "_check_arguments") as checks:
+    with _Counted(gla_checks, "check_arguments") as checks:
         for _ in range(3):
             zeco_gla(q, k, v, g, dist.group.WORLD)
         assert checks.calls == 3
@@ -212,7 +212,7 @@ def _run_once_per_signature(rank, world):
     agreement._on_nccl = lambda group, device: True  # this process only: the NCCL rules on gloo
     torch.manual_seed(0)
     q, k, v, g = _gla()
-    with _Counted(gla_zeco, "_check_arguments") as checks, _Counted(gla_zeco, "check_across_ranks") as across:
+    with _Counted(gla_checks, "check_arguments") as checks, _Counted(gla_checks, "check_across_ranks") as across:
         for _ in range(3):
             zeco_gla(q, k, v, g, dist.group.WORLD)
         assert (checks.calls, across.calls) == (1, 1)

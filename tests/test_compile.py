@@ -226,14 +226,16 @@ def _opcheck_zeco_gla(rank, world):
     name = dist.group.WORLD.group_name
     q, k, v, g = (t.double().requires_grad_() for t in _inputs(rank, "gla"))
     h0 = torch.randn(1, 2, 8, 8, dtype=torch.float32, generator=torch.Generator().manual_seed(7))
-    for args in ((q, k, v, g, None, None, name, 0.35, "zeco", True, True),
-                 (q, k, v, g[..., 0].detach().clone().requires_grad_(), None, None, name, 0.35, "lasp2", False, True),
-                 (q.float(), k.float(), v.float(), None, h0.requires_grad_(), None, name, 0.35, "zeco", True, True),
-                 (q, k, v, g, None, torch.tensor([0, 10, 30, 24 * world]), name, 0.35, "zeco", True, True),
-                 # strided inputs: the ops' results are contiguous, as their fake kernels say
-                 (q.transpose(1, 2).contiguous().transpose(1, 2), k, v, g.transpose(1, 2).contiguous().transpose(1, 2),
-                  None, None, name, 0.35, "zeco", True, True)):
-        torch.library.opcheck(torch.ops.allscan.zeco_gla.default, args)
+    plain = dict(group_name=name, scale=0.35, method="zeco", want_final=True, needs_grad=True)
+    for args, kwargs in (((q, k, v, g, None, None), plain),
+                         ((q, k, v, g[..., 0].detach().clone().requires_grad_(), None, None),
+                          dict(plain, method="lasp2", want_final=False)),
+                         ((q.float(), k.float(), v.float(), None, h0.requires_grad_(), None), plain),
+                         ((q, k, v, g, None, torch.tensor([0, 10, 30, 24 * world])), plain),
+                         # strided inputs: the ops' results are contiguous, as their fake kernels say
+                         ((q.transpose(1, 2).contiguous().transpose(1, 2), k, v,
+                           g.transpose(1, 2).contiguous().transpose(1, 2), None, None), plain)):
+        torch.library.opcheck(torch.ops.allscan.zeco_gla.default, args, kwargs)
     return True
 
 

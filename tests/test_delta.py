@@ -677,10 +677,10 @@ def test_fla_backend_option_plumbing_with_reference_steps(monkeypatch):
         dq, dk, dv, dg, db, dh0 = torch.autograd.grad([o, fin], xs, [do, dht])
         return dq, dk, dv, db, dg, dh0, None, None  # fla's order
 
-    # the activations FlaDelta takes from fla (looked up once per process, through _fns)
+    # the activations FlaDelta takes from fla (looked up once per process, through fla_functions)
     fakes = SimpleNamespace(l2norm_fwd=l2_fwd, l2norm_bwd=l2_bwd, fused_beta_sigmoid_bwd=sig_bwd,
                             fused_beta_sigmoid_fwd=lambda x, scale=1.0: scale * torch.sigmoid(x))
-    monkeypatch.setattr(fla_backend, "_fns", lambda: fakes)
+    monkeypatch.setattr(fla_backend, "fla_functions", lambda: fakes)
     monkeypatch.setattr(fla_backend, "_state_steps", state_steps)
     monkeypatch.setattr(fla_backend, "_output_step", lambda staged: (staged[0], ()))
     monkeypatch.setattr(fla_backend, "_head_output_step", lambda staged, S_in: (

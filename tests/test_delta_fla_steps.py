@@ -19,7 +19,7 @@ from allscan.ops.delta import fla as allscan_fla  # noqa: E402
 from allscan.ops.delta.gates import DeltaOptions  # noqa: E402
 from allscan.ops.delta.shard import FinalGrads  # noqa: E402
 
-# the steps each backward calls: fla's name in its module -> the name in allscan's _fns()
+# the steps each backward calls: fla's name in its module -> the name in allscan's fla_functions()
 GDN_STEPS = {"recompute_w_u_fwd": "gdn_recompute_w_u_fwd", "chunk_gated_delta_rule_fwd_h": None,
              "chunk_bwd_dv_local": None, "chunk_gated_delta_rule_bwd_dhu": None, "chunk_bwd_dqkwg": None,
              "prepare_wy_repr_bwd": None, "chunk_local_cumsum": None, "gdn_gate_bwd": None}
@@ -84,7 +84,7 @@ def _record(module, steps, fla_call, allscan_call, names, monkeypatch, heads=1):
                     m.setattr(module, fla_name, fake)
                 out = fla_call()
             else:
-                m.setattr(allscan_fla, "_fns", lambda: SimpleNamespace(**fakes, RCP_LN2=fla_gdn.RCP_LN2))
+                m.setattr(allscan_fla, "fla_functions", lambda: SimpleNamespace(**fakes, RCP_LN2=fla_gdn.RCP_LN2))
                 out = allscan_call()
         runs.append((rec.calls, [rec.names.get(id(t), t) if isinstance(t, torch.Tensor) else t for t in out]))
     return runs
@@ -189,7 +189,7 @@ def test_the_reverse_scan_is_asked_for_where_fla_s_backward_state_kernel_starts(
             return fakes[label](*a, **kw)
         return call
 
-    monkeypatch.setattr(allscan_fla, "_fns", lambda: SimpleNamespace(**{k: logged(k) for k in fakes}))
+    monkeypatch.setattr(allscan_fla, "fla_functions", lambda: SimpleNamespace(**{k: logged(k) for k in fakes}))
     opts = DeltaOptions(per_key=layer == "kda")
     factors = (t["g_cum"], t["A"], t["Akk"]) if layer == "kda" else (t["g_cum"], t["A"])
     allscan_fla._backward_steps(t["q"], t["k"], t["v"], t["g"], t["beta"], factors, opts, 0.25, t["h0"], t["do"],
@@ -232,7 +232,7 @@ def test_gdn_solve_kernel_is_launched_as_fla_s_intra_function_launches_it(value_
     monkeypatch.setattr(fla_intra, "recompute_w_u_fwd", lambda **kw: (None, None))
     fla_intra.chunk_gated_delta_rule_fwd_intra(k=k, v=torch.zeros(1, T, H * value_heads, 8), g=g, beta=beta,
                                                chunk_size=64)
-    monkeypatch.setattr(allscan_fla, "_fns", lambda: SimpleNamespace(gdn_kkt_solve_kernel=ours))
+    monkeypatch.setattr(allscan_fla, "fla_functions", lambda: SimpleNamespace(gdn_kkt_solve_kernel=ours))
     A = allscan_fla._gdn_solved_factors(k, g, beta)
     assert len(theirs.launches) == 1 and len(ours.launches) == 1
     assert ours.launches[0][:2] == theirs.launches[0][:2]

@@ -264,21 +264,20 @@ def _as_middle_rank(world):
     first row of ``initial_state``, as the incoming state), the fold-in and the narrow backward.
     ``allscan.ops.LOCAL`` still means one process."""
     import allscan.ops._shards as shards
-    import allscan.ops.delta.prepare as prepare  # where the cut is made
-    from allscan.ops._launch import forget_plans
+    from allscan.ops.hooks import forget_plans, op_hooks  # the documented hook where the cut is made
 
     if world != 1:
         return
     stand_in = _StandInGroup()
     shards._PLACES[stand_in] = (3, 1)
 
-    class MiddleRank(prepare.ShardSegments):
+    class MiddleRank(shards.ShardSegments):
         def __init__(self, group, T, B, cu_seqlens, op):
             super().__init__(group if group is None else stand_in, T, B, cu_seqlens, op)
             self.group = group
             self.stand_in = stand_in  # the weakly keyed place lives as long as the cut
 
-    prepare.ShardSegments = MiddleRank
+    op_hooks.shard_cut = MiddleRank
     forget_plans()  # no cut made before is reused (a repeated call reuses its cut)
 
 

@@ -114,14 +114,14 @@ def test_the_delta_steps_call_fla_past_its_dispatcher():
     from fla.ops.common.chunk_o import chunk_bwd_dqkwg, chunk_fwd_o
     from fla.ops.kda.chunk_bwd import chunk_kda_bwd_wy_dqkg_fused
 
-    from allscan.ops.delta.fla import _fns
+    from allscan.ops.delta.fla import fla_functions
 
-    fns = _fns()
+    fns = fla_functions()
     # chunk_bwd_dqkwg and chunk_kda_bwd_wy_dqkg_fused are the steps fla's TileLang backend implements
     for name, fn in (("chunk_gated_delta_rule_fwd_h", chunk_gated_delta_rule_fwd_h), ("chunk_fwd_o", chunk_fwd_o),
                      ("chunk_gated_delta_rule_bwd_dhu", chunk_gated_delta_rule_bwd_dhu),
                      ("chunk_bwd_dqkwg", chunk_bwd_dqkwg), ("chunk_kda_bwd_wy_dqkg_fused", chunk_kda_bwd_wy_dqkg_fused)):
-        assert getattr(fns, name) is direct(fn), name  # _fns resolves every fla entry point
+        assert getattr(fns, name) is direct(fn), name  # fla_functions resolves every fla entry point
         if name in ("chunk_gated_delta_rule_fwd_h", "chunk_fwd_o"):  # dispatched, with no backend that runs
             assert falls_back(fn) or os.environ.get("FLA_INTRACARD_CP", "0") != "0", name  # (fla-core 0.6)
         if falls_back(fn):

@@ -173,7 +173,7 @@ def _run_world(rank, world, state_backward_first=None):
         TorchGLA.state_backward_first = state_backward_first
     _check_rank(rank, world, _cases(world))
     # the zeros a chain end passes to its scans are shared between calls: nothing may write them
-    from allscan.ops.gla import zeco as zeco_module
+    from allscan.ops.gla import body as zeco_module
     assert world == 1 or zeco_module._SHARED_ZEROS, "the chain's ends pass shared zeros"
     for key, zeros in zeco_module._SHARED_ZEROS.items():
         assert torch.count_nonzero(zeros) == 0, f"shared zeros {key} were written"
@@ -532,7 +532,7 @@ def _run_part_fails(rank, world, where):
         return torch.autograd.grad(o, ins, do[:, sl])
 
     expected = grads()
-    outcome = outcome_when_rank_1_fails(G.zeco if where == "_full_decay" else TorchGLA, where, grads)
+    outcome = outcome_when_rank_1_fails(G.body if where == "_full_decay" else TorchGLA, where, grads)
     assert all(torch.equal(a, b) for a, b in zip(grads(), expected)), (rank, where)
     return outcome
 

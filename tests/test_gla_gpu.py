@@ -536,10 +536,8 @@ def _stand_in(rank, world, dtype_name, decay, place):
     import torch.nn.functional as F
     from fla.ops.gla import chunk_gla
 
-    import allscan.ops.gla.zeco as zeco
-    from allscan.ops._launch import forget_plans
     from allscan.ops.gla import fused_kernels_enabled, limit_fla_autotune, recurrent_gla_reference, zeco_gla
-    from allscan.ops.hooks import op_hooks, replaced
+    from allscan.ops.hooks import forget_plans, op_hooks, replaced
 
     limit_fla_autotune("one")
     dtype = getattr(torch, dtype_name)
@@ -597,21 +595,21 @@ def _stand_in(rank, world, dtype_name, decay, place):
         y = (dS_out if reverse else S_in).clone()
         return _Ready(y) if async_op else y
 
-    class StandIn(zeco.ShardSegments):
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, **kwargs)
-            self.world, self.rank, self.continued = shards, 1, True
+    real_cut = op_hooks.shard_cut
 
-    real = zeco.ShardSegments
-    zeco.ShardSegments = StandIn
+    def stand_in(*args):
+        cut = real_cut(*args)
+        cut.world, cut.rank, cut.continued = shards, 1, True
+        return cut
+
     forget_plans()  # a repeated call reuses its cut: none made before the stand-in
     try:
-        with replaced(op_hooks, gla_scan=exact_scan):  # the op's documented hook: how it issues its scans
+        # the op's documented hooks: how it issues its scans, how it cuts the shard
+        with replaced(op_hooks, gla_scan=exact_scan, shard_cut=stand_in):
             ms = [t[:, mid].clone().requires_grad_(True) for t in (q, k, v, g)]
             o, final = zeco_gla(*ms, dist.group.WORLD, output_final_state=True)
             ((o.float() * do[:, mid].float()).sum() + (final * dht).sum()).backward()
     finally:
-        zeco.ShardSegments = real
         forget_plans()
     mine = dict(zip(names, [o.detach()] + [t.grad for t in ms]))
     mine["final"] = final.detach()

@@ -22,30 +22,30 @@ def _load(name):
 gh, db, common = _load("gla_host"), _load("delta_bench"), _load("gla_common")
 
 
-@pytest.mark.parametrize("module", ["allscan.ops.gla.zeco", "allscan.ops.delta.prepare"])
-def test_one_rank_stands_in_for_a_middle_rank_and_restores(module):
+def test_one_rank_stands_in_for_a_middle_rank_and_restores():
     import torch
 
-    Z = importlib.import_module(module)
-    real = Z.ShardSegments
-    with common.middle_rank_stand_in(1, module):
-        segs = Z.ShardSegments(None, 8, 1, None, "t")
+    from allscan.ops.hooks import op_hooks
+
+    real = op_hooks.shard_cut
+    with common.middle_rank_stand_in(1, "zeco_gla"):
+        segs = op_hooks.shard_cut(None, 8, 1, None, "t")
         assert (segs.world, segs.rank, segs.continued) == (3, 1, True)
-        packed = Z.ShardSegments(None, 8, 1, torch.tensor([0, 3, 8]), "t")  # varlen: left as it is
+        packed = op_hooks.shard_cut(None, 8, 1, torch.tensor([0, 3, 8]), "t")  # varlen: left as it is
         assert (packed.world, packed.continued) == (1, False)
-    assert Z.ShardSegments is real
-    with common.middle_rank_stand_in(1, module, "last"):
-        segs = Z.ShardSegments(None, 8, 1, None, "t")
+    assert op_hooks.shard_cut is real
+    with common.middle_rank_stand_in(1, "zeco_gla", "last"):
+        segs = op_hooks.shard_cut(None, 8, 1, None, "t")
         assert (segs.world, segs.rank, segs.continued) == (2, 1, True)
-    assert Z.ShardSegments is real
-    with common.middle_rank_stand_in(1, module, "first"):
-        segs = Z.ShardSegments(None, 8, 1, None, "t")
+    assert op_hooks.shard_cut is real
+    with common.middle_rank_stand_in(1, "zeco_gla", "first"):
+        segs = op_hooks.shard_cut(None, 8, 1, None, "t")
         assert (segs.world, segs.rank, segs.continued) == (2, 0, False)
-    assert Z.ShardSegments is real
-    with common.middle_rank_stand_in(2, module):
-        assert Z.ShardSegments is real
+    assert op_hooks.shard_cut is real
+    with common.middle_rank_stand_in(2, "zeco_gla"):
+        assert op_hooks.shard_cut is real
     with pytest.raises(ValueError, match="place"):
-        with common.middle_rank_stand_in(1, module, "second"):
+        with common.middle_rank_stand_in(1, "zeco_gla", "second"):
             pass
 
 

@@ -205,7 +205,7 @@ def _validate(direction: int, xs: Sequence[torch.Tensor], maps, num_heads, world
 # Launch: the C++ core on NCCL, else torch.distributed (ops/_a2a_dist.py)
 # ------------------------------------------------------------------------------------------------
 
-def _use_cpp(group, x: torch.Tensor) -> bool:
+def use_cpp(group, x: torch.Tensor) -> bool:
     return settings.a2a_impl != "torch" and _comm.uses_nccl(group, x)
 
 
@@ -301,7 +301,7 @@ def _a2a_multi(direction, xs, maps, num_heads, group, outs, accumulate, names, s
             device = xs[0].device if xs and isinstance(xs[0], torch.Tensor) else torch.device("cpu")
             announce_invalid(group, device, op, str(e))
         raise
-    cpp = _use_cpp(group, xs[0])
+    cpp = use_cpp(group, xs[0])
     signs = cpp and settings.check not in ("trust", "never")
     fields = _signature(direction, xs, maps, num_heads, accumulate) if check or signs else None
     if cpp:

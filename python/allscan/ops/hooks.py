@@ -15,6 +15,11 @@ back when done (``with replaced(op_hooks, name=fn):``); the hooks are process-wi
 - ``delta_scan(x, **kwargs)``: how :func:`allscan.ops.delta.zeco_gated_delta_rule` and
   :func:`~allscan.ops.delta.zeco_kda` issue their matrix All-Scans (``allscan.scan(x,
   transition=..., ...)``). Default: :func:`allscan.scan`.
+- ``shard_cut(group, T, B, cu_seqlens, op)``: how ``zeco_gla`` and the delta rules cut this rank's shard
+  when no :class:`allscan.SequenceContext` is given (a :class:`allscan.context.ShardCut`); a benchmark
+  stands one rank in for another here. Default: :class:`allscan.ops._shards.ShardSegments`.
+- :func:`forget_plans`: forget the plans and checked cuts made so far, so that a replaced hook serves
+  the next call even where a repeated call would reuse an earlier call's cut.
 
 :func:`allscan.ops.gla.host_stage_times` (the benchmarks' host timer) is built on the first two.
 """
@@ -23,9 +28,11 @@ from __future__ import annotations
 import contextlib
 from typing import Iterator
 
+from ._launch import forget_plans
+from ._shards import ShardSegments
 from .scan import scan
 
-__all__ = ["OpHooks", "op_hooks", "run_body", "replaced"]
+__all__ = ["OpHooks", "op_hooks", "run_body", "replaced", "forget_plans"]
 
 
 def run_body(label: str, body, backend, *args):
@@ -36,12 +43,13 @@ def run_body(label: str, body, backend, *args):
 class OpHooks:
     """The hooks (see the module docstring); one instance, :data:`op_hooks`."""
 
-    __slots__ = ("gla_scan", "gla_body", "delta_scan")
+    __slots__ = ("gla_scan", "gla_body", "delta_scan", "shard_cut")
 
     def __init__(self):
         self.gla_scan = scan
         self.gla_body = run_body
         self.delta_scan = scan
+        self.shard_cut = ShardSegments
 
 
 op_hooks = OpHooks()

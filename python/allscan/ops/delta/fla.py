@@ -53,7 +53,7 @@ def fla_delta_available() -> bool:
     """Whether every fla-core function the delta layers call imports (fla-core and Triton with a GPU):
     a version lacking one falls back to the torch backend at selection, not in the middle of a call."""
     try:
-        _fns()
+        fla_functions()
     except Exception:  # noqa: BLE001 - any failure to import means: not usable here
         return False
     return True
@@ -77,10 +77,10 @@ def fla_kernel(opts):
 
 
 @functools.lru_cache(maxsize=None)
-def _fns() -> SimpleNamespace:
+def fla_functions() -> SimpleNamespace:
     """fla-core's functions the steps below call, and allscan's kernels around them, imported once per
     process (import statements on every call are host time on the critical path, issue 14). What it
-    found is kept: to replace one of them (tests, benchmarks), replace ``_fns`` or clear its cache."""
+    found is kept: to replace one of them (tests, benchmarks), replace ``fla_functions`` or clear its cache."""
     from fla.modules.norm.l2norm import l2norm_bwd, l2norm_fwd
     from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_bwd_dhu, chunk_gated_delta_rule_fwd_h
     from fla.ops.common.chunk_o import chunk_bwd_dqkwg, chunk_bwd_dv_local, chunk_fwd_o
@@ -127,10 +127,10 @@ def _activate(q, k, beta, opts):
     """What fla's autograd functions apply before their forward steps: ``(q, k, beta, q_rstd, k_rstd)``."""
     q_rstd = k_rstd = None
     if opts.use_qk_l2norm_in_kernel:
-        q, q_rstd = _fns().l2norm_fwd(q)
-        k, k_rstd = _fns().l2norm_fwd(k)
+        q, q_rstd = fla_functions().l2norm_fwd(q)
+        k, k_rstd = fla_functions().l2norm_fwd(k)
     if opts.use_beta_sigmoid_in_kernel:
-        beta = _fns().fused_beta_sigmoid_fwd(beta, 2.0 if opts.allow_neg_eigval else 1.0)
+        beta = fla_functions().fused_beta_sigmoid_fwd(beta, 2.0 if opts.allow_neg_eigval else 1.0)
     return q, k, beta, q_rstd, k_rstd
 
 
@@ -150,7 +150,7 @@ def local_varlen(bounds: Sequence[int], device):
         return None, None
     cu_cpu = torch.tensor(list(bounds), dtype=torch.long)
     cu = cu_cpu.to(device, non_blocking=True)
-    return cu, _fns().prepare_chunk_indices(cu, CHUNK, cu_seqlens_cpu=cu_cpu)
+    return cu, fla_functions().prepare_chunk_indices(cu, CHUNK, cu_seqlens_cpu=cu_cpu)
 
 
 def _state_steps(q, k, v, g, beta, opts, scale, h0, width, cu=None, ci=None):
@@ -159,7 +159,7 @@ def _state_steps(q, k, v, g, beta, opts, scale, h0, width, cu=None, ci=None):
     wide): ``(final, staged)``; :func:`_output_step` (V columns) or :func:`_head_output_step` (widened,
     after the All-Scan) finishes from ``staged``. The calls and their order are those of fla's
     ``chunk_gated_delta_rule_fwd`` / ``chunk_kda_fwd`` (chunk 64)."""
-    fla = _fns()
+    fla = fla_functions()
     vl = dict(cu_seqlens=cu, chunk_indices=ci)
     if opts.per_key:
         if opts.use_gate_in_kernel:
@@ -200,7 +200,7 @@ def _gdn_solved_factors(k, g_cum, beta):
     B, T, H, K = k.shape
     HV = beta.shape[2]
     A = torch.zeros(B, T, HV, CHUNK, device=k.device, dtype=k.dtype)
-    _fns().gdn_kkt_solve_kernel[(-(-T // CHUNK), B * HV)](
+    fla_functions().gdn_kkt_solve_kernel[(-(-T // CHUNK), B * HV)](
         k=k, g=g_cum, beta=beta, A=A, cu_seqlens=None, chunk_indices=None, T=T, H=H, HV=HV, K=K, BT=CHUNK, BC=16)
     return A
 
@@ -208,7 +208,7 @@ def _gdn_solved_factors(k, g_cum, beta):
 def _output_step(staged):
     """fla's output kernel from what :func:`_state_steps` staged: ``(o, factors)``, ``factors`` what
     :func:`_backward_steps` needs besides the inputs (per-token tensors, or None)."""
-    fla = _fns()
+    fla = fla_functions()
     if staged[0] == "kda":
         _, q, v_new, g_cum, Aqk, h, scale, vl, factors = staged
         return fla.chunk_gla_fwd_o_gk(q=q, v=v_new, g=g_cum, A=Aqk, h=h, scale=scale, chunk_size=CHUNK, **vl), factors
@@ -222,9 +222,9 @@ def _head_output_step(staged, S_in):
     fla's output kernel over the widened columns and a pass over its result."""
     if staged[0] == "kda":
         _, q, v_new, g_cum, Aqk, h, scale, _, factors = staged
-        return _fns().head_outputs(q, q, v_new, h, g_cum, Aqk, S_in, scale), factors
+        return fla_functions().head_outputs(q, q, v_new, h, g_cum, Aqk, S_in, scale), factors
     _, q, k, v_new, h, g_cum, scale, _, factors = staged
-    return _fns().head_outputs(q, k, v_new, h, g_cum, None, S_in, scale), factors
+    return fla_functions().head_outputs(q, k, v_new, h, g_cum, None, S_in, scale), factors
 
 
 def _backward_steps(q, k, v, g, beta, factors, opts, scale, h0, do, finals, dt, cu=None, ci=None):
@@ -238,7 +238,7 @@ def _backward_steps(q, k, v, g, beta, factors, opts, scale, h0, do, finals, dt, 
     instead: here the recomputation is the only long step before the one that needs the scan's result,
     and it slows down beside the scan's work by less than the work takes; bench/README.md,
     "Measurements behind design choices".)"""
-    fla = _fns()
+    fla = fla_functions()
     vl = dict(cu_seqlens=cu, chunk_indices=ci)
     if opts.per_key:
         return _kda_backward_steps(fla, q, k, v, g, beta, factors, opts, scale, h0, do, finals, dt, vl)
@@ -385,7 +385,7 @@ class FlaDelta:
 
     @staticmethod
     def fold_state_grad(q_eff: torch.Tensor, do: torch.Tensor) -> torch.Tensor:
-        return _fns().fold_state_grad(q_eff, do)
+        return fla_functions().fold_state_grad(q_eff, do)
 
     @staticmethod
     def backward(saved, q, k, v, g, beta, opts, scale: float, bounds: Sequence[int],
@@ -401,9 +401,9 @@ class FlaDelta:
                 qa, ka, v.contiguous(), g.contiguous(), ba, factors, opts, scale, _stacked(h0s, dt), do.contiguous(),
                 finals, dt, cu, ci)
             if opts.use_qk_l2norm_in_kernel:
-                dq, dk = _fns().l2norm_bwd(qa, q_rstd, dq), _fns().l2norm_bwd(ka, k_rstd, dk)
+                dq, dk = fla_functions().l2norm_bwd(qa, q_rstd, dq), fla_functions().l2norm_bwd(ka, k_rstd, dk)
             if opts.use_beta_sigmoid_in_kernel:
-                dbeta = _fns().fused_beta_sigmoid_bwd(beta.contiguous(), dbeta, 2.0 if opts.allow_neg_eigval else 1.0)
+                dbeta = fla_functions().fused_beta_sigmoid_bwd(beta.contiguous(), dbeta, 2.0 if opts.allow_neg_eigval else 1.0)
         if dh0 is None:
             dh0s = [None] * len(h0s)
         else:

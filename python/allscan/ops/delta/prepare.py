@@ -17,6 +17,7 @@ from allscan._dtypes import DTYPE_CODES, dtype_code
 from .._launch import validated_group
 from .._shards import ShardSegments, checked_cut
 from ..batch_context import context_fields
+from ..hooks import op_hooks
 from .chunk import TorchDelta, compute_dtype
 from .fla import FlaDelta, fla_delta_available
 from .gates import DeltaOptions
@@ -195,7 +196,7 @@ def _signature(call: DeltaCall, q, v, segs, h0, opts):
 
 def shard_cut(group, q, cu_seqlens, op) -> ShardSegments:
     """This rank's shard cut at the packed sequences' boundaries (checked)."""
-    return ShardSegments(group, q.shape[1], q.shape[0], cu_seqlens, op)
+    return op_hooks.shard_cut(group, q.shape[1], q.shape[0], cu_seqlens, op)
 
 
 def prepared(call: DeltaCall, group, q, k, v, g, beta, initial_state, conflict: Optional[Exception] = None):

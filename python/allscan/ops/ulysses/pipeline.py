@@ -9,7 +9,7 @@ import torch
 
 from ... import _C, _comm
 from ..._contract import announce_invalid, peers_exchange, settings
-from ..a2a import _use_cpp
+from ..a2a import use_cpp as _use_cpp
 from .checks import OP
 from .plan import ChunkPlan
 
