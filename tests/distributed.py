@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import socket
 import tempfile
@@ -96,8 +97,9 @@ def _start_context():
     return _FORKSERVER[0]
 
 
-def _child(fn, rank, world_size, backend, init_file, q, args, teardown=True, env=None):
+def _child(call, rank, world_size, backend, init_file, q, teardown=True, env=None):
     try:
+        fn, args = pickle.loads(call)
         if env is not None:  # forked from the forkserver: the parent's environment now, not at the server's start
             os.environ.clear()
             os.environ.update(env)
@@ -144,7 +146,10 @@ def run_distributed(fn, world_size, *args, timeout=120, backend="gloo", may_exit
     fd, init_file = tempfile.mkstemp(prefix="allscan_pg_")
     os.close(fd)
     os.unlink(init_file)
-    procs = [ctx.Process(target=_child, args=(fn, r, world_size, backend, init_file, q, args, not may_exit, env),
+    # the function and its arguments as plain pickled bytes: multiprocessing would hand each tensor over as a
+    # shared-memory file descriptor, and a forkserver takes at most 256 of them per process
+    call = pickle.dumps((fn, args))
+    procs = [ctx.Process(target=_child, args=(call, r, world_size, backend, init_file, q, not may_exit, env),
                          daemon=True)
              for r in range(world_size)]
     for p in procs:
