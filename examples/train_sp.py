@@ -221,12 +221,6 @@ def main():
     model, params = _model(args, device, sequence_parallel=True, group=group)
     if mesh is not None:
         spm.fully_shard(model, mesh)
-        if not cuda:  # gloo has no PREMUL_SUM, which FSDP2 uses for fp32 / bf16 with a divide factor of 1
-            from torch.distributed.fsdp import FSDPModule
-
-            for m in model.modules():
-                if isinstance(m, FSDPModule):
-                    m.set_force_sum_reduction_for_comms(True)
         params = dict(model.named_parameters())  # FSDP2's sharded Parameters, under the same names
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
     ref = _model(args, device)[0] if args.compare else None  # one process, the whole (global) batch

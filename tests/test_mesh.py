@@ -146,6 +146,11 @@ def _mesh_case(rank, world, family):
     res["fsdp"] = _errors(spm.reduce_loss(loss, mesh).item(), want_all[0], _grads(model), want_all[1])
     res["fsdp_dtype"] = str(next(iter(_grads(model).values())).dtype)
     res["sharded"] = type(next(model.parameters())).__name__
+    if family == "llama":  # fp32 through FSDP2 on gloo too (a divide factor of 1 must not ask for PREMUL_SUM)
+        want32 = _reference(lambda: _model("sdpa", torch.float32), rows)
+        model = spm.fully_shard(_model(name, torch.float32), mesh)
+        loss = step(model, spm.shard_batch(ids, labels, mesh, position_ids=pos))
+        res["fsdp_fp32"] = _errors(spm.reduce_loss(loss, mesh).item(), want32[0], _grads(model), want32[1])
     if family == "llama":  # a row whose batch cannot be cut: every rank raises (the other row does not wait)
         cut = T - 1 if d == 1 else T
         try:
@@ -169,4 +174,5 @@ def test_dp_sp_mesh_with_fsdp2_equals_one_process(family):
         for key in ("row", "replicas", "fsdp"):
             assert r[key]["loss"] <= bound and r[key]["grads"] <= bound, (key, r)
         if family == "llama":
+            assert r["fsdp_fp32"]["loss"] <= 1e-5 and r["fsdp_fp32"]["grads"] <= 1e-5, r["fsdp_fp32"]
             assert "must be a multiple of the group size 2" in r["bad_row"] or "another DP row's batch" in r["bad_row"]

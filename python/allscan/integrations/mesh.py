@@ -128,13 +128,16 @@ def whole_mesh(mesh):
 def sum_gradients(model: nn.Module) -> int:
     """Make every FSDP2 module of ``model`` sum its gradients over the ranks it reduces over, instead of averaging
     them (``set_gradient_divide_factor(1.0)``): what the loss normalised by the global token count needs (module
-    docstring). Returns how many FSDP modules it set."""
+    docstring). The reduction is a plain SUM (``set_force_sum_reduction_for_comms``): with a divide factor FSDP2
+    would otherwise ask for ``PREMUL_SUM``, which gloo lacks for fp32 and bf16. Returns how many FSDP modules it
+    set."""
     from torch.distributed.fsdp import FSDPModule
 
     count = 0
     for m in model.modules():
         if isinstance(m, FSDPModule):
             m.set_gradient_divide_factor(1.0)
+            m.set_force_sum_reduction_for_comms(True)
             count += 1
     return count
 
