@@ -171,11 +171,14 @@ def _hybrids_refused(rank, world):
     sp.check_model(_tiny_qwen3_next(name, ("full_attention", "full_attention")))
     sp.check_model(_model(name))
     for model_type, cls in HYBRIDS.items():
-        cfg = AutoConfig.for_model(model_type)
+        # transformers' own classes: with fla imported, the Auto classes map "mamba2" to fla's model
+        cfg = (transformers.Mamba2Config(attn_implementation=name) if model_type == "mamba2" else
+               AutoConfig.for_model(model_type))
         if model_type == "lfm2":
             cfg.layer_types = ["conv", "full_attention"] * (cfg.num_hidden_layers // 2)
         with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(cfg, attn_implementation=name)
+            model = (transformers.Mamba2ForCausalLM(cfg) if model_type == "mamba2" else
+                     AutoModelForCausalLM.from_config(cfg, attn_implementation=name))
             res[model_type] = _raises(NotImplementedError, model, input_ids=torch.zeros(1, 8, dtype=torch.long),
                                       use_cache=False)
     dist.barrier()  # no rank was left in a collective
@@ -195,7 +198,8 @@ def test_hybrid_models_are_refused_on_every_rank():
     assert "(Qwen3NextGatedDeltaNet)" in r["mask"], r["mask"]
     for model_type, cls in HYBRIDS.items():
         assert cls in r[model_type] and "silently wrong" in r[model_type], (model_type, r[model_type])
-        if model_type in ("qwen3_5_text", "olmo_hybrid", "kimi_linear"):
+        if model_type in ("qwen3_5_text", "olmo_hybrid", "kimi_linear", "nemotron_h", "bamba", "mamba2",
+                          "granitemoehybrid"):
             assert rewired in r[model_type], (model_type, r[model_type])
         else:  # no sequence-parallel form for these yet: said so
             assert "not yet supported (allscan.integrations.transformers.sequence_parallel" in r[model_type], \
