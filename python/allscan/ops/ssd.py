@@ -21,6 +21,7 @@ import torch
 from ._launch import own_work, validated_group
 from ._shards import LOCAL, sequence_parallel_group
 from .gla import METHODS, zeco_gla
+from .gla.chunk import state_dtype
 
 __all__ = ["zeco_ssd", "METHODS"]
 
@@ -70,8 +71,10 @@ def _check_arguments(x, dt, A, B, C, D, initial_state, cu_seqlens, method) -> No
         if not isinstance(initial_state, torch.Tensor) or tuple(initial_state.shape) != (n, H, P, N):
             raise ValueError(f"{_OP}: initial_state must be [{rows}, H, P, N] = {(n, H, P, N)}, "
                              f"got {_shape(initial_state)}")
-        if initial_state.dtype != torch.float32:
-            raise ValueError(f"{_OP}: initial_state must be float32, got {initial_state.dtype}")
+        if initial_state.dtype != state_dtype(x.dtype):
+            want = str(state_dtype(x.dtype)).replace("torch.", "")
+            raise ValueError(f"{_OP}: initial_state must be {want} for {x.dtype} inputs (float32; float64 for float64 "
+                             f"inputs), got {initial_state.dtype}")
 
 
 def _to_heads(t: torch.Tensor, H: int) -> torch.Tensor:
@@ -86,7 +89,7 @@ def _to_heads(t: torch.Tensor, H: int) -> torch.Tensor:
 def _gla_inputs(x, dt, A, B, C, initial_state):
     """q, k, v, g and the initial state in zeco_gla's conventions."""
     H = x.shape[2]
-    acc = torch.promote_types(x.dtype, torch.float32)
+    acc = state_dtype(x.dtype)
     v = (dt.to(acc).unsqueeze(-1) * x.to(acc)).to(x.dtype)  # dt x, rounded once to x's dtype
     g = dt.to(acc) * A.to(acc)  # the log decay of each head and token (<= 0 for dt > 0, A < 0)
     h0 = None if initial_state is None else initial_state.transpose(-1, -2).contiguous()  # [.., N, P]
@@ -109,15 +112,16 @@ def zeco_ssd(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor
         D: ``[H]`` or None: the skip term ``D[h] * x``.
         group: the sequence-parallel process group, as :func:`~allscan.ops.gla.zeco_gla`'s (None: the
             default group; :data:`~allscan.ops.LOCAL`: one process holding the whole sequence).
-        initial_state: fp32 ``[batch, H, P, N]`` (transformers' ``ssm_state`` layout), the state before the
-            global first token; with ``cu_seqlens`` ``[num_seqs, H, P, N]``, used where each sequence starts.
+        initial_state: fp32 (fp64 with fp64 inputs) ``[batch, H, P, N]`` (transformers' ``ssm_state``
+            layout), the state before the global first token; with ``cu_seqlens`` ``[num_seqs, H, P, N]``, used where each sequence starts.
         output_final_state: return the state after the shard (on the last rank the global end); with
             ``cu_seqlens`` the rows of the sequences that end on this rank, zeros elsewhere.
         cu_seqlens: ``[num_seqs + 1]`` offsets over the GLOBAL packed row (batch 1), as zeco_gla's.
         method: ``"zeco"``, ``"lasp1"`` or ``"lasp2"``, as zeco_gla's.
 
     Returns:
-        ``(y [batch, T_local, H, P] in x's dtype, final_state fp32 [.., H, P, N] or None)``.
+        ``(y [batch, T_local, H, P] in x's dtype, final_state [.., H, P, N] or None)``, the final state
+        fp32 (fp64 with fp64 inputs).
     """
     spg = sequence_parallel_group(group, _OP)
     packed = cu_seqlens is not None
@@ -135,6 +139,6 @@ def zeco_ssd(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor
     o, final = zeco_gla(q, k, v, g, LOCAL if spg is None else spg, scale=1.0, initial_state=h0,
                         output_final_state=output_final_state, cu_seqlens=cu_seqlens, method=method)
     if D is not None:
-        acc = torch.promote_types(x.dtype, torch.float32)
+        acc = state_dtype(x.dtype)
         o = (o.to(acc) + D.to(acc)[:, None] * x.to(acc)).to(x.dtype)
     return o, (final.transpose(-1, -2).contiguous() if output_final_state else None)

@@ -18,7 +18,7 @@ from allscan.context import ShardCut
 from .._launch import tell_peers_of_failure
 from ..diagonal_scan import OP as SCAN_OP
 from ..hooks import op_hooks
-from .chunk import TorchGLA
+from .chunk import TorchGLA, state_dtype
 from .fla import FlaGLA, fla_available
 
 __all__ = ["METHODS", "SCAN_METHOD", "GLARun", "select_backend", "forward_body", "backward_body"]
@@ -61,8 +61,10 @@ def _scale_state(S, evec):
     return S if evec is None else S * evec
 
 
-def _gamma_fixed(segs, g, B, device, share_zeros: bool):
-    """The decay this rank passes to the All-Scan (a prefix shape of the state [B, H, K, V])."""
+def _gamma_fixed(segs, g, B, like, share_zeros: bool):
+    """The decay this rank passes to the All-Scan (a prefix shape of the state [B, H, K, V], in the
+    state's dtype ``like.dtype``, on its device)."""
+    device = like.device
     if g is None:
         shape = (B,)
     else:
@@ -72,9 +74,9 @@ def _gamma_fixed(segs, g, B, device, share_zeros: bool):
     # last rank's the zero entering the reverse scan's head (both heads send their x as it is); it
     # saves the ends the shard's decay (a kernel launch and its host time)
     if segs.starts_inside or (g is not None and segs.rank in (0, segs.world - 1)):
-        return _zeros(shape, device, share_zeros)
+        return _zeros(shape, like, share_zeros)
     if g is None:  # plain linear attention: decay 1 (a tensor when varlen, so every rank passes one)
-        return torch.ones(shape, dtype=torch.float32, device=device) if segs.varlen else None
+        return torch.ones(shape, dtype=like.dtype, device=device) if segs.varlen else None
     return None  # computed by the backend from the shard's decays
 
 
@@ -82,22 +84,23 @@ _SHARED_ZEROS: Dict[tuple, torch.Tensor] = {}
 _SHARED_ZEROS_BYTES = 32 << 20  # what the shared zeros may hold in all; a larger tensor is made per call
 
 
-def _zeros(shape: tuple, device: torch.device, shared: bool) -> torch.Tensor:
-    """fp32 zeros of ``shape`` that only a scan reads (a chain end's decay, the part of the incoming
-    state's gradient a rank without one contributes). ``shared`` (eager calls): made once per shape and
-    device, a launch and its host time per call saved, except while a CUDA graph is captured; the
-    custom ops make their own (torch.compile's CUDA graphs warm up in a graph pool the tree may hand
-    out again)."""
-    nbytes = 4 * math.prod(shape)
+def _zeros(shape: tuple, like: torch.Tensor, shared: bool) -> torch.Tensor:
+    """Zeros of ``shape`` in ``like``'s dtype and device that only a scan reads (a chain end's decay,
+    the part of the incoming state's gradient a rank without one contributes). ``shared`` (eager
+    calls): made once per shape, dtype and device, a launch and its host time per call saved, except
+    while a CUDA graph is captured; the custom ops make their own (torch.compile's CUDA graphs warm up
+    in a graph pool the tree may hand out again)."""
+    device, dtype = like.device, like.dtype
+    nbytes = like.element_size() * math.prod(shape)
     if not shared or nbytes > _SHARED_ZEROS_BYTES // 4 or (
             device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
-        return torch.zeros(shape, dtype=torch.float32, device=device)
-    key = (shape, device)
+        return torch.zeros(shape, dtype=dtype, device=device)
+    key = (shape, device, dtype)
     zeros = _SHARED_ZEROS.get(key)
     if zeros is None:
-        if nbytes + sum(4 * z.numel() for z in _SHARED_ZEROS.values()) > _SHARED_ZEROS_BYTES:
+        if nbytes + sum(z.element_size() * z.numel() for z in _SHARED_ZEROS.values()) > _SHARED_ZEROS_BYTES:
             _SHARED_ZEROS.clear()  # bounded: a process that sees ever new shapes
-        zeros = _SHARED_ZEROS[key] = torch.zeros(shape, dtype=torch.float32, device=device)
+        zeros = _SHARED_ZEROS[key] = torch.zeros(shape, dtype=dtype, device=device)
     return zeros
 
 
@@ -151,10 +154,10 @@ def forward_body(be, run: GLARun, inputs):
         h0s = _segment_states(segs, h0, None)  # a continued first segment starts from 0
         st = be.fwd_states(q, k, v, gf, scale, segs.bounds, h0s)
         if sp:
-            gamma = _gamma_fixed(segs, g, B, q.device, share_zeros)
+            x = st.finals[-1].to(state_dtype(q.dtype)).contiguous()
+            gamma = _gamma_fixed(segs, g, B, x, share_zeros)
             if gamma is None and g is not None:
                 gamma = be.shard_gamma(st, g)
-            x = st.finals[-1].float().contiguous()
     except Exception as e:
         if sp:
             tell_peers_of_failure(segs.group, SCAN_OP, "its forward before the scan", e)
@@ -192,7 +195,7 @@ def forward_body(be, run: GLARun, inputs):
     final = None
     if run.want_final:
         if segs.varlen:
-            final = q.new_zeros(segs.num_seqs, H, K, V, dtype=torch.float32)
+            final = q.new_zeros(segs.num_seqs, H, K, V, dtype=state_dtype(q.dtype))
             for j in range(segs.nseg):
                 if segs.ends_here[j]:
                     final[segs.seq_ids[j]] = finals[j][0]
@@ -236,9 +239,9 @@ def backward_body(be, run: GLARun, do, dfinal, inputs, S_in, gamma, saved):
             if dfinal is None or not segs.ends_here[j]:
                 dfin.append(None)
             elif segs.varlen:
-                dfin.append(dfinal[segs.seq_ids[j]:segs.seq_ids[j] + 1].float())
+                dfin.append(dfinal[segs.seq_ids[j]:segs.seq_ids[j] + 1].to(state_dtype(q.dtype)))
             else:
-                dfin.append(dfinal.float())
+                dfin.append(dfinal.to(state_dtype(q.dtype)))
 
         h0s = _segment_states(segs, h0, S_in)  # as the local forward saw them, with the true S_in
         # The chunk states are recomputed before the reverse scan is issued: that kernel runs few,
@@ -266,7 +269,7 @@ def backward_body(be, run: GLARun, do, dfinal, inputs, S_in, gamma, saved):
                 if dfin[0] is not None:
                     x = x + _scale_state(dfin[0], evec)
             else:  # nothing of this rank's output depends on the incoming state
-                x = _zeros((B, H, K, V), q.device, share_zeros)
+                x = _zeros((B, H, K, V), q.new_empty(0, dtype=state_dtype(q.dtype)), share_zeros)
         if sp:
             x = x.contiguous()
     except Exception as e:
@@ -290,7 +293,7 @@ def backward_body(be, run: GLARun, do, dfinal, inputs, S_in, gamma, saved):
 
     dg = None
     if g is not None:
-        dg = (dgf.float().sum(-1) if g.dim() == 3 else dgf).to(g.dtype)
+        dg = (dgf.to(state_dtype(dgf.dtype)).sum(-1) if g.dim() == 3 else dgf).to(g.dtype)
     dh0 = None
     if h0 is not None:
         dh0 = torch.zeros_like(h0)

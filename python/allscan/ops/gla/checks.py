@@ -16,6 +16,7 @@ from .._shards import ShardSegments, checked_cut
 from ..batch_context import context_fields
 from ..hooks import op_hooks
 from .body import METHODS, SCAN_METHOD
+from .chunk import state_dtype
 
 __all__ = ["checked_segments", "check_arguments"]
 
@@ -119,5 +120,7 @@ def check_arguments(q, k, v, g, initial_state, cu_seqlens, method, packed_count=
         if tuple(initial_state.shape) != (n, H, K, V):
             raise ValueError(f"zeco_gla: initial_state must be [{'N' if per_sequence else 'B'}, H, K, V] = "
                              f"{(n, H, K, V)}, got {tuple(initial_state.shape)}")
-        if initial_state.dtype != torch.float32:
-            raise ValueError(f"zeco_gla: initial_state must be float32, got {initial_state.dtype}")
+        if initial_state.dtype != state_dtype(q.dtype):
+            want = str(state_dtype(q.dtype)).replace("torch.", "")
+            raise ValueError(f"zeco_gla: initial_state must be {want} for {q.dtype} inputs (float32; float64 for "
+                             f"float64 inputs), got {initial_state.dtype}")

@@ -3,7 +3,8 @@
 :class:`TorchGLA` is one of the two staged local backends :mod:`allscan.ops.gla.zeco` drives (the
 other is :class:`allscan.ops.gla.fla.FlaGLA`); both take the local shard cut into segments
 (``bounds``: local sequence boundaries ``[0, ..., T]``), every segment an independent sequence with
-its own initial state (``None`` = zeros). Here the forward is chunked GLA in fp32 (chunk size 64) and
+its own initial state (``None`` = zeros). Here the forward is chunked GLA in fp32 (float64 for float64
+inputs: :func:`state_dtype`; chunk size 64) and
 the backward autograd through a recomputation; the float64 token-by-token reference beside it
 (:mod:`allscan.ops.gla.naive`) is what it is tested against.
 """
@@ -18,15 +19,22 @@ import torch
 CHUNK = 64
 
 
+def state_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype of GLA states and accumulations for inputs of ``dtype``: float32, float64 for float64
+    inputs (so that a float64 computation on the CPU is exact to float64, as the references are)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
 def torch_chunk_gla(q, k, v, g, scale: float, h0: Optional[torch.Tensor] = None, chunk: int = CHUNK):
-    """Chunked GLA of one sequence in fp32 torch ops (differentiable by autograd).
+    """Chunked GLA of one sequence in torch ops (differentiable by autograd), in :func:`state_dtype`.
 
     q, k, g: ``[B, T, H, K]``; v: ``[B, T, H, V]``; g: log decays (<= 0); h0: ``[B, H, K, V]`` or None.
-    Returns ``(o [B, T, H, V] fp32, h_T [B, H, K, V] fp32)``.
+    Returns ``(o [B, T, H, V], h_T [B, H, K, V])``, both in ``state_dtype(q.dtype)``.
     """
     B, T, H, K = q.shape
     V = v.shape[-1]
-    q, k, v, g = (x.float() for x in (q, k, v, g))
+    acc = state_dtype(q.dtype)
+    q, k, v, g = (x.to(acc) for x in (q, k, v, g))
     pad = (-T) % chunk
     if pad:
         # padding after the sequence (g = 0, k = v = q = 0) changes neither outputs nor final state
@@ -46,7 +54,7 @@ def torch_chunk_gla(q, k, v, g, scale: float, h0: Optional[torch.Tensor] = None,
     o = torch.einsum("bnhij,bnjhv->bnihv", A, v)
 
     # inter-chunk: the state entering each chunk
-    h = q.new_zeros(B, H, K, V) if h0 is None else h0.float()
+    h = q.new_zeros(B, H, K, V) if h0 is None else h0.to(acc)
     outs = []
     for n in range(N):
         bn = b[:, n]  # [B, C, H, K]
@@ -64,10 +72,11 @@ def torch_chunk_gla(q, k, v, g, scale: float, h0: Optional[torch.Tensor] = None,
 def _decayed_queries(q, g, scale, L1):
     """``(scale * q_t * exp(G_t)`` over the first L1 tokens, ``exp(G_L1)`` as a multiplier of a
     ``[B, H, K, V]`` state, None when there is no decay)."""
-    qe = q[:, :L1].float() * scale
+    acc = state_dtype(q.dtype)
+    qe = q[:, :L1].to(acc) * scale
     if g is None:
         return qe, None
-    e = torch.cumsum(g[:, :L1].float(), dim=1).exp()
+    e = torch.cumsum(g[:, :L1].to(acc), dim=1).exp()
     e = e.unsqueeze(-1) if e.dim() == 3 else e  # simple GLA: one decay per head
     return qe * e, e[:, -1].unsqueeze(-1)  # [B, H, K, 1] or [B, H, 1, 1]
 
@@ -75,14 +84,14 @@ def _decayed_queries(q, g, scale, L1):
 def torch_correct_(q, g, o, S_in, scale, L1):
     """In place ``o[:, :L1] += scale * (q * exp(G)) @ S_in``; returns the state multiplier exp(G_L1)."""
     qe, total = _decayed_queries(q, g, scale, L1)
-    o[:, :L1] = (o[:, :L1].float() + torch.einsum("bthk,bhkv->bthv", qe, S_in.float())).to(o.dtype)
+    o[:, :L1] = (o[:, :L1].to(qe.dtype) + torch.einsum("bthk,bhkv->bthv", qe, S_in.to(qe.dtype))).to(o.dtype)
     return total
 
 
 def torch_state_grad(q, g, do, scale, L1):
     """``X = scale * sum_t (q_t * exp(G_t)) do_t^T`` over the first L1 tokens, and exp(G_L1)."""
     qe, total = _decayed_queries(q, g, scale, L1)
-    return torch.einsum("bthk,bthv->bhkv", qe, do[:, :L1].float()), total
+    return torch.einsum("bthk,bthv->bhkv", qe, do[:, :L1].to(qe.dtype)), total
 
 
 class TorchForward(NamedTuple):
@@ -132,7 +141,7 @@ class TorchGLA:
 
     @staticmethod
     def shard_gamma(st, g):
-        return torch.exp(g.float().sum(1))
+        return torch.exp(g.to(st.finals[-1].dtype).sum(1))
 
     @staticmethod
     def bwd_begin(q, k, v, gf, bounds, h0s):
@@ -165,7 +174,7 @@ class TorchGLA:
                     finals.append(h_j)
             return (torch.cat(outs, 1), *finals)
 
-        outputs, vjp = torch.func.vjp(local, q, k, v, g, *[h0s[j].float() for j in given])
+        outputs, vjp = torch.func.vjp(local, q, k, v, g, *[h0s[j].to(state_dtype(q.dtype)) for j in given])
         cotangents = [do] + [dhts[j] for j in ends]
         res = vjp(tuple(c.to(o.dtype) for c, o in zip(cotangents, outputs)))
         prep.grads = [r.to(x.dtype) for r, x in zip(res[:4], (q, k, v, g))]

@@ -17,6 +17,7 @@ from .._launch import absent, or_empty
 from .._shards import ShardSegments, on_device, own_precision, world_and_rank
 from ..hooks import op_hooks
 from .body import GLARun, backward_body, forward_body, select_backend
+from .chunk import state_dtype
 from .checks import checked_segments
 
 __all__ = ["zeco_gla_op", "zeco_gla_backward_op"]
@@ -64,11 +65,12 @@ def _zeco_gla_fake(q, k, v, g, h0, cu_seqlens, *, group_name, scale, method, wan
     V = v.shape[-1]
     sp = _op_world(group_name) > 1
     n = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
-    final = q.new_empty(n, H, K, V, dtype=torch.float32) if want_final else None
-    S_in = q.new_empty(B, H, K, V, dtype=torch.float32) if sp else None
+    sdt = state_dtype(q.dtype)
+    final = q.new_empty(n, H, K, V, dtype=sdt) if want_final else None
+    S_in = q.new_empty(B, H, K, V, dtype=sdt) if sp else None
     gamma = None
     if sp and (g is not None or cu_seqlens is not None):  # the body's fixed decay / the backend's shard_gamma
-        gamma = q.new_empty(((B,) if g is None else tuple(g.shape[:1]) + tuple(g.shape[2:])), dtype=torch.float32)
+        gamma = q.new_empty(((B,) if g is None else tuple(g.shape[:1]) + tuple(g.shape[2:])), dtype=sdt)
     return (v.new_empty(B, T, H, V), or_empty(final, q), or_empty(S_in, q), or_empty(gamma, q),
             select_backend(q).saved_like(q, v))
 

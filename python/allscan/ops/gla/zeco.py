@@ -37,8 +37,8 @@ state: LASP-2, overlapped).
 
 Collectives (what keeps P ranks from deadlocking): with ``world > 1`` every rank, in every branch
 (first, last or inner rank, varlen or not, any method), issues exactly one ``allscan.scan`` in forward
-and one reverse ``allscan.scan`` in backward, with the same signature (state ``[B, H, K, V]`` fp32;
-gamma of the same shape and dtype on every rank, or None on every rank), and nothing else. Every rank
+and one reverse ``allscan.scan`` in backward, with the same signature (state ``[B, H, K, V]`` fp32, fp64
+for fp64 inputs; gamma of the same shape and dtype on every rank, or None on every rank), and nothing else. Every rank
 launches its scans in the same order, and the local work before a launch that may synchronise the
 device (Triton compiling or autotuning, ``.item()``; in the backward the chunk states' recomputation,
 a middle rank's X, the last rank's state backward) waits only for work already issued, whose scans
@@ -118,9 +118,9 @@ def zeco_gla(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: Optional[torc
             torch.distributed is not initialised). :data:`LOCAL`: no sequence parallelism even in an
             initialised group (this process holds the whole sequence).
         scale: default ``K ** -0.5``.
-        initial_state: fp32 ``[B, H, K, V]``, the state before the global first token (used by group
-            rank 0 only; its gradient is returned there, zeros elsewhere). With ``cu_seqlens``:
-            ``[N, H, K, V]``, one per global sequence, used by the rank where that sequence starts (the
+        initial_state: fp32 (fp64 with fp64 inputs) ``[B, H, K, V]``, the state before the global first
+            token (used by group rank 0 only; its gradient is returned there, zeros elsewhere). With
+            ``cu_seqlens``: ``[N, H, K, V]``, one per global sequence, used by the rank where that sequence starts (the
             gradient of row i is returned there only: sum over ranks for the full gradient).
         output_final_state: return the final state. Without ``cu_seqlens``: ``[B, H, K, V]``, the state
             after this rank's last token (on the last rank: after the global last token). With
