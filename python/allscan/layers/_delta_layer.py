@@ -42,8 +42,8 @@ class DeltaRuleLayer(nn.Module):
     ``_output(o, hidden_states)`` (the output norm and projection)."""
 
     def _init_heads(self, hidden_size: int, expand_v: float, head_dim: int, num_heads: int,
-                    num_v_heads: Optional[int], mode: str, use_short_conv: bool, conv_size: int, conv_bias: bool,
-                    allow_neg_eigval: bool, layer_idx: Optional[int], group, method: str) -> None:
+                    num_v_heads: Optional[int], *, mode: str, use_short_conv: bool, conv_size: int,
+                    conv_bias: bool, allow_neg_eigval: bool, layer_idx: Optional[int], group, method: str) -> None:
         """The sizes (fla's attribute names) and options, checked: each error names the argument."""
         name = type(self).__name__
         if mode not in ("chunk", "fused_recurrent"):

@@ -36,13 +36,14 @@ class GatedDeltaNet(DeltaRuleLayer):
     """
 
     def __init__(self, hidden_size: int = 2048, expand_v: float = 2, head_dim: int = 256, num_heads: int = 6,
-                 num_v_heads: Optional[int] = None, mode: str = "chunk", use_gate: bool = True,
+                 num_v_heads: Optional[int] = None, *, mode: str = "chunk", use_gate: bool = True,
                  use_short_conv: bool = True, allow_neg_eigval: bool = False, conv_size: int = 4,
                  conv_bias: bool = False, layer_idx: Optional[int] = None, norm_eps: float = 1e-5,
                  output_gate_activation: str = "swish", group=None, method: str = "zeco", **kwargs):
         super().__init__()
-        self._init_heads(hidden_size, expand_v, head_dim, num_heads, num_v_heads, mode, use_short_conv, conv_size,
-                         conv_bias, allow_neg_eigval, layer_idx, group, method)
+        self._init_heads(hidden_size, expand_v, head_dim, num_heads, num_v_heads, mode=mode,
+                         use_short_conv=use_short_conv, conv_size=conv_size, conv_bias=conv_bias,
+                         allow_neg_eigval=allow_neg_eigval, layer_idx=layer_idx, group=group, method=method)
         if output_gate_activation not in ("swish", "silu", "sigmoid"):
             raise ValueError("GatedDeltaNet: output_gate_activation must be 'swish', 'silu', or 'sigmoid', "
                              f"got {output_gate_activation!r}")

@@ -36,7 +36,7 @@ class GatedLinearAttention(nn.Module):
     """
 
     def __init__(self, mode: str = "chunk", hidden_size: int = 1024, expand_k: float = 0.5, expand_v: float = 1.0,
-                 num_heads: int = 4, num_kv_heads: Optional[int] = None, feature_map: Optional[str] = None,
+                 num_heads: int = 4, num_kv_heads: Optional[int] = None, *, feature_map: Optional[str] = None,
                  use_short_conv: bool = False, conv_size: int = 4, conv_bias: bool = False,
                  use_output_gate: bool = True, gate_fn: str = "swish", elementwise_affine: Optional[bool] = True,
                  norm_eps: float = 1e-5, gate_logit_normalizer: int = 16, gate_low_rank_dim: int = 16,

@@ -36,15 +36,16 @@ class KimiDeltaAttention(DeltaRuleLayer):
     """
 
     def __init__(self, hidden_size: int = 2048, expand_v: float = 1, head_dim: int = 128, num_heads: int = 16,
-                 num_v_heads: Optional[int] = None, mode: str = "chunk", use_short_conv: bool = True,
+                 num_v_heads: Optional[int] = None, *, mode: str = "chunk", use_short_conv: bool = True,
                  allow_neg_eigval: bool = False, safe_gate: bool = False, lower_bound: Optional[float] = None,
                  conv_size: int = 4, conv_bias: bool = False, layer_idx: Optional[int] = None,
                  norm_eps: float = 1e-5, group=None, method: str = "zeco", **kwargs):
         super().__init__()
         if safe_gate and (lower_bound is None or not -5 <= lower_bound < 0):
             raise ValueError(f"KimiDeltaAttention: safe_gate=True needs lower_bound in [-5, 0), got {lower_bound!r}")
-        self._init_heads(hidden_size, expand_v, head_dim, num_heads, num_v_heads, mode, use_short_conv, conv_size,
-                         conv_bias, allow_neg_eigval, layer_idx, group, method)
+        self._init_heads(hidden_size, expand_v, head_dim, num_heads, num_v_heads, mode=mode,
+                         use_short_conv=use_short_conv, conv_size=conv_size, conv_bias=conv_bias,
+                         allow_neg_eigval=allow_neg_eigval, layer_idx=layer_idx, group=group, method=method)
         self.safe_gate, self.lower_bound = safe_gate, lower_bound
         self.gate_dim = self.num_v_heads * self.head_k_dim  # one decay per value head and key dimension
         self._init_projections()

@@ -54,7 +54,7 @@ class ScanLaunchPlan:
         self.signature = signature  # sent ahead of the first block, checked by the receiver (0: not)
 
 
-def scan_body(op: str, validate, impl, tensor, other, group, init, reverse, inclusive, num_blocks, method,
+def scan_body(op: str, validate, impl, tensor, other, group, *, init, reverse, inclusive, num_blocks, method,
               async_op):
     """One scan call after the fast path: ``validate()`` (the local checks; a rank that fails tells its
     peers; under torch.compile the refusal goes into the graph), then ``impl`` (the op's

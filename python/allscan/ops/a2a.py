@@ -266,14 +266,16 @@ def a2a_multi(direction: int, xs: Sequence[torch.Tensor], maps: Sequence[Sequenc
     core, so that ranks switching to different signatures each checked before are caught as ranks
     switching the all-to-all's own shapes are. No autograd (see :func:`scatter_heads`).
     """
-    args = (direction, xs, maps, num_heads, group, outs, accumulate, names, stream, event, check, call_signature)
+    options = dict(outs=outs, accumulate=accumulate, names=names, stream=stream, event=event, check=check,
+                   call_signature=call_signature)
     if torch.compiler.is_compiling():  # traced into a graph: no host-thread bookkeeping there
-        return _a2a_multi(*args)
+        return _a2a_multi(direction, xs, maps, num_heads, group, **options)
     with one_thread(group, "a2a") as busy:
-        return _a2a_multi(*args[:4], busy.group, *args[5:])
+        return _a2a_multi(direction, xs, maps, num_heads, busy.group, **options)
 
 
-def _a2a_multi(direction, xs, maps, num_heads, group, outs, accumulate, names, stream, event, check, call_signature):
+def _a2a_multi(direction, xs, maps, num_heads, group, *, outs, accumulate, names, stream, event, check,
+               call_signature):
     group = _comm.normalize_group(group)
     names = list(names) if names is not None else [f"tensors[{i}]" for i in range(len(xs))]
     accumulate = list(accumulate) if accumulate is not None else [False] * len(xs)

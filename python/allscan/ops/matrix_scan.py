@@ -152,7 +152,7 @@ def launch(plan: ScanLaunchPlan, x, m, init, reverse, inclusive, transpose, num_
     return y
 
 
-def _run(x, m, init, group_name, reverse, inclusive, transpose, num_blocks, method, group=None, stream=None):
+def _run(x, m, init, group_name, reverse, inclusive, transpose, num_blocks, method, *, group=None, stream=None):
     if group is None:
         group = _comm.resolve_group(group_name)
     plan = plan_for(x, m, init, group, reverse, inclusive, transpose, num_blocks, method)
@@ -239,7 +239,7 @@ class _EagerMatrixScan(torch.autograd.Function):
 
     @staticmethod
     def forward(x, m, init, name, reverse, num_blocks, method, group, stream):
-        return _run(x, m, init, name, reverse, False, False, num_blocks, method, group, stream)
+        return _run(x, m, init, name, reverse, False, False, num_blocks, method, group=group, stream=stream)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -265,7 +265,7 @@ def scan_impl(x, m, init, name, reverse, inclusive, num_blocks, method, group=No
     eager = not torch.compiler.is_compiling()
     if not grad and eager:
         # Eager and nothing to differentiate: skip the dispatcher round trip.
-        return _run(x, m, init, name, reverse, inclusive, False, num_blocks, method, group, stream)
+        return _run(x, m, init, name, reverse, inclusive, False, num_blocks, method, group=group, stream=stream)
     if grad and eager:
         y = _EagerMatrixScan.apply(x, m, init, name, reverse, num_blocks, method, group, stream)
     elif grad:
@@ -290,4 +290,5 @@ def matrix_scan(tensor: torch.Tensor, transition: torch.Tensor, group, *, revers
     "allgather" (fla's context-parallel pattern). Differentiable in all three tensors. With
     ``async_op=True`` returns an :class:`allscan.ScanHandle`."""
     return scan_body(OP, lambda: validate(tensor, transition, init, method, num_blocks, gamma), scan_impl, tensor,
-                     transition, group, init, reverse, inclusive, num_blocks, method, async_op)
+                     transition, group, init=init, reverse=reverse, inclusive=inclusive, num_blocks=num_blocks,
+                     method=method, async_op=async_op)

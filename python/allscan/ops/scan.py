@@ -119,9 +119,11 @@ def full_path(tensor, gamma, group, transition, reverse, inclusive, init, num_bl
     the launch, of the matrix scan with ``transition``, else of the diagonal scan."""
     if transition is not None:
         return scan_body(MATRIX_OP, lambda: matrix_validate(tensor, transition, init, method, num_blocks, gamma),
-                         matrix_impl, tensor, transition, group, init, reverse, inclusive, num_blocks, method, async_op)
+                         matrix_impl, tensor, transition, group, init=init, reverse=reverse, inclusive=inclusive,
+                         num_blocks=num_blocks, method=method, async_op=async_op)
     return scan_body(DIAGONAL_OP, lambda: diagonal_validate(tensor, gamma, init, method, num_blocks), diagonal_impl,
-                     tensor, gamma, group, init, reverse, inclusive, num_blocks, method, async_op)
+                     tensor, gamma, group, init=init, reverse=reverse, inclusive=inclusive, num_blocks=num_blocks,
+                     method=method, async_op=async_op)
 
 
 def destroy_communicators() -> None:

@@ -154,7 +154,8 @@ def zeco_delta_rule_backward_op(do: torch.Tensor, dfinal: Optional[torch.Tensor]
     run = shard_plan(segs, q, opts, scale, group, method, want_final, plain_head=False)
     with own_precision(do.device.type):
         reverse = reverse_scan(run, q, v, M, dfinal, dy_out=dy_out)
-        grads = shard_backward(run, q, k, v, g, beta, h0, reverse, S_in, [absent(t) for t in saved], do, dfinal)
+        grads = shard_backward(run, q, k, v, g, beta, h0, reverse=reverse, S_in=S_in,
+                               saved=[absent(t) for t in saved], do=do, dfinal=dfinal)
     return tuple(or_empty(None if d is None else d.to(x.dtype), q) for d, x in zip(grads, inputs))
 
 

@@ -277,7 +277,7 @@ class FinalGrads:
         return self._dhts
 
 
-def shard_backward(run: ShardRun, q, k, v, g, beta, h0, reverse: Optional[Beside], S_in, saved, do, dfinal):
+def shard_backward(run: ShardRun, q, k, v, g, beta, h0, *, reverse: Optional[Beside], S_in, saved, do, dfinal):
     """The gradients ``(dq, dk, dv, dg, dbeta, dA_log, dt_bias, dh0)`` (None where not an input) from
     ``do`` (not None: :func:`zero_if_absent`) and ``dfinal`` (None: zeros), given :func:`shard_forward`'s
     ``S_in, saved`` and the reverse scan (:func:`reverse_scan`), which the local backward issues and
@@ -347,6 +347,7 @@ class ShardFunction(torch.autograd.Function):
         with own_precision(ctx.device_type):
             reverse = reverse_scan(ctx.run, q, v, M, dfinal, q_eff=q_eff, do=do)
             del q_eff, M  # held by the scan until the local backward joins it: Q' is freed there
-            dq, dk, dv, dg, dbeta, dA_log, ddt_bias, dh0 = shard_backward(ctx.run, q, k, v, g, beta, h0, reverse,
-                                                                          S_in, saved, do, dfinal)
+            dq, dk, dv, dg, dbeta, dA_log, ddt_bias, dh0 = shard_backward(ctx.run, q, k, v, g, beta, h0,
+                                                                          reverse=reverse, S_in=S_in, saved=saved,
+                                                                          do=do, dfinal=dfinal)
         return dq, dk, dv, dg, dbeta, dA_log, ddt_bias, dh0, None

@@ -294,7 +294,7 @@ def _fwd_o_state_kernel(q, v, gc, h, A, off, S, o, cu_seqlens, chunk_indices, sc
 FWD_O_TILES = dict(BK=64, BV=128, num_warps=4, num_stages=2)
 
 
-def output_with_state(q, v, gc, A, h, S_in, scale: float, BT: int, offsets, cu_seqlens=None, chunk_indices=None,
+def output_with_state(q, v, gc, A, h, S_in, scale: float, BT: int, offsets, *, cu_seqlens=None, chunk_indices=None,
                       tiles=None):
     """fla's chunk output (``chunk_gla_fwd_o_gk``) with the incoming state ``S_in`` [B, H, K, V] of the
     first local sequence folded in: one pass over q, gc, h, A and v, instead of fla's output kernel
