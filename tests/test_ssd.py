@@ -140,6 +140,19 @@ def _run_pairs(rank, group):
         zeco_ssd(x, dt, A, bad_B, C, D, group, cu_seqlens=cu)
     y, _ = zeco_ssd(x, dt, A, B, C, D, group, cu_seqlens=cu)
     assert y.shape == x.shape
+    # the batch's context instead of group and cu_seqlens: the same result, initial states by its sequences
+    from allscan import SequenceContext
+
+    ctx = SequenceContext(group, cu_seqlens=cu)
+    h0 = torch.randn(2, H, 2, N, dtype=F64)
+    want = zeco_ssd(x, dt, A, B, C, D, group, cu_seqlens=cu, initial_state=h0, output_final_state=True)
+    got = zeco_ssd(x, dt, A, B, C, D, context=ctx, initial_state=h0, output_final_state=True)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    with pytest.raises(ValueError, match=r"initial_state must be \[num_seqs, H, P, N\]"
+                       if bad else r"rank\(s\) \[1\]"):
+        zeco_ssd(x, dt, A, B, C, D, context=ctx, initial_state=h0[:1] if bad else h0)
+    with pytest.raises(ValueError, match="context= and cu_seqlens= given together"):
+        zeco_ssd(x, dt, A, B, C, D, context=ctx, cu_seqlens=cu)
 
 
 def _run_spawned(rank, world):

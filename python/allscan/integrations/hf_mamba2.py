@@ -31,7 +31,6 @@ import torch.nn.functional as F
 
 from allscan.context import SequenceContext
 
-from .common import op_group
 from .hf_shard import causal_conv, layer_call
 
 __all__ = ["FORWARDS", "helpers_digest", "CHECKED_HELPERS"]
@@ -75,7 +74,7 @@ def _ssd(mod, hidden_states, B, C, dt, ctx: SequenceContext) -> torch.Tensor:
     x = hidden_states.reshape(b, T, mod.num_heads, mod.head_dim)
     B = B.reshape(b, T, mod.n_groups, mod.ssm_state_size)
     C = C.reshape(b, T, mod.n_groups, mod.ssm_state_size)
-    y, _ = zeco_ssd(x, dt, A, B, C, mod.D, op_group(ctx.group), cu_seqlens=ctx.offsets(x.device))
+    y, _ = zeco_ssd(x, dt, A, B, C, mod.D, context=ctx)
     y = y.reshape(b, T, mod.intermediate_size)
     return y.to(torch.promote_types(y.dtype, torch.float32))
 

@@ -19,7 +19,8 @@ from typing import Optional, Tuple
 import torch
 
 from ._launch import own_work, validated_group
-from ._shards import LOCAL, sequence_parallel_group
+from ._shards import LOCAL
+from .batch_context import context_conflict, context_group
 from .gla import METHODS, zeco_gla
 from .gla.chunk import state_dtype
 
@@ -32,9 +33,9 @@ def _shape(t) -> str:
     return str(tuple(t.shape)) if isinstance(t, torch.Tensor) else type(t).__name__
 
 
-def _check_arguments(x, dt, A, B, C, D, initial_state, cu_seqlens, method) -> None:
+def _check_arguments(x, dt, A, B, C, D, initial_state, cu_seqlens, method, *, rows: Optional[int] = None) -> None:
     """zeco_ssd's local checks, each error naming the argument (zeco_gla checks the packed cut and the
-    agreement across ranks)."""
+    agreement across ranks); ``rows``: the packed sequences of a context (the initial states' rows)."""
     if method not in METHODS:
         raise ValueError(f"{_OP}: method must be one of {sorted(METHODS)}, got {method!r}")
     if cu_seqlens is not None and not isinstance(cu_seqlens, torch.Tensor):
@@ -66,10 +67,11 @@ def _check_arguments(x, dt, A, B, C, D, initial_state, cu_seqlens, method) -> No
         if isinstance(t, torch.Tensor) and t.device != x.device:
             raise ValueError(f"{_OP}: {name} must be on x's device {x.device}, got {t.device}")
     if initial_state is not None:
-        n = b if cu_seqlens is None else cu_seqlens.numel() - 1
-        rows = "batch" if cu_seqlens is None else "num_seqs"
+        per_sequence = cu_seqlens is not None or rows is not None
+        n = rows if rows is not None else b if cu_seqlens is None else cu_seqlens.numel() - 1
+        what = "num_seqs" if per_sequence else "batch"
         if not isinstance(initial_state, torch.Tensor) or tuple(initial_state.shape) != (n, H, P, N):
-            raise ValueError(f"{_OP}: initial_state must be [{rows}, H, P, N] = {(n, H, P, N)}, "
+            raise ValueError(f"{_OP}: initial_state must be [{what}, H, P, N] = {(n, H, P, N)}, "
                              f"got {_shape(initial_state)}")
         if initial_state.dtype != state_dtype(x.dtype):
             want = str(state_dtype(x.dtype)).replace("torch.", "")
@@ -99,7 +101,7 @@ def _gla_inputs(x, dt, A, B, C, initial_state):
 def zeco_ssd(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
              D: Optional[torch.Tensor] = None, group=None, *, initial_state: Optional[torch.Tensor] = None,
              output_final_state: bool = False, cu_seqlens: Optional[torch.Tensor] = None,
-             method: str = "zeco") -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+             method: str = "zeco", context=None) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Sequence-parallel Mamba2 SSD: on each rank, exactly what the chunked scan of one process returns
     on the whole sequence, restricted to the rank's shard.
 
@@ -113,21 +115,29 @@ def zeco_ssd(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor
         group: the sequence-parallel process group, as :func:`~allscan.ops.gla.zeco_gla`'s (None: the
             default group; :data:`~allscan.ops.LOCAL`: one process holding the whole sequence).
         initial_state: fp32 (fp64 with fp64 inputs) ``[batch, H, P, N]`` (transformers' ``ssm_state``
-            layout), the state before the global first token; with ``cu_seqlens`` ``[num_seqs, H, P, N]``, used where each sequence starts.
+            layout), the state before the global first token; with ``cu_seqlens`` ``[num_seqs, H, P, N]``,
+            used where each sequence starts.
         output_final_state: return the state after the shard (on the last rank the global end); with
             ``cu_seqlens`` the rows of the sequences that end on this rank, zeros elsewhere.
         cu_seqlens: ``[num_seqs + 1]`` offsets over the GLOBAL packed row (batch 1), as zeco_gla's.
         method: ``"zeco"``, ``"lasp1"`` or ``"lasp2"``, as zeco_gla's.
+        context: the batch's :class:`allscan.SequenceContext` instead of ``group`` and ``cu_seqlens``
+            (as zeco_gla's: the cut agreed once per batch is not compared again).
 
     Returns:
         ``(y [batch, T_local, H, P] in x's dtype, final_state [.., H, P, N] or None)``, the final state
         fp32 (fp64 with fp64 inputs).
     """
-    spg = sequence_parallel_group(group, _OP)
+    conflict = context_conflict(context, group, cu_seqlens, _OP)
+    spg = context_group(context if conflict is None else None, group, _OP)
     packed = cu_seqlens is not None
 
     def validate():
-        _check_arguments(x, dt, A, B, C, D, initial_state, cu_seqlens, method)
+        if conflict is not None:
+            raise conflict
+        # a packed context's sequences are the initial states' rows
+        rows = context.cut(x.shape[1], x.shape[0], _OP).num_seqs if context is not None and context.packed else None
+        _check_arguments(x, dt, A, B, C, D, initial_state, cu_seqlens, method, rows=rows)
 
     if spg is None:
         validate()
@@ -136,8 +146,9 @@ def zeco_ssd(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor
     # the reshapes before zeco_gla's first exchange: a failure here (out of memory) reaches the peers too
     q, k, v, g, h0 = own_work(spg, _OP, "its inputs' broadcasts", _gla_inputs, x, dt, A, B, C, initial_state,
                               every_call=packed)
-    o, final = zeco_gla(q, k, v, g, LOCAL if spg is None else spg, scale=1.0, initial_state=h0,
-                        output_final_state=output_final_state, cu_seqlens=cu_seqlens, method=method)
+    o, final = zeco_gla(q, k, v, g, None if context is not None else LOCAL if spg is None else spg, scale=1.0,
+                        initial_state=h0, output_final_state=output_final_state, cu_seqlens=cu_seqlens,
+                        method=method, context=context)
     if D is not None:
         acc = state_dtype(x.dtype)
         o = (o.to(acc) + D.to(acc)[:, None] * x.to(acc)).to(x.dtype)
