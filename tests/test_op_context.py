@@ -74,3 +74,28 @@ def _ops_take_the_context(rank, world):
 
 def test_ops_and_layers_take_the_context():
     assert run_distributed(_ops_take_the_context, 2, timeout=180) == [True, True]
+
+
+def test_every_layer_honours_the_context_in_one_process():
+    """Each layer given a packed context computes what it computes with the context's offsets as
+    ``cu_seqlens`` (no layer may drop ``context=`` into its ``**kwargs``: it would run across the
+    sequence starts), and refuses a context beside ``cu_seqlens``."""
+    from allscan.layers import Attention, GatedLinearAttention, KimiDeltaAttention, Mamba2
+
+    cu = [0, 5, 12]
+    ctx = SequenceContext(LOCAL, cu_seqlens=cu)
+    torch.manual_seed(0)
+    layers = [GatedLinearAttention(hidden_size=16, num_heads=2, expand_k=0.5, expand_v=1),
+              GatedDeltaNet(hidden_size=16, head_dim=4, num_heads=2, expand_v=1, conv_size=3),
+              KimiDeltaAttention(hidden_size=16, head_dim=4, num_heads=2, conv_size=3),
+              Mamba2(hidden_size=16, num_heads=4, head_dim=4, state_size=4, expand=1, n_groups=1, conv_kernel=3),
+              Attention(hidden_size=16, num_heads=2)]
+    x = torch.randn(1, 12, 16, dtype=torch.float64)
+    for layer in layers:
+        layer = layer.double()
+        name = type(layer).__name__
+        packed = layer(x, cu_seqlens=torch.tensor(cu))[0]
+        assert (packed - layer(x)[0]).abs().max() > 1e-3, name  # the packing matters here
+        assert torch.allclose(layer(x, context=ctx)[0], packed, rtol=0, atol=1e-12), name
+        with pytest.raises(ValueError, match="context= and cu_seqlens= given together"):
+            layer(x, context=ctx, cu_seqlens=torch.tensor(cu))

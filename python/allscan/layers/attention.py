@@ -17,7 +17,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from allscan.ops import own_work, sequence_parallel_group
+from allscan.ops import own_work
+from allscan.ops.batch_context import context_conflict, context_group
 from allscan.ops.ulysses import packed_bounds, refuse_packed_while_tracing, ulysses_attention
 
 from ._inputs import check_layer_inputs
@@ -89,17 +90,27 @@ class Attention(nn.Module):
         return q, k, v, bounds
 
     def forward(self, hidden_states: torch.Tensor, attention_mask=None, past_key_values=None,
-                output_attentions: bool = False, use_cache: bool = False, cu_seqlens=None, **kwargs):
+                output_attentions: bool = False, use_cache: bool = False, cu_seqlens=None, context=None, **kwargs):
+        """``context``: the batch's :class:`allscan.SequenceContext` (its group and packed offsets), instead of
+        ``cu_seqlens`` (and of the layer's ``group``, which must then be None or the context's)."""
         name = type(self).__name__
+        conflict = context_conflict(context, self.group, cu_seqlens, name)
+        if conflict is None and context is not None:
+            cu_seqlens = context.offsets(hidden_states.device)
         if cu_seqlens is not None and torch.compiler.is_compiling():
             refuse_packed_while_tracing(name)
-        pg = sequence_parallel_group(self.group, name)
+        pg = context_group(context if conflict is None else None, self.group, name)
         rank, world = (0, 1) if pg is None else (torch.distributed.get_rank(pg), torch.distributed.get_world_size(pg))
+
+        def project():
+            if conflict is not None:
+                raise conflict
+            return self._rotated_qkv(hidden_states, attention_mask, past_key_values, use_cache, cu_seqlens, rank,
+                                     world)
+
         # before Ulysses' first collective: if it raises, the peers waiting there are told (packed calls:
         # in the check Ulysses then makes on every call)
-        q, k, v, bounds = own_work(pg, name, "its projections", self._rotated_qkv, hidden_states, attention_mask,
-                                   past_key_values, use_cache, cu_seqlens, rank, world,
-                                   every_call=cu_seqlens is not None)
+        q, k, v, bounds = own_work(pg, name, "its projections", project, every_call=cu_seqlens is not None)
         if pg is None:
             o = _causal_attention(q, k, v, bounds)
         else:

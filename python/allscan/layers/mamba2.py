@@ -17,7 +17,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from allscan.ops import own_work, sequence_parallel_group
+from allscan.ops import own_work
+from allscan.ops.batch_context import context_conflict, context_group
 from allscan.ops.halo import halo_exchange
 from allscan.ops.ssd import METHODS, zeco_ssd
 
@@ -122,12 +123,16 @@ class Mamba2(nn.Module):
         dt = torch.exp(torch.rand(self.num_heads) * (hi - lo) + lo).clamp(min=self.time_step_floor)
         self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))
 
-    def _project(self, hidden_states, attention_mask, past_key_values, use_cache, cu_seqlens):
+    def _project(self, hidden_states, attention_mask, past_key_values, use_cache, cu_seqlens, context):
         """The input checks, then z, xBC and dt (xBC contiguous: the halo's message)."""
         name = type(self).__name__
         check_layer_inputs(name, hidden_states, self.hidden_size, attention_mask, past_key_values, use_cache)
-        if cu_seqlens is not None and hidden_states.shape[0] != 1:
-            raise ValueError(f"{name}: with cu_seqlens the batch size must be 1, got {hidden_states.shape[0]}")
+        conflict = context_conflict(context, self.group, cu_seqlens, name)
+        if conflict is not None:
+            raise conflict
+        packed = cu_seqlens is not None or (context is not None and context.packed)
+        if packed and hidden_states.shape[0] != 1:
+            raise ValueError(f"{name}: with packed sequences the batch size must be 1, got {hidden_states.shape[0]}")
         gate, xBC, dt = self.in_proj(hidden_states).split([self.intermediate_size, self.conv_dim, self.num_heads], -1)
         return gate, xBC.contiguous(), dt
 
@@ -141,23 +146,28 @@ class Mamba2(nn.Module):
         acc = torch.promote_types(dt.dtype, torch.float32)
         dt = torch.clamp(F.softplus(dt.to(acc) + self.dt_bias.to(acc)), *self.time_step_limit)
         A = -torch.exp(self.A_log.to(acc))
-        return (x.reshape(b, T, self.num_heads, self.head_dim), dt, A,
-                B.reshape(b, T, self.n_groups, self.ssm_state_size), C.reshape(b, T, self.n_groups, self.ssm_state_size))
+        groups = (b, T, self.n_groups, self.ssm_state_size)
+        return x.reshape(b, T, self.num_heads, self.head_dim), dt, A, B.reshape(groups), C.reshape(groups)
 
     def forward(self, hidden_states: torch.Tensor, attention_mask=None, past_key_values=None, use_cache=False,
-                output_attentions=False, cu_seqlens=None, **kwargs):
+                output_attentions=False, cu_seqlens=None, context=None, **kwargs):
+        """``context``: the batch's :class:`allscan.SequenceContext` (its group and packed cut, agreed once
+        per batch), instead of ``cu_seqlens`` (and of the layer's ``group``, which must then be None or
+        the context's)."""
         name = type(self).__name__
-        pg = sequence_parallel_group(self.group, name)
+        pg = context_group(context, self.group, name)
         # this rank's own work before each collective (the halo exchange, the scan's first): if it raises,
         # the peers waiting there are told instead of waiting until the timeout
         gate, xBC, dt = own_work(pg, name, "its input projection", self._project, hidden_states, attention_mask,
-                                 past_key_values, use_cache, cu_seqlens)
+                                 past_key_values, use_cache, cu_seqlens, context)
         k = self.conv_kernel_size
-        halo = halo_exchange(xBC, k - 1, self.group) if k > 1 else None
+        halo = halo_exchange(xBC, k - 1, self.group, context=context) if k > 1 else None
         rank = 0 if pg is None else torch.distributed.get_rank(pg)
-        x, dt, A, B, C = own_work(pg, name, "its convolution", self._scan_inputs, xBC, halo, dt, rank, cu_seqlens,
+        offsets = cu_seqlens if context is None else context.offsets(hidden_states.device)
+        x, dt, A, B, C = own_work(pg, name, "its convolution", self._scan_inputs, xBC, halo, dt, rank, offsets,
                                   every_call=cu_seqlens is not None)
-        y, _ = zeco_ssd(x, dt, A, B, C, self.D, self.group, cu_seqlens=cu_seqlens, method=self.method)
+        y, _ = zeco_ssd(x, dt, A, B, C, self.D, self.group, cu_seqlens=cu_seqlens, method=self.method,
+                        context=context)
         b, T = hidden_states.shape[:2]
         o = self.norm(y.reshape(b, T, self.intermediate_size), gate)
         return self.out_proj(o.to(hidden_states.dtype)), None, None
