@@ -17,24 +17,27 @@ on gloo, or ``ALLSCAN_A2A_IMPL=torch``) goes through :mod:`allscan.ops._a2a_dist
 (``all_to_all_single``), which is also the correctness oracle of the C++ path.
 
 Both ops are ``torch.library`` custom ops (``allscan::scatter_heads``, ``allscan::gather_heads``) with
-fake implementations and autograd; the group travels as its name.
+fake implementations and autograd; the group travels as its name. The head maps are built in
+:mod:`allscan.ops._a2a_maps` (re-exported here), the arguments checked in :mod:`allscan.ops._a2a_checks`.
 """
 from __future__ import annotations
 
 import contextlib
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
 from .. import _C, _comm
 from .._agreement import announce_invalid, check_across_ranks, signature_hash
-from .._dtypes import DTYPE_CODES, dtype_code
+from .._dtypes import DTYPE_CODES
 from .._settings import settings
 from .._threads import one_thread
 from ._launch import traced_refusal, validated_group
 from . import _a2a_dist
+from ._a2a_checks import check_head_map, check_tensor, resolve_head_map, signature_fields, validate_call
 from ._a2a_dist import GATHER, SCATTER, HeadMap, Range, overlaps
+from ._a2a_maps import chunk_head_ranges, kv_head_ranges, split_heads
 
 __all__ = [
     "SCATTER",
@@ -48,157 +51,6 @@ __all__ = [
     "gather_heads_multi",
     "a2a_multi",
 ]
-
-
-# ------------------------------------------------------------------------------------------------
-# Head maps
-# ------------------------------------------------------------------------------------------------
-
-def split_heads(h0: int, h1: int, world_size: int) -> HeadMap:
-    """The uneven split of heads ``[h0, h1)``: rank r gets ``n // P`` heads, the first ``n % P`` ranks one more."""
-    if world_size < 1:
-        raise ValueError(f"split_heads: world_size must be >= 1, got {world_size}")
-    if h0 < 0 or h1 < h0:
-        raise ValueError(f"split_heads: need 0 <= h0 <= h1, got [{h0}, {h1})")
-    n = h1 - h0
-    q, rem = divmod(n, world_size)
-    out = []
-    for r in range(world_size):
-        lo = h0 + r * q + min(r, rem)
-        out.append((lo, lo + q + (1 if r < rem else 0)))
-    return out
-
-
-def kv_head_ranges(q_ranges: Sequence[Range], q_per_kv: int) -> HeadMap:
-    """The k/v heads each rank needs for its query heads (query head h uses k/v head ``h // q_per_kv``).
-
-    Ranks whose query heads use the same k/v head both get it (replication when there are fewer
-    k/v heads than ranks); an empty query range gives an empty k/v range.
-    """
-    if q_per_kv < 1:
-        raise ValueError(f"kv_head_ranges: q_per_kv must be >= 1, got {q_per_kv}")
-    out = []
-    for lo, hi in q_ranges:
-        if hi <= lo:
-            out.append((lo // q_per_kv, lo // q_per_kv))
-        else:
-            out.append((lo // q_per_kv, (hi - 1) // q_per_kv + 1))
-    return out
-
-
-def _split_counts(n: int, weights: Sequence[float]) -> List[int]:
-    """n items into len(weights) parts proportional to weights (largest remainder, stable)."""
-    total = float(sum(weights))
-    raw = [n * w / total for w in weights]
-    base = [int(x) for x in raw]
-    rest = n - sum(base)
-    order = sorted(range(len(weights)), key=lambda i: (-(raw[i] - base[i]), i))
-    for i in order[:rest]:
-        base[i] += 1
-    return base
-
-
-def chunk_head_ranges(num_heads: int, world_size: int, num_chunks: int,
-                      weights: Optional[Sequence[float]] = None) -> List[HeadMap]:
-    """Head maps of ``num_chunks`` chunks, rank-major: rank r's heads of the whole split
-    (``split_heads(0, num_heads, P)[r]``) are cut into ``num_chunks`` consecutive pieces (equal, or
-    proportional to ``weights``), so each chunk keeps every rank's share balanced and the union over
-    chunks is the unchunked head map. Returns ``maps[c][r] = (lo, hi)``."""
-    if num_chunks < 1:
-        raise ValueError(f"num_chunks must be >= 1, got {num_chunks}")
-    whole = split_heads(0, num_heads, world_size)
-    w = list(weights) if weights is not None else [1.0] * num_chunks
-    if len(w) != num_chunks:
-        raise ValueError(f"weights must have num_chunks ({num_chunks}) entries, got {len(w)}")
-    maps: List[HeadMap] = [[] for _ in range(num_chunks)]
-    for lo, hi in whole:
-        counts = _split_counts(hi - lo, w)
-        start = lo
-        for c in range(num_chunks):
-            maps[c].append((start, start + counts[c]))
-            start += counts[c]
-    return maps
-
-
-# ------------------------------------------------------------------------------------------------
-# Argument checks
-# ------------------------------------------------------------------------------------------------
-
-def _check_tensor(x: torch.Tensor, name: str) -> None:
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"allscan.a2a: {name} must be a torch.Tensor, got {type(x).__name__}")
-    if x.dim() != 4:
-        raise ValueError(f"allscan.a2a: {name} must be 4-D [B, S, H, D], got shape {tuple(x.shape)}")
-    dtype_code(x.dtype, f"allscan.a2a: {name}")
-
-
-def _check_map(head_map: Sequence[Range], num_heads: int, world_size: int, name: str) -> HeadMap:
-    hm = [(int(lo), int(hi)) for lo, hi in head_map]
-    if len(hm) != world_size:
-        raise ValueError(f"allscan.a2a: {name} must have one (lo, hi) range per rank ({world_size}), got {len(hm)}")
-    for r, (lo, hi) in enumerate(hm):
-        if lo < 0 or hi < lo or hi > num_heads:
-            raise ValueError(
-                f"allscan.a2a: {name}[{r}] = ({lo}, {hi}) is not a head range of [0, {num_heads}) (need 0 <= lo <= hi <= H)"
-            )
-    return hm
-
-
-def _signature(direction: int, xs: Sequence[torch.Tensor], maps: Sequence[HeadMap], num_heads: Sequence[int],
-               accumulate: Sequence[bool]) -> List[tuple]:
-    x0 = xs[0]
-    B, S, _, D = x0.shape
-    if direction == GATHER:
-        S_name = "sequence length (whole) S"
-    else:
-        S_name = "local sequence length S_local"
-    fields = [("direction", direction), ("number of tensors", len(xs)), ("batch B", B), (S_name, S), ("head_dim D", D),
-              ("dtype", DTYPE_CODES[x0.dtype])]
-    for t, (hm, H, acc) in enumerate(zip(maps, num_heads, accumulate)):
-        h = 0
-        for lo, hi in hm:
-            h = (h * 1000003 + lo * 7919 + hi) % (1 << 61)
-        fields += [(f"tensors[{t}] num_heads", H), (f"tensors[{t}] head map (hash)", h), (f"tensors[{t}] accumulate", int(acc))]
-    return fields
-
-
-def _validate(direction: int, xs: Sequence[torch.Tensor], maps, num_heads, world_size: int, rank: int,
-              names: Sequence[str]) -> Tuple[int, int, int, List[HeadMap]]:
-    if not 1 <= len(xs) <= 4:
-        raise ValueError(f"allscan.a2a: between 1 and 4 tensors per call, got {len(xs)}")
-    if len(maps) != len(xs) or len(num_heads) != len(xs):
-        raise ValueError("allscan.a2a: one head map and one num_heads per tensor")
-    for x, n in zip(xs, names):
-        _check_tensor(x, n)
-    x0 = xs[0]
-    for x, n in zip(xs[1:], names[1:]):
-        if x.dtype != x0.dtype:
-            raise TypeError(f"allscan.a2a: {n} has dtype {x.dtype}, {names[0]} has {x0.dtype}; one dtype per call")
-        if x.device != x0.device:
-            raise ValueError(f"allscan.a2a: {n} is on {x.device}, {names[0]} on {x0.device}; one device per call")
-        if x.shape[0] != x0.shape[0] or x.shape[1] != x0.shape[1] or x.shape[3] != x0.shape[3]:
-            raise ValueError(
-                f"allscan.a2a: {n} has shape {tuple(x.shape)}, {names[0]} {tuple(x0.shape)}; B, S and D must agree"
-            )
-    B, S, _, D = x0.shape
-    out_maps = []
-    for t, (x, hm, H, n) in enumerate(zip(xs, maps, num_heads, names)):
-        hm = _check_map(hm, H, world_size, f"head map of {n}")
-        out_maps.append(hm)
-        if direction == SCATTER:
-            if x.shape[2] != H:
-                raise ValueError(f"allscan.a2a: {n} has {x.shape[2]} heads, its head map is over {H}")
-        else:
-            lo, hi = hm[rank]
-            if x.shape[2] != hi - lo:
-                raise ValueError(
-                    f"allscan.a2a: {n} must hold this rank's {hi - lo} heads [{lo}, {hi}) (dim 2), got {x.shape[2]}"
-                )
-            if S % world_size != 0:
-                raise ValueError(
-                    f"allscan.a2a: {n} must hold the whole sequence, a multiple of the group size {world_size}; got S = {S}"
-                )
-    return B, S, D, out_maps
 
 
 # ------------------------------------------------------------------------------------------------
@@ -284,7 +136,7 @@ def _a2a_multi(direction, xs, maps, num_heads, group, *, outs, accumulate, names
     op = "a2a.scatter_heads" if direction == SCATTER else "a2a.gather_heads"
     try:
         xs = [x.contiguous() if isinstance(x, torch.Tensor) else x for x in xs]
-        _, _, _, maps = _validate(direction, xs, list(maps), list(num_heads), P, me, names)
+        _, _, _, maps = validate_call(direction, xs, list(maps), list(num_heads), P, me, names)
         if direction == SCATTER and any(accumulate):
             raise ValueError("allscan.a2a: accumulate is only defined for gather-heads")
         if outs is not None:
@@ -305,7 +157,7 @@ def _a2a_multi(direction, xs, maps, num_heads, group, *, outs, accumulate, names
         raise
     cpp = use_cpp(group, xs[0])
     signs = cpp and settings.check not in ("trust", "never")
-    fields = _signature(direction, xs, maps, num_heads, accumulate) if check or signs else None
+    fields = signature_fields(direction, xs, maps, num_heads, accumulate) if check or signs else None
     if cpp:
         if check:
             check_across_ranks(group, xs[0].device, op, fields)
@@ -398,17 +250,6 @@ _scatter_heads_op.register_autograd(_scatter_backward, setup_context=_scatter_se
 _gather_heads_op.register_autograd(_gather_backward, setup_context=_gather_setup)
 
 
-def _resolve_map(head_map, head_range, num_heads: int, world_size: int) -> HeadMap:
-    if head_map is not None and head_range is not None:
-        raise ValueError("allscan.a2a: pass head_map or head_range, not both")
-    if head_map is not None:
-        return [(int(lo), int(hi)) for lo, hi in head_map]
-    h0, h1 = head_range if head_range is not None else (0, num_heads)
-    if not 0 <= h0 <= h1 <= num_heads:
-        raise ValueError(f"allscan.a2a: head_range must satisfy 0 <= h0 <= h1 <= H ({num_heads}), got ({h0}, {h1})")
-    return split_heads(h0, h1, world_size)
-
-
 def scatter_heads(x: torch.Tensor, group=None, *, head_range: Optional[Range] = None,
                   head_map: Optional[Sequence[Range]] = None) -> torch.Tensor:
     """Sequence-sharded ``[B, S_local, H, D]`` -> whole sequence, this rank's heads ``[B, P*S_local, n, D]``.
@@ -422,8 +263,8 @@ def scatter_heads(x: torch.Tensor, group=None, *, head_range: Optional[Range] = 
     hm = []
 
     def validate():
-        _check_tensor(x, "x")
-        hm.extend(_check_map(_resolve_map(head_map, head_range, x.shape[2], P), x.shape[2], P, "head_map"))
+        check_tensor(x, "x")
+        hm.extend(check_head_map(resolve_head_map(head_map, head_range, x.shape[2], P), x.shape[2], P, "head_map"))
 
     try:
         validated_group(group, x, "a2a.scatter_heads", validate)
@@ -447,13 +288,13 @@ def gather_heads(y: torch.Tensor, group=None, *, num_heads: Optional[int] = None
 
     def validate():
         nonlocal num_heads
-        _check_tensor(y, "y")
+        check_tensor(y, "y")
         if num_heads is None:
             if head_map is None:
                 raise ValueError("allscan.a2a.gather_heads: num_heads (heads of the output) is required unless "
                                  "head_map is given")
             num_heads = max(int(hi) for _, hi in head_map)
-        hm.extend(_check_map(_resolve_map(head_map, head_range, num_heads, P), num_heads, P, "head_map"))
+        hm.extend(check_head_map(resolve_head_map(head_map, head_range, num_heads, P), num_heads, P, "head_map"))
 
     try:
         validated_group(group, y, "a2a.gather_heads", validate)
