@@ -557,6 +557,7 @@ def test_a_retired_communicator_is_not_reported_to_the_board_as_a_mismatch(monke
     the failure it was given (allscanCommFail), which a board round between that and its unregistering
     must not post to the peers as a mismatch. A real mismatch still is."""
     from allscan import _C, _comm
+    from allscan._comm_watch import local_failure
 
     def mismatch(handle):
         raise _C.CommunicatorError("allscan: ranks passed different arguments (stub)")
@@ -566,15 +567,15 @@ def test_a_retired_communicator_is_not_reported_to_the_board_as_a_mismatch(monke
     h = _C.comm_create_detached(0, 2)
     try:
         comm = _comm.Communicator("g", torch.device("cpu"), 0, 2, 0, h, True)
-        assert _comm._local_failure(comm) is None
+        assert local_failure(comm) is None
         monkeypatch.setattr(_C, "comm_status", mismatch)
-        assert _comm._local_failure(comm) == (_C.MISMATCH, "allscan: ranks passed different arguments (stub)")
+        assert local_failure(comm) == (_C.MISMATCH, "allscan: ranks passed different arguments (stub)")
         monkeypatch.setattr(_C, "comm_status", status)
         comm.failure = _C.CommunicatorError("allscan: the NCCL communicator of group 'g' is gone")
         _C.comm_fail(h, _C.REMOTE_ERROR, "the NCCL communicator of group 'g' is gone")
         with pytest.raises(_C.CommunicatorError, match="is gone"):
             _C.comm_status(h)
-        assert _comm._local_failure(comm) is None
+        assert local_failure(comm) is None
     finally:
         _C.comm_destroy(h)
 

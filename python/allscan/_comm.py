@@ -10,7 +10,8 @@ Communicators are cached per (group, device).
 Each communicator of more than one rank is watched (``allscanWatchCreate``, ``ALLSCAN_TIMEOUT``): a
 collective not done within the group's timeout fails it, aborts it when allscan owns it, and every
 later call on it raises :class:`allscan.CommunicatorTimeout`. Watched communicators are on the fault
-board (``_faults``), which spreads one rank's failure to the others.
+board (``_faults``), which spreads one rank's failure to the others (the watch and the board: ``_comm_watch``;
+the group itself, resolved from None, a name or a group: ``_groups``, re-exported here).
 """
 from __future__ import annotations
 
@@ -25,6 +26,8 @@ import torch
 import torch.distributed as dist
 
 from . import _C, _faults, _nccl
+from ._comm_watch import group_timeout, put_on_board, watch
+from ._groups import backend_name, group_name, normalize_group, resolve_group, uses_nccl
 from ._settings import settings
 
 __all__ = [
@@ -39,58 +42,12 @@ __all__ = [
     "get_communicator",
     "destroy_communicators",
     "report_local_error",
+    "group_timeout",
 ]
 
 _lock = threading.Lock()
 _comms: Dict[Tuple[str, int], "Communicator"] = {}
 _borrowed_made: Dict[str, int] = {}  # group name -> borrowed communicators made (their board keys)
-
-
-def _default_group():
-    if not dist.is_available() or not dist.is_initialized():
-        raise RuntimeError(
-            "allscan: torch.distributed is not initialised; call torch.distributed.init_process_group "
-            "first (or pass group= explicitly)"
-        )
-    return dist.group.WORLD
-
-
-def normalize_group(group):
-    """``None`` -> the default group; a group name -> the group; a group -> itself."""
-    if group is None:
-        return _default_group()
-    if isinstance(group, str):
-        return resolve_group(group)
-    if group is dist.GroupMember.NON_GROUP_MEMBER or (isinstance(group, int) and not isinstance(group, bool)
-                                                       and group == dist.GroupMember.NON_GROUP_MEMBER):
-        raise ValueError(
-            f"allscan: this process (global rank {dist.get_rank()}) is not a member of the group it was given: "
-            "torch.distributed.new_group returns GroupMember.NON_GROUP_MEMBER on ranks outside the group; call the "
-            "collective only on the group's own ranks")
-    if not isinstance(group, dist.ProcessGroup):
-        raise TypeError(f"allscan: group must be a torch.distributed ProcessGroup, a group name or None, got {type(group).__name__}")
-    return group
-
-
-def group_name(group) -> str:
-    """The registered name of a group (what torch's functional collectives pass around)."""
-    group = normalize_group(group)
-    return group.group_name
-
-
-def resolve_group(name: str):
-    from torch.distributed.distributed_c10d import _resolve_process_group
-
-    return _resolve_process_group(name)
-
-
-def backend_name(group) -> str:
-    return str(dist.get_backend(group)).lower()
-
-
-def uses_nccl(group, tensor: torch.Tensor) -> bool:
-    """True when ``tensor`` goes through the C++/NCCL core: a CUDA tensor and an NCCL group."""
-    return tensor.is_cuda and "nccl" in backend_name(group)
 
 
 @dataclass
@@ -206,65 +163,6 @@ def _raise_if_retired(comm: "Communicator") -> None:
         raise type(comm.failure)(str(comm.failure))
 
 
-def group_timeout(group, device: torch.device) -> float:
-    """The group's own timeout in seconds (its backend's options; torch's default for the backend
-    when they do not say)."""
-    try:
-        return float(group._get_backend(device).options._timeout.total_seconds())
-    except Exception:  # noqa: BLE001 - private API: fall back to torch's defaults
-        from torch.distributed import distributed_c10d as c10d
-
-        try:
-            return float(c10d._get_default_timeout(backend_name(group)).total_seconds())
-        except Exception:  # noqa: BLE001
-            return float(c10d.default_pg_timeout.total_seconds())
-
-
-def _watch(nccl: int, owned: bool, group, device: torch.device) -> int:
-    """A watch on ``nccl`` with ``ALLSCAN_TIMEOUT`` (0: none), aborting it on timeout when ``owned``."""
-    setting = settings.timeout
-    if setting == "off":
-        return 0
-    timeout = group_timeout(group, device) if setting == "group" else float(setting)
-    return int(_C.watch_create(nccl, timeout, owned))
-
-
-def _local_failure(comm: Communicator):
-    """(code, reason) when this rank's own view of ``comm`` failed (its watch's timeout, or a mismatch
-    its kernels found), else None (also when a peer's report failed it, or it was retired: not this
-    rank's to report; a retired handle's status is the failure it was given). The watch first: after
-    an abort, a receive that never completed looks like a mismatch."""
-    try:
-        _C.watch_status(comm.watch)
-    except _C.CommunicatorTimeout as e:
-        return _C.TIMEOUT, str(e)
-    except _C.CommunicatorError:
-        return None
-    try:
-        _C.comm_status(comm.handle)
-    except _C.CommunicatorError as e:
-        # retired (failure set before its handle is failed, so this sees it): not a mismatch
-        return None if comm.failure is not None else (_C.MISMATCH, str(e))
-    return None
-
-
-def _put_on_board(comm: Communicator, key: str) -> None:
-    """Register a watched communicator on the fault board (no store: no board, the watch alone)."""
-    try:
-        store = dist.distributed_c10d._get_default_store()
-    except Exception:  # noqa: BLE001 - private API, or no default group store
-        return
-    target = _faults.Target(
-        rank=comm.rank,
-        size=comm.size,
-        calls=lambda: _C.watch_calls(comm.watch),
-        local_failure=lambda: _local_failure(comm),
-        fail=lambda code, reason: _C.watch_fail(comm.watch, code, reason),
-    )
-    _faults.board().register(key, target, store)
-    comm.fault_key = key
-
-
 def report_local_error(group, device: torch.device, reason: str) -> None:
     """This rank raised where its peers do not exchange with it first (its own arguments on NCCL in
     ``first`` mode, or its own work between the collectives of one layer call): if the group's
@@ -372,9 +270,9 @@ def get_communicator(group, device: torch.device) -> Communicator:
     )
     try:
         if comm.size > 1:
-            comm.watch = _watch(nccl, owned, group, device)
+            comm.watch = watch(nccl, owned, group, device)
             if comm.watch:
-                _put_on_board(comm, board_key)
+                put_on_board(comm, board_key)
         if _C.comm_rank(handle) != comm.rank or _C.comm_size(handle) != comm.size:
             raise RuntimeError(
                 f"allscan: the NCCL communicator of group {name!r} has rank/size "
