@@ -69,6 +69,16 @@ def _ops_take_the_context(rank, world):
         with pytest.raises(ValueError, match="context= and group= name different groups"):
             run(context=ctx, group=LOCAL)
         run(context=ctx, group=dist.group.WORLD)  # the context's own group: accepted
+    # one rank's conflict alone (rank 1 names another group; the layer, another cut): its peer, which passed
+    # the context alone, raises too instead of waiting (the refusal is told on the context's group)
+    from allscan.ops.halo import halo_exchange
+
+    refused = "different groups" if rank == 1 else r"rank\(s\) \[1\]"
+    for run in (gla, gdn, lambda **kw: halo_exchange(x, 2, **kw)):
+        with pytest.raises(ValueError, match=refused):
+            run(context=ctx, **({"group": LOCAL} if rank == 1 else {}))
+    with pytest.raises(ValueError, match="given together" if rank == 1 else r"rank\(s\) \[1\]"):
+        on_layer(context=ctx, **({"cu_seqlens": torch.tensor(cuts[0])} if rank == 1 else {}))
     return True
 
 

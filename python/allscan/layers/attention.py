@@ -99,7 +99,7 @@ class Attention(nn.Module):
             cu_seqlens = context.offsets(hidden_states.device)
         if cu_seqlens is not None and torch.compiler.is_compiling():
             refuse_packed_while_tracing(name)
-        pg = context_group(context if conflict is None else None, self.group, name)
+        pg = context_group(context, self.group, name)
         rank, world = (0, 1) if pg is None else (torch.distributed.get_rank(pg), torch.distributed.get_world_size(pg))
 
         def project():

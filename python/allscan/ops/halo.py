@@ -132,9 +132,15 @@ def halo_exchange(x: torch.Tensor, w: int, group=None, *, context=None) -> torch
     if not isinstance(w, int) or w < 0:
         raise ValueError(f"halo_exchange: w must be a non-negative int, got {w!r}")
     conflict = context_conflict(context, group, None, "halo_exchange")
-    if conflict is not None:
-        raise conflict
     pg = context_group(context, group, "halo_exchange")
+    if conflict is not None:  # refused on every rank: the peers waiting in the exchange's check are told
+        if pg is None or torch.compiler.is_compiling():
+            raise conflict
+
+        def refuse():
+            raise conflict
+
+        validated_group(pg, x, "halo_exchange", refuse)
     T = x.shape[1]
     # one process: zeros, through the op all the same (so the halo is part of x's autograd graph, as
     # with several ranks); it may hold fewer than w tokens

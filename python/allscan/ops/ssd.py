@@ -129,7 +129,7 @@ def zeco_ssd(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor
         fp32 (fp64 with fp64 inputs).
     """
     conflict = context_conflict(context, group, cu_seqlens, _OP)
-    spg = context_group(context if conflict is None else None, group, _OP)
+    spg = context_group(context, group, _OP)
     packed = cu_seqlens is not None
 
     def validate():

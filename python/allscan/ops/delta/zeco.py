@@ -57,7 +57,7 @@ __all__ = ["zeco_gated_delta_rule", "zeco_kda", "METHODS"]
 
 def _delta_rule(call: DeltaCall, q, k, v, g, beta, group, initial_state):
     conflict = context_conflict(call.context, group, call.cu_seqlens, call.op)
-    group = context_group(call.context if conflict is None else None, group, call.op)
+    group = context_group(call.context, group, call.op)
     opts = call.options
     # a rank whose inputs need no gradient runs no backward: its peers would wait in the reverse scan
     call = replace(call, needs_grad=inputs_need_grad(q, k, v, g, beta, initial_state, opts.A_log, opts.dt_bias))

@@ -142,7 +142,7 @@ def zeco_gla(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: Optional[torc
     if torch.compiler.is_compiling():
         scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
         conflict = context_conflict(context, group, cu_seqlens, "zeco_gla")
-        spg = context_group(context if conflict is None else None, group, "zeco_gla")
+        spg = context_group(context, group, "zeco_gla")
         if conflict is not None:  # refused when the graph runs, on every rank
             return traced_refusal(spg, v, "zeco_gla", conflict), None
         if context is not None:  # the context is not traceable: the op takes its offsets and group name
@@ -154,7 +154,7 @@ def zeco_gla(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: Optional[torc
                                needs_grad=needs_grad)[:2]
         return o, (final if output_final_state else None)
     conflict = context_conflict(context, group, cu_seqlens, "zeco_gla")
-    spg = context_group(context if conflict is None else None, group, "zeco_gla")
+    spg = context_group(context, group, "zeco_gla")
     segs = checked_segments(spg, q, k, v, g, initial_state, cu_seqlens, method, needs_grad,
                             context=None if conflict is not None else context, conflict=conflict)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
