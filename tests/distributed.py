@@ -99,10 +99,10 @@ def _start_context():
 
 def _child(call, rank, world_size, backend, init_file, q, teardown=True, env=None):
     try:
-        fn, args = pickle.loads(call)
         if env is not None:  # forked from the forkserver: the parent's environment now, not at the server's start
             os.environ.clear()
             os.environ.update(env)
+        fn, args = pickle.loads(call)  # imports the test's module (and allscan) under that environment
         os.environ.setdefault("OMP_NUM_THREADS", "1")
         import torch
         import torch.distributed as dist

@@ -104,6 +104,15 @@ def _mesh_dimension(rank, world):
     cu = [0, 3 + row, 8]
     ctx = SequenceContext(mesh["sp"], cu_seqlens=cu)
     assert ctx.cu_seqlens == tuple(cu) and ctx.group is sp
+    # the ops and layers take the mesh dimension as their group= too (what the fla integration hands them)
+    from allscan.layers import GatedLinearAttention
+
+    layer = GatedLinearAttention(hidden_size=8, num_heads=2, expand_k=0.5, expand_v=1, group=mesh["sp"]).double()
+    x = torch.randn(1, 4, 8, dtype=torch.float64)
+    on_group = GatedLinearAttention(hidden_size=8, num_heads=2, expand_k=0.5, expand_v=1,
+                                    group=mesh["sp"].get_group()).double()
+    on_group.load_state_dict(layer.state_dict())
+    assert torch.equal(layer(x)[0], on_group(x)[0])
     return True
 
 

@@ -66,7 +66,7 @@ def resolve_sp_group(group, op: str = "allscan") -> SPGroup:
         return _ONE_PROCESS
     if group is not None and not initialised:
         raise RuntimeError(f"{op}: group given but torch.distributed is not initialised")
-    group = _mesh_dimension_group(group, op)
+    group = mesh_dimension_group(group, op)
     pg = normalize_group(group)
     resolved = _RESOLVED.get(pg)
     if resolved is None:
@@ -74,7 +74,7 @@ def resolve_sp_group(group, op: str = "allscan") -> SPGroup:
     return resolved
 
 
-def _mesh_dimension_group(group, op: str):
+def mesh_dimension_group(group, op: str):
     """A one-dimensional device mesh -> its process group; a larger mesh is refused, naming the fix."""
     try:
         from torch.distributed.device_mesh import DeviceMesh

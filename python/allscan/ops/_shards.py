@@ -22,7 +22,7 @@ from allscan._comm import normalize_group
 from allscan._agreement import peers_exchange, still_checked
 from allscan._settings import settings
 
-from allscan.context import LOCAL, ShardCut, checked_offsets, resolve_sp_group
+from allscan.context import LOCAL, ShardCut, checked_offsets, mesh_dimension_group, resolve_sp_group
 
 from ._launch import plan_cache
 
@@ -42,7 +42,7 @@ def sequence_parallel_group(group, op: str):
         return normalize_group(None) if initialised else None
     if not initialised:
         raise RuntimeError(f"{op}: group given but torch.distributed is not initialised")
-    return normalize_group(group)
+    return normalize_group(mesh_dimension_group(group, op))
 
 
 def inputs_need_grad(*inputs) -> bool:
