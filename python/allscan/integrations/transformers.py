@@ -68,16 +68,17 @@ attention checks still run).
 from __future__ import annotations
 
 import sys
-import threading
 import weakref
-from typing import Optional, Tuple
+from typing import Optional
 
 import torch
 
 from .batch import IGNORE_INDEX, BatchShard, causal_lm_loss, reduce_loss, shard_batch, sync_gradients  # noqa: F401
-from .common import agreed_offsets, exchange, offsets_of, positions_context, require_transformers, restarts, sp_group
+from .common import offsets_of, require_transformers, sp_group
 from .hf_options import OPTION_KWARGS, features_of, one_process_attention
 from .hf_hybrids import sequence_parallel  # noqa: F401  (the hybrids' entry, under the name issue 53 gives it)
+from .hf_mask import (FORWARDS, LOCAL_POSITIONS, UlyssesMask, batch_of, caller_mask_arguments, given_offsets,
+                      mask_shape)
 from .hf_refusals import SEQUENCE_PARALLEL, config_refusal, model_refusal, registered_implementation  # noqa: F401
 
 __all__ = ["register", "sequence_parallel", "check_model", "shard_batch", "causal_lm_loss", "reduce_loss",
@@ -93,8 +94,6 @@ _HARMLESS = frozenset({"position_ids", "use_cache", "cache_position", "output_ro
 _NAMES = {}  # name -> group, of every register() in this process
 _HOOK = None
 _PASSED = weakref.WeakKeyDictionary()  # model -> the attention implementation it passed check_model with
-
-
 
 
 def check_model(model: torch.nn.Module, name: Optional[str] = None) -> None:
@@ -127,7 +126,7 @@ def _pre_forward(module, args):
     impl = registered_implementation(cfg, _NAMES)
     if impl is None:
         return None
-    _FORWARDS.serial += 1  # a new forward: its first mask call finds its batch again
+    FORWARDS.serial += 1  # a new forward: its first mask call finds its batch again
     if _PASSED.get(module) == impl:
         return None
     why = model_refusal(module, impl)
@@ -138,136 +137,8 @@ def _pre_forward(module, args):
 
 
 # ------------------------------------------------------------------------------------------------
-# The mask transformers would have built, as what the attention needs to know
-# ------------------------------------------------------------------------------------------------
-
-class _Batch:
-    """One forward's batch as its first mask call found it, shared by the forward's other masks (sliding and
-    full layers) and every attention call: its :class:`~allscan.context.SequenceContext` (the packed cut, made
-    and agreed once), whether every rank numbered its slice from 0, and the caller's packed offsets once agreed.
-    Reused only within one forward (the model-level pre-hook counts forwards) and for the very same inputs, so
-    every rank reuses it alike."""
-
-    __slots__ = ("key", "refs", "context", "local_only", "given", "given_offsets")
-
-    def __init__(self, key, objs, context, local_only):
-        self.key, self.context, self.local_only = key, context, local_only
-        try:
-            self.refs = tuple(None if o is None else weakref.ref(o) for o in objs)
-        except TypeError:  # an input that takes no weak reference: never reused
-            self.refs = None
-        self.given, self.given_offsets = None, None
-
-    def matches(self, key, objs) -> bool:
-        return self.refs is not None and self.key == key and all(
-            (r is None and o is None) or (r is not None and r() is o) for r, o in zip(self.refs, objs))
-
-
-class _Forwards(threading.local):
-    serial = 0  # transformers models (set to a registered name) that started a forward on this thread
-    last: Optional[_Batch] = None
-
-
-_FORWARDS = _Forwards()
-
-
-class UlyssesMask:
-    """What the mask function hands every attention call in place of a mask: whether the attention is
-    causal, a sliding window or chunk size (or None), and the forward's batch (its SequenceContext: the
-    packed sequences' global bounds, None for whole rows). The same on every rank."""
-
-    __slots__ = ("causal", "window", "chunk", "batch", "q_length", "name", "forward")
-
-    def __init__(self, causal, window, chunk, forward: _Batch, batch, q_length, name):
-        self.causal, self.window, self.chunk, self.forward = causal, window, chunk, forward
-        self.batch, self.q_length, self.name = batch, q_length, name
-
-    @property
-    def context(self):
-        return self.forward.context
-
-    @property
-    def bounds(self):
-        return self.forward.context.cu_seqlens
-
-    @property
-    def local_only(self) -> bool:
-        return self.forward.local_only
-
-    def __repr__(self):
-        return (f"UlyssesMask(causal={self.causal}, window={self.window}, chunk={self.chunk}, bounds={self.bounds}, "
-                f"batch={self.batch}, q_length={self.q_length})")
-
-
-def _closure(fn) -> dict:
-    code = getattr(fn, "__code__", None)
-    cells = getattr(fn, "__closure__", None) or ()
-    if code is None:
-        return {}
-    return {n: c.cell_contents for n, c in zip(code.co_freevars, cells)}
-
-
-def _mask_shape(fn, name: str, out: dict) -> None:
-    """Read the mask function transformers composed (masking_utils' building blocks, ANDed) into ``out``:
-    base ("causal"/"bidirectional"), window, chunk. Anything else raises, naming it."""
-    mu = sys.modules.get("transformers.masking_utils")
-    qual = getattr(fn, "__qualname__", repr(fn))
-    if mu is not None and fn is getattr(mu, "causal_mask_function", None):
-        out.setdefault("base", set()).add("causal")
-    elif mu is not None and fn is getattr(mu, "bidirectional_mask_function", None):
-        out.setdefault("base", set()).add("bidirectional")
-    elif getattr(fn, "__module__", None) != "transformers.masking_utils":
-        raise NotImplementedError(f"{name}: the model builds its attention mask with a mask function of its own "
-                                  f"({getattr(fn, '__module__', '?')}.{qual}); only transformers' causal, "
-                                  "bidirectional, sliding-window, chunked and packed-sequence masks are supported")
-    elif qual == "and_masks.<locals>.and_mask":
-        for part in _closure(fn).get("mask_functions", ()):
-            _mask_shape(part, name, out)
-    elif qual in ("sliding_window_overlay.<locals>.inner_mask",
-                  "sliding_window_bidirectional_overlay.<locals>.inner_mask"):
-        w = _closure(fn).get("sliding_window")
-        out["window"] = w if out.get("window") is None else min(out["window"], w)
-    elif qual == "chunked_overlay.<locals>.inner_mask":
-        c = _closure(fn).get("chunk_size")
-        out["chunk"] = c if out.get("chunk") is None else min(out["chunk"], c)
-    elif qual == "remap_positions_for_packed_sequence.<locals>.inner_mask":
-        _mask_shape(_closure(fn).get("mask_function"), name, out)  # packing: from the gathered position ids
-    elif qual == "packed_sequence_mask_function.<locals>.inner_mask":
-        pass
-    elif qual == "or_masks.<locals>.or_mask":
-        raise NotImplementedError(f"{name}: an or_mask_function (tokens that see past the causal mask, e.g. "
-                                  "bidirectional image tokens) is not supported")
-    elif qual == "blockwise_overlay.<locals>.inner_mask":
-        raise NotImplementedError(f"{name}: a blockwise mask (block_sequence_ids: bidirectional blocks) is not "
-                                  "supported")
-    else:
-        raise NotImplementedError(f"{name}: transformers' mask function {qual} is not supported")
-
-
-def _caller_mask_arguments():
-    """``position_ids`` and the cache that transformers' create_*_mask (the mask function's caller) got:
-    transformers detects packed rows from them (not passed to the mask function itself)."""
-    f = sys._getframe(2)
-    for _ in range(4):
-        if f is None:
-            break
-        if f.f_code.co_name.startswith("create_") and f.f_code.co_filename.endswith("masking_utils.py"):
-            loc = f.f_locals
-            return loc.get("position_ids"), loc.get("cache", loc.get("past_key_values"))
-        f = f.f_back
-    return None, None  # not called by create_*_mask: transformers would look for no packed rows either
-
-
-# ------------------------------------------------------------------------------------------------
 # register()
 # ------------------------------------------------------------------------------------------------
-
-_LOCAL_POSITIONS = (
-    "{name}: every rank's position ids are 0 .. S_local - 1, so each rank's slice would be a sequence of its "
-    "own: the model was most likely called without the shard's global position ids; pass "
-    "position_ids=shard.position_ids (shard_batch's). If the row really packs one sequence per rank, confirm "
-    "it with cu_seq_lens_q=shard.cu_seqlens")
-
 
 def _check_kwargs(name: str, kwargs: dict) -> None:
     """Refuse, naming it, each argument transformers passed beside q, k and v that would change the result."""
@@ -294,65 +165,6 @@ def _short(value) -> str:
         return f"<tensor {tuple(value.shape)} {value.dtype}>"
     text = repr(value)
     return text if len(text) <= 60 else text[:57] + "..."
-
-
-def _batch_of(sp, name: str, B: int, Sq: int, kv: int, position_ids, attention_mask, cache, key) -> _Batch:
-    """The forward's batch (:class:`_Batch`), from what every rank's create_*_mask got: one exchange of the facts
-    each refusal is decided on (raised on every rank alike, so none waits in the attention's all-to-all), then
-    the batch's SequenceContext from the position ids (one more exchange: packed rows found in the whole row)."""
-    device = position_ids.device if isinstance(position_ids, torch.Tensor) else None
-    like = attention_mask if isinstance(attention_mask, torch.Tensor) else position_ids
-    pos, odd_pos = None, 0
-    if position_ids is not None:
-        if not isinstance(position_ids, torch.Tensor) or position_ids.dim() != 2 or position_ids.shape[-1] != Sq \
-                or position_ids.shape[0] not in (1, B):
-            odd_pos = 1  # raised below, on every rank
-        else:
-            pos = position_ids.expand(B, Sq)
-    padded = int(isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2
-                 and not bool(attention_mask.all()))
-    local = int(pos is not None and bool((pos == torch.arange(Sq, device=device)).all()))
-    rows = exchange(sp, [B, Sq, kv, padded, odd_pos, int(pos is not None), local,
-                         int(pos is not None and restarts(pos, sp.rank)), int(attention_mask is not None),
-                         int(cache is not None)], like)
-    if any(r[:3] != rows[0][:3] for r in rows):
-        raise ValueError(f"{name}: the ranks passed different batch / query / key lengths: {[r[:3] for r in rows]}")
-    if any(r[3] for r in rows):
-        raise NotImplementedError(f"{name}: padding attention masks are not supported (every sequence is whole "
-                                  "and causal; pack or trim the batch); a rank of the group got one")
-    if any(r[4] for r in rows):
-        raise NotImplementedError(f"{name}: position ids of another shape than the batch's [B, S_local] = "
-                                  f"[{B}, {Sq}] (e.g. multimodal 3-D positions) are not supported; a rank of "
-                                  "the group got such")
-    if any(r[5] != rows[0][5] for r in rows):
-        raise ValueError(f"{name}: some ranks passed position ids and others none")
-    if kv != Sq:
-        raise NotImplementedError(f"{name}: a KV cache (query length {Sq}, key length {kv}) is not supported; call "
-                                  "the model with use_cache=False")
-    # Every rank's slice 0 .. S_local - 1: most likely the model computed local positions because none were
-    # passed (the attention then asks for the packed offsets to confirm them).
-    local_only = pos is not None and sp.size > 1 and all(r[6] for r in rows)
-    if local_only and B != 1:
-        raise ValueError(_LOCAL_POSITIONS.format(name=name))
-    context = positions_context(pos, sp, name, B, any(r[7] for r in rows))
-    if context.packed and any(r[8] or r[9] for r in rows):
-        raise NotImplementedError(
-            f"{name}: a packed row (position ids that restart) with "
-            f"{'an attention mask' if any(r[8] for r in rows) else 'a KV cache'}: transformers then attends "
-            "across the sequences; pass no attention mask and use_cache=False")
-    return _Batch(key, (position_ids, attention_mask, cache), context, local_only)
-
-
-def _given_offsets(forward: Optional[_Batch], sp, kwargs: dict, name: str, like) -> Optional[Tuple[int, ...]]:
-    """The caller's ``cu_seq_lens_q`` / ``cu_seq_lens_k``, agreed across the group once per forward (every
-    attention call of a forward gets the very same objects; others are agreed again)."""
-    q, k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
-    if forward is not None and forward.given is not None and forward.given[0] is q and forward.given[1] is k:
-        return forward.given_offsets
-    offsets = agreed_offsets(sp, q, k, name, like)
-    if forward is not None:
-        forward.given, forward.given_offsets = (q, k), offsets
-    return offsets
 
 
 def register(group=None, *, name: str = NAME, num_chunks="auto") -> str:
@@ -413,9 +225,9 @@ def register(group=None, *, name: str = NAME, num_chunks="auto") -> str:
         # Everything above is the same on every rank (the config, the model's code, the agreed batch); the
         # caller's packed offsets are agreed before they are judged, so a rank whose offsets differ raises on
         # every rank.
-        given = _given_offsets(mask.forward if mask is not None else None, sp, kwargs, name, query)
+        given = given_offsets(mask.forward if mask is not None else None, sp, kwargs, name, query)
         if mask is not None and mask.local_only and given is None:
-            raise ValueError(_LOCAL_POSITIONS.format(name=name))
+            raise ValueError(LOCAL_POSITIONS.format(name=name))
         if given is not None:
             want = tuple(bounds) if bounds is not None else (0, S)
             if B != 1 or given != want:
@@ -440,21 +252,21 @@ def register(group=None, *, name: str = NAME, num_chunks="auto") -> str:
             raise NotImplementedError(why)
         shape = {}
         if mask_function is not None:
-            _mask_shape(mask_function, name, shape)
+            mask_shape(mask_function, name, shape)
         bases = shape.get("base", {"causal"})
         if len(bases) != 1:
             raise NotImplementedError(f"{name}: a mask both causal and bidirectional is not supported")
-        position_ids, cache = _caller_mask_arguments()
+        position_ids, cache = caller_mask_arguments()
         B, Sq = int(batch_size), int(q_length)
         kv = int(kv_length if kv_length is not None else Sq)
         # The forward's batch is found once (its first mask call) and shared by its other masks: the pre-hook
         # counts forwards, the same on every rank.
-        key = (_FORWARDS.serial, name, B, Sq, kv)
+        key = (FORWARDS.serial, name, B, Sq, kv)
         objs = (position_ids, attention_mask, cache)
-        forward = _FORWARDS.last
+        forward = FORWARDS.last
         if forward is None or torch.compiler.is_compiling() or not forward.matches(key, objs):
-            forward = _batch_of(resolved(), name, B, Sq, kv, position_ids, attention_mask, cache, key)
-            _FORWARDS.last = forward
+            forward = batch_of(resolved(), name, B, Sq, kv, position_ids, attention_mask, cache, key)
+            FORWARDS.last = forward
         return UlyssesMask("causal" in bases, shape.get("window"), shape.get("chunk"), forward, B, Sq, name)
 
     tf.AttentionInterface.register(name, attention)
