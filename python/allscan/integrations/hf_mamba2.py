@@ -12,11 +12,14 @@ per-token pieces (``in_proj``, the gated RMSNorm with its group size, ``out_proj
   ``mamba2_chunk_scan`` computes with: ``dt`` after ``dt_bias``, softplus and the module's ``time_step_limit``
   clamp (in the model's dtype, as transformers does), ``A = -exp(A_log)`` in fp32, B and C per group (head h
   reads group ``h // (H // n_groups)``), the ``D`` skip; each packed sequence from a zero state
-  (``cu_seqlens``: the batch context's global offsets).
+  (the batch's context, ``context=``).
 
 The six mixers' forwards are one code (transformers generates them from Mamba2's), but for Falcon-H1's
-multipliers and optional norm. transformers' torch scan returns fp32 whatever the model's dtype; the op returns
-the model's dtype, promoted here to fp32 before the norm so that the norm sees what it sees in transformers.
+multipliers and optional norm. transformers' torch scan computes and returns fp32 whatever the model's dtype;
+the op returns the model's dtype, promoted here to fp32 before the norm. In fp32 and fp64 models the norm sees
+what it sees in transformers; in bf16/fp16 models ``dt * x`` and the scan's output are rounded once to the
+model's dtype on the way (as mamba-ssm's kernels do), so they agree with transformers' torch path to that dtype's
+rounding, not bitwise.
 """
 from __future__ import annotations
 
