@@ -8,10 +8,10 @@ For every state size (4 KiB .. 256 MiB by default) it times, interleaved (repeat
 once), with CUDA events around many back-to-back calls after warm-up, the median over repeats of
 the slowest rank's time per call:
 
-    p2p-chain          the floor: allscan._C.neighbor_exchange(chain=True), exactly the transfers of one
+    p2p-chain          the floor: allscan.core.neighbor_exchange(chain=True), exactly the transfers of one
                        scan (a bare NCCL send/recv of the same bytes, one group call)
     torch-p2p-chain    the same transfers through torch: dist.batch_isend_irecv + wait
-    c-scan-pipelined   allscan._C.scan with preallocated output and workspace (no Python layer)
+    c-scan-pipelined   allscan.core.scan with preallocated output and workspace (no Python layer)
     scan-pipelined     allscan.scan(x, gamma) (automatic K), and num_blocks=K for every --blocks K
     scan-serial        allscan.scan(x, gamma, method="serial")     (LASP-1 pattern)
     scan-allgather     allscan.scan(x, gamma, method="allgather")  (LASP-2 pattern)
@@ -208,15 +208,15 @@ def run(args) -> int:
     rank, P = dist.get_rank(), dist.get_world_size()
 
     import allscan
-    from allscan import _C, _comm
+    from allscan import core
     from allscan.reference import combine
 
-    comm = _comm.get_communicator(None, dev)
+    comm = core.communicator(None, dev)
     dtype = getattr(torch, args.dtype)
     es = torch.empty((), dtype=dtype).element_size()
     stream = torch.cuda.current_stream(dev)
     s_ptr = stream.cuda_stream
-    a_us, b_upb, model_set = _C.get_link_model(comm.handle)
+    a_us, b_upb, model_set = core.link_model(comm.handle)
     prev, nxt = rank - 1, rank + 1
 
     def say(*a):
@@ -250,9 +250,10 @@ def run(args) -> int:
         g_ptr = 0 if g is None else g.data_ptr()
         g_cnt = 0 if g is None else g.numel()
         g_dt = DTYPES["float32"] if g is not None else DTYPES[args.dtype]
-        ws_bytes = _C.workspace_size(comm.handle, count, DTYPES[args.dtype], g_ptr, g_cnt, g_dt, 0, False, False, 0, 0)
+        ws_bytes = core.workspace_size(comm.handle, count, DTYPES[args.dtype], g_ptr, g_cnt, g_dt, 0, False, False,
+                                       0, 0)
         ws = torch.empty(max(ws_bytes, 1), dtype=torch.uint8, device=dev)
-        k_auto = _C.choose_num_blocks(comm.handle, nbytes)
+        k_auto = core.choose_num_blocks(comm.handle, nbytes)
 
         ops: List[Tuple[dict, Callable[[], Optional[object]]]] = []
 
@@ -260,7 +261,8 @@ def run(args) -> int:
             ops.append(({"op": op, "method": method, "K": K, "K_auto": K_auto}, fn))
 
         if P > 1:
-            add("p2p-chain", lambda: _C.neighbor_exchange(comm.handle, x.data_ptr(), recv.data_ptr(), nbytes, False, True, s_ptr))
+            add("p2p-chain", lambda: core.neighbor_exchange(comm.handle, x.data_ptr(), recv.data_ptr(), nbytes, False,
+                                                            True, s_ptr))
 
             def torch_p2p():
                 p2p = []
@@ -274,8 +276,8 @@ def run(args) -> int:
             add("torch-p2p-chain", torch_p2p)
         if "pipelined" in args.methods:
             add("c-scan-pipelined",
-                lambda: _C.scan(comm.handle, x.data_ptr(), y_c.data_ptr(), count, DTYPES[args.dtype], g_ptr, g_cnt, g_dt,
-                                0, False, False, 0, 0, ws.data_ptr(), ws_bytes, s_ptr, 0),  # 0: no signature
+                lambda: core.scan(comm.handle, x.data_ptr(), y_c.data_ptr(), count, DTYPES[args.dtype], g_ptr, g_cnt,
+                                  g_dt, 0, False, False, 0, 0, ws.data_ptr(), ws_bytes, s_ptr, 0),  # 0: no signature
                 "pipelined", k_auto, True)
         for m in args.methods:
             add(f"scan-{m}", (lambda m=m: allscan.scan(x, g, method=m)), m, k_auto if m == "pipelined" else 1, True)

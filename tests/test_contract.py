@@ -252,7 +252,7 @@ def test_a2a_is_reachable_right_after_import():
 
 
 def test_every_public_submodule_is_reachable_right_after_import():
-    names = ("a2a", "ops", "layers", "integrations", "info", "perf", "reference")
+    names = ("a2a", "ops", "layers", "integrations", "info", "perf", "reference", "core")
     code = ("import allscan\n"
             f"print(' '.join(getattr(allscan, n).__name__ for n in {names!r}))\n"
             "print(allscan.layers.GatedDeltaNet.__name__, allscan.integrations.__name__)")

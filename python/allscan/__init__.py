@@ -35,7 +35,7 @@ __version__ = "{}.{}.{}".format(_C.version() // 10000, _C.version() // 100 % 100
 
 # Submodules that pull in more (nn.Modules, optional libraries) load on first access:
 # ``import allscan; allscan.layers.GatedLinearAttention`` works without importing them all up front.
-_LAZY = ("layers", "integrations", "info", "perf", "demo")
+_LAZY = ("layers", "integrations", "info", "perf", "demo", "core")
 
 
 def __getattr__(name):
