@@ -103,7 +103,7 @@ def _make_attention(group, name):
             from allscan.ops.ulysses import ulysses_attention
 
             out = ulysses_attention(q, k, v, ctx.group.process_group, causal=True, scale=scale, cu_seqlens=bounds,
-                                    **features.ulysses_kwargs())
+                                    **features.as_kwargs())
         return out[..., :d_v], None
 
     return attention

@@ -7,36 +7,19 @@ operations are exact there (:mod:`allscan.ops.ulysses.masked`).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
 from allscan.ops.ulysses import MaskSpec, masked_attention
+from allscan.ops.ulysses.checks import AttentionOptions
 
 from .common import local_attention
 
-__all__ = ["AttentionFeatures", "OPTION_KWARGS", "features_of", "one_process_attention"]
+__all__ = ["OPTION_KWARGS", "features_of", "one_process_attention"]
 
 OPTION_KWARGS = frozenset({"sliding_window", "s_aux", "sinks", "softcap"})
 """The keyword arguments :func:`features_of` reads (the callers refuse every other unknown one by name)."""
-
-
-@dataclass(frozen=True)
-class AttentionFeatures:
-    """A call's sliding window (tokens, shorter than the whole sequence; None: none), soft-cap and sinks
-    (``[H]`` logits, one per query head)."""
-    window: Optional[int] = None
-    softcap: Optional[float] = None
-    sinks: Optional[torch.Tensor] = None
-
-    @property
-    def any(self) -> bool:
-        return self.window is not None or self.softcap is not None or self.sinks is not None
-
-    def ulysses_kwargs(self) -> dict:
-        """As :func:`allscan.ops.ulysses.ulysses_attention`'s keyword arguments."""
-        return {"window": self.window, "softcap": self.softcap, "sinks": self.sinks}
 
 
 def _window(name: str, what: str, value, S: int) -> Optional[int]:
@@ -48,7 +31,7 @@ def _window(name: str, what: str, value, S: int) -> Optional[int]:
 
 
 def features_of(name: str, kwargs: dict, S: int, *, mask_known: bool = False,
-                mask_window: Optional[int] = None) -> AttentionFeatures:
+                mask_window: Optional[int] = None) -> AttentionOptions:
     """The window, soft-cap and sinks among transformers' ``kwargs`` for a whole sequence of ``S`` tokens.
     ``mask_known``: the attention got the mask the model built (its window ``mask_window``, or None); the
     ``sliding_window`` argument must then say the same (transformers' eager and SDPA paths follow the mask,
@@ -73,11 +56,11 @@ def features_of(name: str, kwargs: dict, S: int, *, mask_known: bool = False,
     if sinks is not None and not isinstance(sinks, torch.Tensor):
         raise NotImplementedError(f"{name}: attention sinks must be a tensor of one logit per head, got "
                                   f"{type(sinks).__name__}")
-    return AttentionFeatures(window=window, softcap=None if cap is None else float(cap), sinks=sinks)
+    return AttentionOptions(window=window, softcap=None if cap is None else float(cap), sinks=sinks)
 
 
 def one_process_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, bounds, causal: bool,
-                          features: AttentionFeatures) -> torch.Tensor:
+                          features: AttentionOptions) -> torch.Tensor:
     """The attention of a group of one, ``[B, S, H, D]`` in and out (fewer k/v heads repeated): SDPA, or with a
     window, soft-cap or sinks the same local attention Ulysses runs after its all-to-all."""
     if not features.any:

@@ -240,7 +240,7 @@ def register(group=None, *, name: str = NAME, num_chunks="auto") -> str:
             scale = float(scaling) if scaling is not None else q.shape[-1] ** -0.5
             return one_process_attention(q, k, v, scale, bounds, causal, features), None
         out = ulysses_attention(q, k, v, sp.process_group, causal=causal, scale=scaling, num_chunks=num_chunks,
-                                cu_seqlens=None if bounds is None else list(bounds), **features.ulysses_kwargs())
+                                cu_seqlens=None if bounds is None else list(bounds), **features.as_kwargs())
         return out, None
 
     def mask_function(*args, attention_mask=None, config=None, mask_function=None, batch_size=None,

@@ -76,6 +76,10 @@ class AttentionOptions:
     def any(self) -> bool:
         return self.window is not None or self.softcap is not None or self.sinks is not None
 
+    def as_kwargs(self) -> dict:
+        """As :func:`allscan.ops.ulysses.ulysses_attention`'s keyword arguments."""
+        return {"window": self.window, "softcap": self.softcap, "sinks": self.sinks}
+
 
 def check_options(window, softcap, sinks, q: torch.Tensor, causal: bool, S: int) -> AttentionOptions:
     """``window``, ``softcap`` and ``sinks`` of a call on q ``[B, S_local, Hq, D]`` over a whole sequence of
