@@ -57,30 +57,32 @@ def fp64_delta_rule(kind):
     setattr(mod, name, namespace[name])
 
 
-def tiny_model(kind, seed=0):
+def tiny_model(kind, seed=0, width=1):
     """A 2-layer model of ``kind`` (a linear-attention layer, then softmax attention), seeded, fp64; fewer key
-    than value heads for Gated DeltaNet, MLA with a value head narrower than its query/key heads for Kimi."""
+    than value heads for Gated DeltaNet, MLA with a value head narrower than its query/key heads for Kimi.
+    ``width`` multiplies the hidden and head sizes (fla's GPU kernels take head sizes of 16 and up)."""
     tf = transformers
     torch.manual_seed(seed)
-    common = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+    w = width
+    common = dict(vocab_size=VOCAB, hidden_size=32 * w, intermediate_size=48 * w, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, layer_types=["linear_attention", "full_attention"],
                   pad_token_id=0, bos_token_id=1, eos_token_id=2)
-    gdn = dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
-               linear_conv_kernel_dim=4)
+    gdn = dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8 * w,
+               linear_value_head_dim=8 * w, linear_conv_kernel_dim=4)
     if kind == "qwen3_next":
         model = tf.Qwen3NextForCausalLM(tf.Qwen3NextConfig(
-            head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
-            shared_expert_intermediate_size=16, **gdn, **common))
+            head_dim=8 * w, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16 * w,
+            shared_expert_intermediate_size=16 * w, **gdn, **common))
     elif kind == "qwen3_5":
-        model = tf.Qwen3_5ForCausalLM(tf.Qwen3_5TextConfig(head_dim=8, **gdn, **common))
+        model = tf.Qwen3_5ForCausalLM(tf.Qwen3_5TextConfig(head_dim=8 * w, **gdn, **common))
     elif kind == "olmo_hybrid":
         model = tf.OlmoHybridForCausalLM(tf.OlmoHybridConfig(**gdn, **common))
     elif kind == "kimi_linear":
         model = tf.KimiLinearForCausalLM(tf.KimiLinearConfig(
-            mlp_layer_types=["dense", "sparse"], kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=4,
-            qk_nope_head_dim=8, v_head_dim=8, linear_num_heads=2, linear_head_dim=8, linear_conv_kernel_dim=4,
-            num_local_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, n_group=1, topk_group=1,
-            **{**common, "num_key_value_heads": 4}))
+            mlp_layer_types=["dense", "sparse"], kv_lora_rank=16 * w, q_lora_rank=None, qk_rope_head_dim=4 * w,
+            qk_nope_head_dim=8 * w, v_head_dim=8 * w, linear_num_heads=2, linear_head_dim=8 * w,
+            linear_conv_kernel_dim=4, num_local_experts=4, num_experts_per_tok=2, moe_intermediate_size=16 * w,
+            n_group=1, topk_group=1, **{**common, "num_key_value_heads": 4}))
     else:
         raise ValueError(kind)
     if hasattr(model, "set_experts_implementation"):
