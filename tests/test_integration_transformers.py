@@ -181,6 +181,15 @@ def _hybrids_refused(rank, world):
                      AutoModelForCausalLM.from_config(cfg, attn_implementation=name))
             res[model_type] = _raises(NotImplementedError, model, input_ids=torch.zeros(1, 8, dtype=torch.long),
                                       use_cache=False)
+    try:  # fla registers its own Mamba2 under transformers' Auto classes: refused, pointing to fla's integration
+        import fla.models  # noqa: F401
+    except Exception:  # noqa: BLE001 - fla not installed (or not importable): nothing to check
+        pass
+    else:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(AutoConfig.for_model("mamba2"), attn_implementation=name)
+        res["fla_mamba2"] = _raises(NotImplementedError, model, input_ids=torch.zeros(1, 8, dtype=torch.long),
+                                    use_cache=False)
     dist.barrier()  # no rank was left in a collective
     return res
 
@@ -204,6 +213,9 @@ def test_hybrid_models_are_refused_on_every_rank():
         else:  # no sequence-parallel form for these yet: said so
             assert "not yet supported (allscan.integrations.transformers.sequence_parallel" in r[model_type], \
                 (model_type, r[model_type])
+    if "fla_mamba2" in r:
+        assert "allscan.integrations.fla.sequence_parallel(model, group) instead of register()" in r["fla_mamba2"], \
+            r["fla_mamba2"]
 
 
 # ------------------------------------------------------------------------------------------------

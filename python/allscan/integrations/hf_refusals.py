@@ -102,9 +102,13 @@ def _hybrid_families() -> dict:
     return dict(SUPPORTED)
 
 
-def _refusal_text(where: str, what: str, classes) -> str:
+def _refusal_text(where: str, what: str, classes, fla_model: bool = False) -> str:
     text = (f"{where}: {what}. register() makes only softmax attention sequence-parallel: run on its shard alone, "
             "each rank would compute such a layer over its own tokens only (a silently wrong loss and gradients)")
+    if fla_model:  # fla registers its models under transformers' Auto classes ("mamba2", ...)
+        return (text + ". This is flash-linear-attention's model: make it sequence-parallel with "
+                "allscan.integrations.fla.sequence_parallel(model, group) instead of register() (it swaps fla's layers "
+                "for allscan's)")
     families = _hybrid_families()
     linear = {v[0] for v in families.values()}
     if classes and set(classes) <= linear:
@@ -144,7 +148,8 @@ def model_refusal(model: torch.nn.Module, where: str) -> Optional[str]:
     listed = "; ".join(f"{cls} at {', '.join(names[:3])}{', ...' if len(names) > 3 else ''}"
                        for cls, names in sorted(mixers.items()))
     return _refusal_text(where, f"{type(model).__name__} has sequence mixers other than softmax attention: {listed}",
-                         [c for c in mixers if " (" not in c] if all(" (" not in c for c in mixers) else None)
+                         [c for c in mixers if " (" not in c] if all(" (" not in c for c in mixers) else None,
+                         fla_model=type(model).__module__.startswith("fla."))
 
 
 def registered_implementation(config, names) -> Optional[str]:
