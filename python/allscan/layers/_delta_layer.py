@@ -16,11 +16,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from allscan.ops import own_work
-from allscan.ops.batch_context import context_conflict, context_group
+from allscan.ops.batch_context import context_group
 from allscan.ops.delta import METHODS
 from allscan.ops.halo import halo_exchange
 
-from ._inputs import check_layer_inputs
+from ._inputs import check_layer_inputs, check_packing
 from .causal_conv import depthwise_causal_conv
 
 __all__ = ["DeltaRuleLayer", "ShortConvolution"]
@@ -95,12 +95,7 @@ class DeltaRuleLayer(nn.Module):
         """The input checks, then q, k and v projected and concatenated (the halo's message)."""
         name = type(self).__name__
         check_layer_inputs(name, hidden_states, self.hidden_size, attention_mask, past_key_values, use_cache)
-        conflict = context_conflict(context, self.group, cu_seqlens, name)
-        if conflict is not None:
-            raise conflict
-        packed = cu_seqlens is not None or (context is not None and context.packed)
-        if packed and hidden_states.shape[0] != 1:
-            raise ValueError(f"{name}: with packed sequences the batch size must be 1, got {hidden_states.shape[0]}")
+        check_packing(name, hidden_states, self.group, cu_seqlens, context)
         return torch.cat([self.q_proj(hidden_states), self.k_proj(hidden_states), self.v_proj(hidden_states)], -1)
 
     def _recurrence_inputs(self, hidden_states, qkv, halo, rank, cu_seqlens):

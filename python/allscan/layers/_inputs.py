@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from allscan.ops.batch_context import context_conflict
+
 
 def check_layer_inputs(layer: str, hidden_states: torch.Tensor, hidden_size: int, attention_mask,
                        past_key_values, use_cache) -> None:
@@ -16,3 +18,14 @@ def check_layer_inputs(layer: str, hidden_states: torch.Tensor, hidden_size: int
     if hidden_states.dim() != 3 or hidden_states.shape[-1] != hidden_size:
         raise ValueError(f"{layer}: hidden_states must be [B, T_local, {hidden_size}], "
                          f"got {tuple(hidden_states.shape)}")
+
+
+def check_packing(layer: str, hidden_states: torch.Tensor, group, cu_seqlens, context) -> None:
+    """The layer's packed sequences: ``context=`` not beside ``cu_seqlens=`` or another group, one row when
+    packed (either way)."""
+    conflict = context_conflict(context, group, cu_seqlens, layer)
+    if conflict is not None:
+        raise conflict
+    packed = cu_seqlens is not None or (context is not None and context.packed)
+    if packed and hidden_states.shape[0] != 1:
+        raise ValueError(f"{layer}: with packed sequences the batch size must be 1, got {hidden_states.shape[0]}")

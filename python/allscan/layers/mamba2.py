@@ -18,11 +18,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from allscan.ops import own_work
-from allscan.ops.batch_context import context_conflict, context_group
+from allscan.ops.batch_context import context_group
 from allscan.ops.halo import halo_exchange
 from allscan.ops.ssd import METHODS, zeco_ssd
 
-from ._inputs import check_layer_inputs
+from ._inputs import check_layer_inputs, check_packing
 from .causal_conv import depthwise_causal_conv
 
 __all__ = ["Mamba2", "GroupedRMSNormGated"]
@@ -127,12 +127,7 @@ class Mamba2(nn.Module):
         """The input checks, then z, xBC and dt (xBC contiguous: the halo's message)."""
         name = type(self).__name__
         check_layer_inputs(name, hidden_states, self.hidden_size, attention_mask, past_key_values, use_cache)
-        conflict = context_conflict(context, self.group, cu_seqlens, name)
-        if conflict is not None:
-            raise conflict
-        packed = cu_seqlens is not None or (context is not None and context.packed)
-        if packed and hidden_states.shape[0] != 1:
-            raise ValueError(f"{name}: with packed sequences the batch size must be 1, got {hidden_states.shape[0]}")
+        check_packing(name, hidden_states, self.group, cu_seqlens, context)
         gate, xBC, dt = self.in_proj(hidden_states).split([self.intermediate_size, self.conv_dim, self.num_heads], -1)
         return gate, xBC.contiguous(), dt
 

@@ -1,0 +1,74 @@
+"""The GPU parity check the transformers hybrids' GPU tests share: at SP = 2 on NCCL, fp32, each family's model made
+sequence-parallel against transformers' own model on the whole sequence on one GPU: logits, loss and every
+parameter gradient, with B = 2 rows and with a packed row (a sequence start inside rank 0's shard, a sequence
+crossing the rank boundary) against each sequence run alone. fp32 runs with IEEE dots in fla's kernels
+(``TRITON_F32_DEFAULT=ieee``)."""
+from __future__ import annotations
+
+import os
+
+import torch
+
+TOL = 2e-4  # the hybrids' fp32 bound
+T = 256  # 128 tokens a rank: two of fla's 64-token chunks
+BOUNDS = [0, 40, 150, T]  # 40 inside rank 0's shard; the sequence 40..150 crosses the boundary at 128
+
+
+def _batch(packed, vocab):
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, vocab, (1 if packed else 2, T), generator=gen)
+    labels = ids.clone()
+    if packed:
+        labels[0, BOUNDS[1:-1]] = -100  # no label across a sequence start (as transformers' collator)
+    else:
+        labels[1, :3] = -100
+    return ids.cuda(), labels.cuda()
+
+
+def _rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+
+def sp2_against_transformers(rank, world, families, model_of, vocab, prepare=lambda kind: None):
+    """Run on each rank of a spawned NCCL world: ``{(family, packed): errors}``. ``model_of(kind)``: a fresh seeded
+    fp32 model on this rank's GPU; ``prepare(kind)``: what the family's reference needs first."""
+    os.environ.setdefault("TRITON_F32_DEFAULT", "ieee")
+    from allscan.integrations import hf_hybrids as sp
+
+    res = {}
+    for kind in families:
+        prepare(kind)
+        for packed in (False, True):
+            ids, labels = _batch(packed, vocab)
+            ref = model_of(kind)
+            shift = torch.nn.functional.pad(labels[:, 1:], (0, 1), value=sp.IGNORE_INDEX)
+            pieces = list(zip(BOUNDS[:-1], BOUNDS[1:])) if packed else [(0, T)]
+            ref_logits = torch.cat([ref(input_ids=ids[:, a:b], use_cache=False).logits for a, b in pieces], dim=1)
+            ref_loss = sp.causal_lm_loss(ref_logits, sp.BatchShard(ids, None, shift,
+                                                                   int((shift != sp.IGNORE_INDEX).sum())))
+            ref_loss.backward()
+
+            model = sp.sequence_parallel(model_of(kind))
+            pos = torch.cat([torch.arange(b - a) for a, b in pieces])[None].cuda() if packed else None
+            shard = sp.shard_batch(ids, labels, position_ids=pos)
+            logits = model(input_ids=shard.input_ids, position_ids=shard.position_ids).logits
+            loss = sp.causal_lm_loss(logits, shard)
+            loss.backward()
+            sp.sync_gradients(model)
+            Tl = T // world
+            grads = {n: p.grad for n, p in model.named_parameters()}
+            res[(kind, packed)] = {
+                "loss": abs(sp.reduce_loss(loss).item() - ref_loss.item()) / abs(ref_loss.item()),
+                "logits": _rel(logits, ref_logits[:, rank * Tl:(rank + 1) * Tl]),
+                "grads": max(_rel(grads[n], p.grad) for n, p in ref.named_parameters() if p.grad is not None),
+                "missing": sorted(n for n, p in ref.named_parameters() if p.grad is not None and grads[n] is None)}
+            print(f"rank {rank} {kind} packed={packed}: {res[(kind, packed)]}", flush=True)
+    return res
+
+
+def check(results, families) -> None:
+    """Every rank saw every family, rows and packed, within :data:`TOL`, every gradient present."""
+    for rank, res in enumerate(results):
+        assert sorted(res) == sorted((k, p) for k in families for p in (False, True)), res
+        for key, r in res.items():
+            assert not r["missing"] and max(r["loss"], r["logits"], r["grads"]) <= TOL, (rank, key, r)
