@@ -109,3 +109,16 @@ def test_every_layer_honours_the_context_in_one_process():
         assert torch.allclose(layer(x, context=ctx)[0], packed, rtol=0, atol=1e-12), name
         with pytest.raises(ValueError, match="context= and cu_seqlens= given together"):
             layer(x, context=ctx, cu_seqlens=torch.tensor(cu))
+
+
+def test_a_conflicting_context_is_refused_after_a_plain_call(single_rank):
+    """A context beside another group (or not a context at all) is refused on every call, also after a plain
+    call of the same shapes passed its checks (a cached pass must not serve it: it would run unpacked)."""
+    q, k, v, g, beta = _inputs(0, T=16)
+    ctx = SequenceContext(None, cu_seqlens=[0, 5, 16])
+    for op in (lambda **kw: zeco_gla(q, k, v, g, **kw), lambda **kw: zeco_gated_delta_rule(q, k, v, g, beta, **kw)):
+        op(group=single_rank)  # these shapes' checks pass once
+        with pytest.raises(ValueError, match="context= and group= name different groups"):
+            op(group=LOCAL, context=ctx)
+        with pytest.raises(TypeError, match="context must be an allscan.SequenceContext"):
+            op(context="a context")

@@ -137,7 +137,8 @@ def sum_gradients(model: nn.Module) -> int:
     for m in model.modules():
         if isinstance(m, FSDPModule):
             m.set_gradient_divide_factor(1.0)
-            m.set_force_sum_reduction_for_comms(True)
+            if hasattr(m, "set_force_sum_reduction_for_comms"):  # torch >= 2.8
+                m.set_force_sum_reduction_for_comms(True)
             count += 1
     return count
 

@@ -17,6 +17,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from allscan.context import SequenceContext
 from allscan.ops import own_work
 from allscan.ops.batch_context import context_conflict, context_group
 from allscan.ops.ulysses import packed_bounds, refuse_packed_while_tracing, ulysses_attention
@@ -110,7 +111,9 @@ class Attention(nn.Module):
 
         # before Ulysses' first collective: if it raises, the peers waiting there are told (packed calls:
         # in the check Ulysses then makes on every call)
-        q, k, v, bounds = own_work(pg, name, "its projections", project, every_call=cu_seqlens is not None)
+        # as Ulysses checks next: every call when packed (a packed context's offsets, or the caller's)
+        every_call = context.packed if isinstance(context, SequenceContext) else cu_seqlens is not None
+        q, k, v, bounds = own_work(pg, name, "its projections", project, every_call=every_call)
         if pg is None:
             o = _causal_attention(q, k, v, bounds)
         else:

@@ -20,6 +20,8 @@ import torch
 
 from ._launch import own_work, validated_group
 from ._shards import LOCAL
+from allscan.context import SequenceContext
+
 from .batch_context import context_conflict, context_group
 from .gla import METHODS, zeco_gla
 from .gla.chunk import state_dtype
@@ -130,7 +132,7 @@ def zeco_ssd(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor
     """
     conflict = context_conflict(context, group, cu_seqlens, _OP)
     spg = context_group(context, group, _OP)
-    packed = cu_seqlens is not None
+    packed = cu_seqlens is not None and not isinstance(context, SequenceContext)  # (zeco_gla's rule)
 
     def validate():
         if conflict is not None:

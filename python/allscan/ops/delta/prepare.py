@@ -14,6 +14,8 @@ import torch
 from allscan._agreement import check_across_ranks
 from allscan._dtypes import DTYPE_CODES, dtype_code
 
+from allscan.context import SequenceContext
+
 from .._launch import validated_group
 from .._shards import ShardSegments, checked_cut
 from ..batch_context import context_fields
@@ -211,7 +213,8 @@ def prepared(call: DeltaCall, group, q, k, v, g, beta, initial_state, conflict: 
                    use_beta_sigmoid_in_kernel=bool(given.use_beta_sigmoid_in_kernel),
                    allow_neg_eigval=bool(given.allow_neg_eigval), safe_gate=bool(given.safe_gate))
     op, context, cu_seqlens = call.op, call.context, call.cu_seqlens
-    packed = cu_seqlens is not None and context is None  # the cut changes from batch to batch: compared every call
+    # the cut changes from batch to batch: compared every call (a context agreed on it once per batch)
+    packed = cu_seqlens is not None and not isinstance(context, SequenceContext)
 
     def check():
         segs = None
@@ -238,8 +241,10 @@ def prepared(call: DeltaCall, group, q, k, v, g, beta, initial_state, conflict: 
     options = (call.output_final_state, call.method, given.use_qk_l2norm_in_kernel, given.use_gate_in_kernel,
                given.use_beta_sigmoid_in_kernel, given.allow_neg_eigval, given.safe_gate, given.lower_bound,
                call.needs_grad)
+    if conflict is not None:
+        check()  # raises it (told to the peers) on every call: never a cached pass of an earlier call's shapes
     if context is not None:  # what the checks read of the context (its cut is its own, made once per shape)
-        options += (conflict is None, context.local_len, call.packed_count())
+        options += (context.local_len, call.packed_count())
     segs = checked_cut(op, group, q.device if isinstance(q, torch.Tensor) else None, tensors, options, check)
     if context is not None:
         segs = context.cut(q.shape[1], q.shape[0], op)

@@ -32,8 +32,13 @@ _WARNED: list = []
 
 def select_backend(q):
     """The local backend for ``q``: fla-core's kernels on CUDA when importable, the torch chunked
-    implementation otherwise (``ALLSCAN_GLA_BACKEND=fla|torch`` forces one)."""
+    implementation otherwise and for float64 (``ALLSCAN_GLA_BACKEND=fla|torch`` forces one)."""
     want = settings.gla_backend
+    if q.dtype == torch.float64:  # fla's kernels compute and keep states in float32: float64 is the torch backend's
+        if want == "fla":
+            raise RuntimeError("ALLSCAN_GLA_BACKEND=fla: fla-core's kernels take no float64 inputs (unset it, or "
+                               "pass float32/bfloat16/float16)")
+        return TorchGLA
     if want == "torch":
         return TorchGLA
     if q.is_cuda and (want == "fla" or fla_available()):

@@ -11,6 +11,8 @@ import torch
 from allscan._agreement import check_across_ranks
 from allscan._dtypes import DTYPE_CODES
 
+from allscan.context import SequenceContext
+
 from .._launch import validated_group
 from .._shards import ShardSegments, checked_cut
 from ..batch_context import context_fields
@@ -48,7 +50,10 @@ def checked_segments(group, q, k, v, g, h0, cu_seqlens, method, needs_grad, *, c
     :func:`~allscan.ops.batch_context.context_conflict` found), then the call's signature across
     ranks; the shard's cut (a repeated call's: :func:`~allscan.ops._shards.checked_cut`). With the
     batch's ``context`` the cut is the context's (agreed once per batch: not exchanged per call)."""
-    packed = cu_seqlens is not None and context is None  # the cut changes from batch to batch: compared every call
+    # the cut changes from batch to batch: compared every call (a context agreed on it once per batch; a rank
+    # whose context conflicts tells its peers as their context path expects)
+    packed = cu_seqlens is not None and not isinstance(context, SequenceContext)
+    context = context if conflict is None else None  # the context the checks read
 
     def check():
         segs = []
@@ -73,12 +78,14 @@ def checked_segments(group, q, k, v, g, h0, cu_seqlens, method, needs_grad, *, c
                                            every_call=packed)
         return segs[0], signature
 
+    if conflict is not None:
+        check()  # raises it (told to the peers) on every call: never a cached pass of an earlier call's shapes
     device = q.device if isinstance(q, torch.Tensor) else None
     if context is None:
         return checked_cut("zeco_gla", group, device, None if packed else (q, k, v, g, h0), (method, needs_grad),
                            check)
     # the context's cut is its own (made once per shape); what the checks read of the context is keyed
-    options = (method, needs_grad, conflict is None, context.local_len, _packed_count(context))
+    options = (method, needs_grad, context.local_len, _packed_count(context))
     checked_cut("zeco_gla", group, device, (q, k, v, g, h0), options, check)
     return context.cut(q.shape[1], q.shape[0], "zeco_gla")
 

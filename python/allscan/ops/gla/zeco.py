@@ -155,8 +155,8 @@ def zeco_gla(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: Optional[torc
         return o, (final if output_final_state else None)
     conflict = context_conflict(context, group, cu_seqlens, "zeco_gla")
     spg = context_group(context, group, "zeco_gla")
-    segs = checked_segments(spg, q, k, v, g, initial_state, cu_seqlens, method, needs_grad,
-                            context=None if conflict is not None else context, conflict=conflict)
+    segs = checked_segments(spg, q, k, v, g, initial_state, cu_seqlens, method, needs_grad, context=context,
+                            conflict=conflict)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     o, final = ZecoGLAFunction.apply(q, k, v, g, initial_state, scale, segs, method, bool(output_final_state))
     return o, (final if output_final_state else None)
