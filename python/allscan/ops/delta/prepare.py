@@ -13,7 +13,6 @@ import torch
 
 from allscan._agreement import check_across_ranks
 from allscan._dtypes import DTYPE_CODES, dtype_code
-
 from allscan.context import SequenceContext
 
 from .._launch import validated_group

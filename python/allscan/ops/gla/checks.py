@@ -10,7 +10,6 @@ import torch
 
 from allscan._agreement import check_across_ranks
 from allscan._dtypes import DTYPE_CODES
-
 from allscan.context import SequenceContext
 
 from .._launch import validated_group
