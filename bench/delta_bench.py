@@ -72,7 +72,7 @@ def _measure(args, rows, dev):
     import torch.distributed as dist
 
     from allscan.layers import zeco_gated_delta_rule, zeco_kda
-    from allscan.ops.delta.fla import fla_kernel
+    from allscan.ops.delta.fla_cp import fla_kernel
     from allscan.ops.delta.gates import DeltaOptions
 
     group = dist.group.WORLD

@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from allscan.ops.delta.fla import fla_functions
+from allscan.ops.delta.fla_imports import fla_functions
 from allscan.ops.delta.fold_in import head_outputs
 
 C = 64

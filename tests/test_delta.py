@@ -30,13 +30,18 @@ from failing_rank import outcome_when_rank_1_fails  # noqa: E402
 
 from allscan.layers import zeco_gated_delta_rule, zeco_kda  # noqa: E402
 from allscan.ops.delta import chunk_delta_rule, recurrent_delta_rule_reference  # noqa: E402
-from allscan.ops.delta.chunk import chunk_outputs, incoming_map  # noqa: E402
+from allscan.ops.delta.chunk import DeltaInputs, chunk_outputs, incoming_map  # noqa: E402
 from allscan.ops.delta.shard import FinalGrads  # noqa: E402
 from allscan.ops.gla import LOCAL  # noqa: E402
 
 H, K, V = 2, 6, 4
 TOL = 1e-9  # float64 chunked and sequence-parallel math against float64 token by token
 LAYERS = {"gdn": zeco_gated_delta_rule, "kda": zeco_kda}
+
+
+def _run(opts, scale, bounds, wide):
+    """What a local backend reads of a shard's plan (:class:`allscan.ops.delta.shard.ShardRun`)."""
+    return SimpleNamespace(opts=opts, scale=scale, bounds=tuple(bounds), wide=wide)
 
 
 def _rel(a, b):
@@ -576,10 +581,11 @@ def test_fla_backend_widened_forward_with_a_reference_kernel(monkeypatch):
 
     widths, steps = [], []
 
-    def state_steps(q, k, v, g, beta, opts, scale, h0, width, cu=None, ci=None):
+    def state_steps(x, opts, scale, h0, width, varlen=(None, None)):
         widths.append(width)  # fla's steps widen the values to the state's columns
+        q, k, v, g, beta = x
         v_wide = torch.cat([v, v.new_zeros(*v.shape[:-1], width - v.shape[-1])], -1)
-        o, final = recurrent_delta_rule_reference(q, k, v_wide, g, beta, scale, h0, cu)
+        o, final = recurrent_delta_rule_reference(q, k, v_wide, g, beta, scale, h0, varlen[0])
         return final, (o, q.shape[1])
 
     def output_step(staged):
@@ -603,11 +609,11 @@ def test_fla_backend_widened_forward_with_a_reference_kernel(monkeypatch):
     for layer in ("gdn", "kda"):
         d, _ = _data(11, layer, 1, 40, H, 3, gated=False)
         opts = DeltaOptions(per_key=layer == "kda")
-        args = (d["q"], d["k"], d["v"], d["g"], d["beta"])
+        args = DeltaInputs(d["q"], d["k"], d["v"], d["g"], d["beta"])
         S_in = torch.randn(1, H, K, V, dtype=torch.float64)
         for h0 in (None, d["h0"][:1]):
             widths.clear()
-            finals, M, staged = be.states(*args, opts, scale, [0, 40], [h0], True)
+            finals, M, staged = be.states(args, _run(opts, scale, [0, 40], True), [h0])
             o_head, q_eff, o_tail, _ = be.outputs(staged, lambda: S_in)
             assert widths == [V + K] and o_tail is None, f"{layer}: one forward on the widened values; got {widths}"
             start = S_in if h0 is None else S_in + h0
@@ -619,7 +625,7 @@ def test_fla_backend_widened_forward_with_a_reference_kernel(monkeypatch):
         inits = torch.cat([S_in + h0s[0], h0s[1], torch.zeros(1, H, K, V, dtype=torch.float64)])
         want_o, want_f = recurrent_delta_rule_reference(*args, scale, inits, torch.tensor(bounds))
         widths.clear()
-        finals, M, staged = be.states(*args, opts, scale, bounds, h0s, True)
+        finals, M, staged = be.states(args, _run(opts, scale, bounds, True), h0s)
         steps.clear()
 
         def incoming():  # the scan's wait
@@ -637,7 +643,7 @@ def test_fla_backend_widened_forward_with_a_reference_kernel(monkeypatch):
             assert _rel(finals[j][0], want_f[j]) < TOL, f"{layer}: final state of segment {j}"
         assert torch.equal(saved[-1], torch.tensor([[15.0] * 15 + [25.0] * 25])), "the factors joined per token"
         widths.clear()
-        finals, M, staged = be.states(*args, opts, scale, bounds, [None] + h0s[1:], False)
+        finals, M, staged = be.states(args, _run(opts, scale, bounds, False), [None] + h0s[1:])
         o_head, q_eff, o_tail, _ = be.outputs(staged)
         assert widths == [V] and M is None and o_head is None and q_eff is None, layer
         inits[0] = 0
@@ -665,14 +671,15 @@ def test_fla_backend_option_plumbing_with_reference_steps(monkeypatch):
         s = torch.sigmoid(x)
         return dy * scale * s * (1 - s)
 
-    def state_steps(q, k, v, g, beta, opts, scale, h0, width, cu=None, ci=None):
+    def state_steps(x, opts, scale, h0, width, varlen=(None, None)):
+        q, k, v, g, beta = x
         v_wide = torch.cat([v, v.new_zeros(*v.shape[:-1], width - v.shape[-1])], -1)
         o, final = recurrent_delta_rule_reference(q, k, v_wide, g, beta, scale, h0)
         return final, (o, q)
 
-    def backward_steps(q, k, v, g, beta, factors, opts, scale, h0, do, finals, dt, cu=None, ci=None):
+    def backward_steps(x, factors, opts, scale, h0, do, finals, varlen=(None, None)):
         (dht,) = finals.get()
-        xs = [t.detach().requires_grad_(True) for t in (q, k, v, g, beta, h0)]
+        xs = [t.detach().requires_grad_(True) for t in (*x, h0)]
         o, fin = recurrent_delta_rule_reference(*xs[:5], scale, xs[5])
         dq, dk, dv, dg, db, dh0 = torch.autograd.grad([o, fin], xs, [do, dht])
         return dq, dk, dv, db, dg, dh0, None, None  # fla's order
@@ -701,12 +708,13 @@ def test_fla_backend_option_plumbing_with_reference_steps(monkeypatch):
                                                         beta_gate(xs[4], True), scale, xs[5])
         want = torch.autograd.grad([want_o, want_f], xs, [do, dht])
 
-        (h,), M, staged = be.states(q, k, v, g, beta, opts, scale, [0, 40], [h0], True)
+        run = _run(opts, scale, [0, 40], True)
+        (h,), M, staged = be.states(DeltaInputs(q, k, v, g, beta), run, [h0])
         o_head, q_eff, _, saved = be.outputs(staged, lambda: S_in)
         assert _rel(o_head, want_o) < TOL, layer
         assert _rel(h + M @ S_in, want_f) < TOL, layer
-        dq, dk, dv, dg, dbeta, (dh0,), _, _ = be.backward(saved, q, k, v, g, beta, opts, scale, [0, 40], [h0 + S_in],
-                                                          do, FinalGrads([dht]))
+        dq, dk, dv, dg, dbeta, (dh0,), _, _ = be.backward(saved, DeltaInputs(q, k, v, g, beta), run, [h0 + S_in], do,
+                                                          FinalGrads([dht]))
         for name, a, b in zip(("q", "k", "v", "g", "beta", "initial state"), (dq, dk, dv, dg, dbeta, dh0), want):
             assert a.dtype == b.dtype and _rel(a, b) < TOL, f"{layer}: d{name}: {_rel(a, b)}"
 

@@ -16,6 +16,7 @@ import fla.ops.gated_delta_rule.chunk as fla_gdn  # noqa: E402
 import fla.ops.kda.chunk_bwd as fla_kda  # noqa: E402
 
 from allscan.ops.delta import fla as allscan_fla  # noqa: E402
+from allscan.ops.delta.chunk import DeltaInputs  # noqa: E402
 from allscan.ops.delta.gates import DeltaOptions  # noqa: E402
 from allscan.ops.delta.shard import FinalGrads  # noqa: E402
 
@@ -105,6 +106,11 @@ def _inputs(names, value_heads=1):
     return ts, {id(t): n for n, t in ts.items()}
 
 
+def _x(t):
+    """The named inputs as the backward steps take them."""
+    return DeltaInputs(t["q"], t["k"], t["v"], t["g"], t["beta"])
+
+
 @pytest.mark.parametrize("gate_in_kernel", [False, True])
 @pytest.mark.parametrize("varlen", [False, True])
 def test_gated_deltanet_backward_steps_are_fla_s(gate_in_kernel, varlen, monkeypatch):
@@ -120,8 +126,8 @@ def test_gated_deltanet_backward_steps_are_fla_s(gate_in_kernel, varlen, monkeyp
             g_input=t["g"] if gate_in_kernel else None, A_log=opts.A_log, dt_bias=opts.dt_bias)
 
     def allscan_call():
-        return allscan_fla._backward_steps(t["q"], t["k"], t["v"], t["g"], t["beta"], (t["g_cum"], t["A"]), opts, 0.25,
-                                           t["h0"], t["do"], FinalGrads([t["dht"]]), torch.float32, cu, ci)
+        return allscan_fla._backward_steps(_x(t), (t["g_cum"], t["A"]), opts, 0.25, t["h0"], t["do"],
+                                           FinalGrads([t["dht"]]), (cu, ci))
 
     (fla_calls, fla_out), (our_calls, our_out) = _record(fla_gdn, GDN_STEPS, fla_call, allscan_call, names, monkeypatch)
     assert [c[0] for c in our_calls] == [c[0] for c in fla_calls]
@@ -150,8 +156,8 @@ def test_kda_backward_steps_are_fla_s(gate_in_kernel, varlen, value_heads, monke
             A_log=opts.A_log, dt_bias=opts.dt_bias)
 
     def allscan_call():
-        return allscan_fla._backward_steps(t["q"], t["k"], t["v"], t["g"], t["beta"], (g_cum, t["Aqk"], t["Akk"]), opts,
-                                           0.25, t["h0"], t["do"], FinalGrads([t["dht"]]), torch.float32, cu, ci)
+        return allscan_fla._backward_steps(_x(t), (g_cum, t["Aqk"], t["Akk"]), opts, 0.25, t["h0"], t["do"],
+                                           FinalGrads([t["dht"]]), (cu, ci))
 
     (fla_calls, fla_out), (our_calls, our_out) = _record(fla_kda, KDA_STEPS, fla_call, allscan_call, names, monkeypatch,
                                                          heads=value_heads)
@@ -192,8 +198,7 @@ def test_the_reverse_scan_is_asked_for_where_fla_s_backward_state_kernel_starts(
     monkeypatch.setattr(allscan_fla, "fla_functions", lambda: SimpleNamespace(**{k: logged(k) for k in fakes}))
     opts = DeltaOptions(per_key=layer == "kda")
     factors = (t["g_cum"], t["A"], t["Akk"]) if layer == "kda" else (t["g_cum"], t["A"])
-    allscan_fla._backward_steps(t["q"], t["k"], t["v"], t["g"], t["beta"], factors, opts, 0.25, t["h0"], t["do"],
-                                Watched([t["dht"]]), torch.float32)
+    allscan_fla._backward_steps(_x(t), factors, opts, 0.25, t["h0"], t["do"], Watched([t["dht"]]))
     recompute = "kda_recompute_w_u_fwd" if layer == "kda" else "gdn_recompute_w_u_fwd"
     local_dv = "chunk_kda_bwd_dAv" if layer == "kda" else "chunk_bwd_dv_local"
     assert order[:7] == [recompute, "mark", "chunk_gated_delta_rule_fwd_h", "start", local_dv, "get",

@@ -114,7 +114,7 @@ def test_the_delta_steps_call_fla_past_its_dispatcher():
     from fla.ops.common.chunk_o import chunk_bwd_dqkwg, chunk_fwd_o
     from fla.ops.kda.chunk_bwd import chunk_kda_bwd_wy_dqkg_fused
 
-    from allscan.ops.delta.fla import fla_functions
+    from allscan.ops.delta.fla_imports import fla_functions
 
     fns = fla_functions()
     # chunk_bwd_dqkwg and chunk_kda_bwd_wy_dqkg_fused are the steps fla's TileLang backend implements

@@ -5,7 +5,9 @@ Files, in the layout of flash-linear-attention's ``ops/<op>/``:
 
 - :mod:`.naive`: :func:`recurrent_delta_rule_reference`, token by token in float64 (the tests' reference).
 - :mod:`.chunk`: the chunked delta rule in torch ops and its local backend ``TorchDelta``.
-- :mod:`.fla`: ``FlaDelta``, the same with fla-core's kernels (GPU), and the ``fla_cp`` call.
+- :mod:`.fla`: ``FlaDelta``, the same with fla-core's kernels (GPU); :mod:`.fla_imports`, the fla-core
+  functions it calls, imported once.
+- :mod:`.fla_cp`: ``method="fla_cp"``, fla's own context parallelism (the baseline).
 - :mod:`.fold_in`: the Triton kernels that fold the incoming state into the outputs (and its gradient).
 - :mod:`.shard`: one shard's forward and backward with the All-Scan, and their autograd function.
 - :mod:`.compiled`: the same as custom ops with fake kernels (torch.compile without graph breaks).

@@ -36,6 +36,17 @@ from . import gates
 CHUNK = 64
 
 
+class DeltaInputs(NamedTuple):
+    """One shard's tensors as a local backend takes them: q, k ``[B, T, H, K]``, v ``[B, T, HV, V]``,
+    g and beta raw (the backend's ``opts`` say what fla's kernels apply to them first)."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    g: torch.Tensor
+    beta: torch.Tensor
+
+
 def compute_dtype(v: torch.Tensor) -> torch.dtype:
     """fp64 for fp64 inputs, fp32 otherwise (the states' dtype too)."""
     return torch.float64 if v.dtype == torch.float64 else torch.float32
@@ -142,15 +153,16 @@ class TorchDelta:
     name = "torch"
 
     @staticmethod
-    def states(q, k, v, g, beta, opts, scale: float, bounds: Sequence[int], h0s: List[Optional[torch.Tensor]],
-               wide: bool):
-        """The independent sequences ``bounds`` (local boundaries ``[0, ..., T]``) of a shard, each from its
-        own initial state (``h0s``, None = zeros), without autograd, first half: ``(finals, M, staged)``:
-        the final state of every segment, the transition ``M [B, HV, K, K]`` of the first (``wide``; else
-        None): what the All-Scan needs; :meth:`outputs` finishes from ``staged``."""
+    def states(x: DeltaInputs, run, h0s: List[Optional[torch.Tensor]]):
+        """The independent sequences ``run.bounds`` (local boundaries ``[0, ..., T]``) of a shard, each from
+        its own initial state (``h0s``, None = zeros), without autograd, first half: ``(finals, M,
+        staged)``: the final state of every segment, the transition ``M [B, HV, K, K]`` of the first
+        (``run.wide``; else None): what the All-Scan needs; :meth:`outputs` finishes from ``staged``.
+        ``run`` (a :class:`~allscan.ops.delta.shard.ShardRun`) gives ``opts``, ``scale``, ``bounds``, ``wide``."""
+        bounds, wide = run.bounds, run.wide
         with torch.no_grad():
-            qa, ka, ga, ba = gates.activate(opts, q, k, g, beta, v.shape[2], compute_dtype(v))
-            cps = [chunk_delta_rule(qa[:, a:e], ka[:, a:e], v[:, a:e], ga[:, a:e], ba[:, a:e], scale, h0s[j],
+            qa, ka, ga, ba = gates.activate(run.opts, x.q, x.k, x.g, x.beta, x.v.shape[2], compute_dtype(x.v))
+            cps = [chunk_delta_rule(qa[:, a:e], ka[:, a:e], x.v[:, a:e], ga[:, a:e], ba[:, a:e], run.scale, h0s[j],
                                     with_transition=wide and j == 0)
                    for j, (a, e) in enumerate(zip(bounds, bounds[1:]))]
         return [cp.final for cp in cps], (cps[0].transition if wide else None), (cps, wide)
@@ -174,7 +186,7 @@ class TorchDelta:
         return o_head, q_eff, o_tail, ()
 
     @staticmethod
-    def saved_like(q, k, v, g, beta, opts):
+    def saved_like(x: DeltaInputs, opts):
         return ()
 
     @staticmethod
@@ -186,11 +198,12 @@ class TorchDelta:
         return torch.einsum("bthk,bthv->bhkv", q_eff, do.to(q_eff.dtype))
 
     @staticmethod
-    def backward(saved, q, k, v, g, beta, opts, scale: float, bounds: Sequence[int],
-                 h0s: List[Optional[torch.Tensor]], do: torch.Tensor, finals):
-        """The gradients of the segments run from ``h0s``, given ``do`` and their final states' gradients
-        ``finals.get()`` (:class:`allscan.ops.delta.shard.FinalGrads`; None: zero): ``(dq, dk, dv, dg,
-        dbeta, [dh0 per segment], dA_log, ddt_bias)`` (None where not an input)."""
+    def backward(saved, x: DeltaInputs, run, h0s: List[Optional[torch.Tensor]], do: torch.Tensor, finals):
+        """The gradients of the segments ``run.bounds`` run from ``h0s``, given ``do`` and their final
+        states' gradients ``finals.get()`` (:class:`allscan.ops.delta.shard.FinalGrads`; None: zero):
+        ``(dq, dk, dv, dg, dbeta, [dh0 per segment], dA_log, ddt_bias)`` (None where not an input)."""
+        q, k, v, g, beta = x
+        opts, scale, bounds = run.opts, run.scale, run.bounds
         dhts = finals.get()  # nothing to run the reverse scan beside: the vjp below is one step
         # torch.func.vjp, not torch.autograd.grad: it also works inside a custom op's implementation
         # (below autograd: the layers under torch.compile)
@@ -217,7 +230,7 @@ class TorchDelta:
         outputs, vjp = torch.func.vjp(local, q, k, v, g, beta, *[h0s[j] for j in given], *params)
         cotangents = [do] + [dhts[j] for j in ends]
         res = list(vjp(tuple(c.to(o.dtype) for c, o in zip(cotangents, outputs))))
-        dq, dk, dv, dg, dbeta = (r.to(x.dtype) for r, x in zip(res[:5], (q, k, v, g, beta)))
+        dq, dk, dv, dg, dbeta = (r.to(t.dtype) for r, t in zip(res[:5], x))
         dh0s = [None] * len(h0s)
         for j, r in zip(given, res[5:]):
             dh0s[j] = r

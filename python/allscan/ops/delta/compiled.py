@@ -24,7 +24,7 @@ from allscan._comm import resolve_group
 from .._launch import absent, or_empty, tell_peers_of_failure
 from .._shards import own_precision
 from ..matrix_scan import OP as MATRIX_SCAN_OP
-from .chunk import compute_dtype
+from .chunk import DeltaInputs, compute_dtype
 from .gates import DeltaOptions
 from .shard import outputs_state_grad, reverse_scan, shard_backward, shard_forward, zero_if_absent
 from .prepare import DeltaCall, prepared, select_backend, shard_cut, shard_plan
@@ -102,7 +102,7 @@ def _zeco_delta_rule_fake(q, k, v, g, beta, A_log, dt_bias, h0, cu_seqlens, **kw
     S_in = v.new_empty(B, HV, K, V, dtype=dt) if sp else None
     opts = _call_of(kw, A_log, dt_bias, cu_seqlens).options
     return (v.new_empty(B, T, HV, V), or_empty(final, q), or_empty(q_eff, q), or_empty(M, q), or_empty(S_in, q),
-            [or_empty(t, q) for t in be.saved_like(q, k, v, g, beta, opts)])
+            [or_empty(t, q) for t in be.saved_like(DeltaInputs(q, k, v, g, beta), opts)])
 
 
 @torch.library.custom_op("allscan::zeco_delta_rule_state_grad", mutates_args=())

@@ -36,102 +36,27 @@ varlen call over the shard would have made).
 """
 from __future__ import annotations
 
-import functools
-from types import SimpleNamespace
 from typing import List, Optional, Sequence
 
 import torch
 
 from .._shards import on_device
-from ..fla_autotune import apply_autotune_setting
-from ..fla_dispatch import direct
-from .chunk import CHUNK, compute_dtype
+from .chunk import CHUNK, DeltaInputs, compute_dtype
+from .fla_imports import fla_functions
+
+_WHOLE = (None, None)  # fla's (cu_seqlens, chunk_indices) of a batch of whole sequences
 
 
-@functools.lru_cache(maxsize=None)
-def fla_delta_available() -> bool:
-    """Whether every fla-core function the delta layers call imports (fla-core and Triton with a GPU):
-    a version lacking one falls back to the torch backend at selection, not in the middle of a call."""
-    try:
-        fla_functions()
-    except Exception:  # noqa: BLE001 - any failure to import means: not usable here
-        return False
-    return True
-
-
-def fla_kernel(opts):
-    """fla's chunk function for these options and the keyword arguments that carry them."""
-    apply_autotune_setting()
-    kw = dict(use_qk_l2norm_in_kernel=opts.use_qk_l2norm_in_kernel,
-              use_beta_sigmoid_in_kernel=opts.use_beta_sigmoid_in_kernel, allow_neg_eigval=opts.allow_neg_eigval)
-    if opts.use_gate_in_kernel:
-        kw.update(use_gate_in_kernel=True, A_log=opts.A_log, dt_bias=opts.dt_bias)
-    if opts.per_key:
-        from fla.ops.kda import chunk_kda
-
-        kw.update(safe_gate=opts.safe_gate, lower_bound=opts.lower_bound)
-        return chunk_kda, kw
-    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
-
-    return chunk_gated_delta_rule, kw
-
-
-@functools.lru_cache(maxsize=None)
-def fla_functions() -> SimpleNamespace:
-    """fla-core's functions the steps below call, and allscan's kernels around them, imported once per
-    process (import statements on every call are host time on the critical path, issue 14). What it
-    found is kept: to replace one of them (tests, benchmarks), replace ``fla_functions`` or clear its cache."""
-    from fla.modules.norm.l2norm import l2norm_bwd, l2norm_fwd
-    from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_bwd_dhu, chunk_gated_delta_rule_fwd_h
-    from fla.ops.common.chunk_o import chunk_bwd_dqkwg, chunk_bwd_dv_local, chunk_fwd_o
-    from fla.ops.common.gate import fused_beta_sigmoid_bwd, fused_beta_sigmoid_fwd
-    from fla.ops.gated_delta_rule.chunk_fwd import (chunk_gated_delta_rule_fwd_intra,
-                                                    chunk_gated_delta_rule_fwd_kkt_solve_kernel)
-    from fla.ops.gated_delta_rule.gate import gdn_gate_bwd, gdn_gate_chunk_cumsum
-    from fla.ops.gated_delta_rule.wy_fast import prepare_wy_repr_bwd
-    from fla.ops.gated_delta_rule.wy_fast import recompute_w_u_fwd as gdn_recompute_w_u_fwd
-    from fla.ops.gla.chunk import chunk_gla_fwd_o_gk
-    from fla.ops.kda.chunk_bwd import chunk_kda_bwd_dAv, chunk_kda_bwd_wy_dqkg_fused
-    from fla.ops.kda.chunk_intra import chunk_kda_bwd_intra, chunk_kda_fwd_intra
-    from fla.ops.kda.gate import kda_gate_bwd, kda_gate_chunk_cumsum
-    from fla.ops.kda.wy_fast import recompute_w_u_fwd as kda_recompute_w_u_fwd
-    from fla.ops.utils import chunk_local_cumsum
-    from fla.ops.utils.constant import RCP_LN2
-    from fla.ops.utils.index import prepare_chunk_indices
-
-    from .fold_in import fold_state_grad, head_outputs  # Triton: imported with fla
-    from .widen import gdn_wy_widened, widened
-
-    apply_autotune_setting()
-    fla = dict(
-        l2norm_fwd=l2norm_fwd, l2norm_bwd=l2norm_bwd, fused_beta_sigmoid_fwd=fused_beta_sigmoid_fwd,
-        fused_beta_sigmoid_bwd=fused_beta_sigmoid_bwd, chunk_local_cumsum=chunk_local_cumsum,
-        gdn_gate_chunk_cumsum=gdn_gate_chunk_cumsum, chunk_gated_delta_rule_fwd_intra=chunk_gated_delta_rule_fwd_intra,
-        kda_gate_chunk_cumsum=kda_gate_chunk_cumsum, chunk_kda_fwd_intra=chunk_kda_fwd_intra,
-        chunk_gated_delta_rule_fwd_h=chunk_gated_delta_rule_fwd_h, chunk_fwd_o=chunk_fwd_o,
-        chunk_gla_fwd_o_gk=chunk_gla_fwd_o_gk,
-        # the backward's steps (fla's chunk_gated_delta_rule_bwd / chunk_kda_bwd)
-        gdn_recompute_w_u_fwd=gdn_recompute_w_u_fwd, kda_recompute_w_u_fwd=kda_recompute_w_u_fwd,
-        chunk_bwd_dv_local=chunk_bwd_dv_local, chunk_kda_bwd_dAv=chunk_kda_bwd_dAv,
-        chunk_gated_delta_rule_bwd_dhu=chunk_gated_delta_rule_bwd_dhu, chunk_bwd_dqkwg=chunk_bwd_dqkwg,
-        prepare_wy_repr_bwd=prepare_wy_repr_bwd, chunk_kda_bwd_wy_dqkg_fused=chunk_kda_bwd_wy_dqkg_fused,
-        chunk_kda_bwd_intra=chunk_kda_bwd_intra, gdn_gate_bwd=gdn_gate_bwd, kda_gate_bwd=kda_gate_bwd)
-    return SimpleNamespace(
-        **{name: direct(fn) for name, fn in fla.items()},  # past fla's dispatcher where it falls back anyway
-        RCP_LN2=RCP_LN2, prepare_chunk_indices=prepare_chunk_indices,
-        gdn_kkt_solve_kernel=chunk_gated_delta_rule_fwd_kkt_solve_kernel, gdn_wy_widened=gdn_wy_widened,
-        widened=widened, head_outputs=head_outputs, fold_state_grad=fold_state_grad)
-
-
-def _activate(q, k, beta, opts):
-    """What fla's autograd functions apply before their forward steps: ``(q, k, beta, q_rstd, k_rstd)``."""
+def _activate(x: DeltaInputs, opts):
+    """What fla's autograd functions apply before their forward steps: ``(x activated, q_rstd, k_rstd)``."""
+    q, k, beta = x.q, x.k, x.beta
     q_rstd = k_rstd = None
     if opts.use_qk_l2norm_in_kernel:
         q, q_rstd = fla_functions().l2norm_fwd(q)
         k, k_rstd = fla_functions().l2norm_fwd(k)
     if opts.use_beta_sigmoid_in_kernel:
         beta = fla_functions().fused_beta_sigmoid_fwd(beta, 2.0 if opts.allow_neg_eigval else 1.0)
-    return q, k, beta, q_rstd, k_rstd
+    return x._replace(q=q, k=k, beta=beta), q_rstd, k_rstd
 
 
 def _beside_identity(h0: Optional[torch.Tensor], B: int, HV: int, K: int, V: int, dt, device) -> torch.Tensor:
@@ -147,20 +72,21 @@ def _beside_identity(h0: Optional[torch.Tensor], B: int, HV: int, K: int, V: int
 def local_varlen(bounds: Sequence[int], device):
     """fla's ``(cu_seqlens, chunk_indices)`` for local segment ``bounds``, ``(None, None)`` for one."""
     if len(bounds) == 2:
-        return None, None
+        return _WHOLE
     cu_cpu = torch.tensor(list(bounds), dtype=torch.long)
     cu = cu_cpu.to(device, non_blocking=True)
     return cu, fla_functions().prepare_chunk_indices(cu, CHUNK, cu_seqlens_cpu=cu_cpu)
 
 
-def _state_steps(q, k, v, g, beta, opts, scale, h0, width, cu=None, ci=None):
-    """fla's forward of one sequence batch (q, k, beta activated; packed sequences with ``cu``, ``ci``)
-    up to the final states, on the values ``[v | 0]`` with ``width`` columns (``h0``, None = zeros, as
-    wide): ``(final, staged)``; :func:`_output_step` (V columns) or :func:`_head_output_step` (widened,
-    after the All-Scan) finishes from ``staged``. The calls and their order are those of fla's
-    ``chunk_gated_delta_rule_fwd`` / ``chunk_kda_fwd`` (chunk 64)."""
+def _state_steps(x: DeltaInputs, opts, scale, h0, width, varlen=_WHOLE):
+    """fla's forward of one sequence batch (q, k, beta activated; packed sequences with ``varlen``, fla's
+    ``(cu_seqlens, chunk_indices)``) up to the final states, on the values ``[v | 0]`` with ``width``
+    columns (``h0``, None = zeros, as wide): ``(final, staged)``; :func:`_output_step` (V columns) or
+    :func:`_head_output_step` (widened, after the All-Scan) finishes from ``staged``. The calls and their
+    order are those of fla's ``chunk_gated_delta_rule_fwd`` / ``chunk_kda_fwd`` (chunk 64)."""
     fla = fla_functions()
-    vl = dict(cu_seqlens=cu, chunk_indices=ci)
+    q, k, v, g, beta = x
+    vl = dict(cu_seqlens=varlen[0], chunk_indices=varlen[1])
     if opts.per_key:
         if opts.use_gate_in_kernel:
             g_cum = fla.kda_gate_chunk_cumsum(g=g, A_log=opts.A_log, dt_bias=opts.dt_bias, scale=fla.RCP_LN2,
@@ -184,7 +110,7 @@ def _state_steps(q, k, v, g, beta, opts, scale, h0, width, cu=None, ci=None):
     if width == v.shape[-1]:
         w, u, A = fla.chunk_gated_delta_rule_fwd_intra(k=k, v=v, g=g_cum, beta=beta, chunk_size=CHUNK, **vl)
     else:  # the first segment (one sequence batch): w and [u | 0] in one pass after fla's factors
-        assert cu is None, "the widened segment is one sequence batch (FlaDelta.states)"
+        assert varlen[0] is None, "the widened segment is one sequence batch (FlaDelta.states)"
         A = _gdn_solved_factors(k, g_cum, beta)
         w, u = fla.gdn_wy_widened(k, v, beta, A, g_cum, width)
     h, v_new, final = fla.chunk_gated_delta_rule_fwd_h(k=k, w=w, u=u, g=g_cum, initial_state=h0,
@@ -227,8 +153,8 @@ def _head_output_step(staged, S_in):
     return fla_functions().head_outputs(q, k, v_new, h, g_cum, None, S_in, scale), factors
 
 
-def _backward_steps(q, k, v, g, beta, factors, opts, scale, h0, do, finals, dt, cu=None, ci=None):
-    """fla's backward of the forward steps (:func:`_state_steps`, :func:`_output_step`) on ``v`` from
+def _backward_steps(x: DeltaInputs, factors, opts, scale, h0, do, finals, varlen=_WHOLE):
+    """fla's backward of the forward steps (:func:`_state_steps`, :func:`_output_step`) on ``x.v`` from
     ``h0``: ``(dq, dk, dv, dbeta, dg, dh0, dA_log, ddt_bias)`` (q, k, beta activated; dg of the raw g).
     The calls and their order are those of fla's ``chunk_gated_delta_rule_bwd`` / ``chunk_kda_bwd``
     (chunk 64), with the final states' gradients asked of ``finals`` (:class:`.shard.FinalGrads`) only
@@ -239,9 +165,11 @@ def _backward_steps(q, k, v, g, beta, factors, opts, scale, h0, do, finals, dt, 
     and it slows down beside the scan's work by less than the work takes; bench/README.md,
     "Measurements behind design choices".)"""
     fla = fla_functions()
-    vl = dict(cu_seqlens=cu, chunk_indices=ci)
+    vl = dict(cu_seqlens=varlen[0], chunk_indices=varlen[1])
     if opts.per_key:
-        return _kda_backward_steps(fla, q, k, v, g, beta, factors, opts, scale, h0, do, finals, dt, vl)
+        return _kda_backward_steps(fla, x, factors, opts, scale, h0, do, finals, vl)
+    q, k, v, g, beta = x
+    dt = compute_dtype(v)
     g_cum, A = factors
     w, u = fla.gdn_recompute_w_u_fwd(k=k, v=v, beta=beta, A=A, g=g_cum, **vl)
     finals.mark()
@@ -265,8 +193,10 @@ def _backward_steps(q, k, v, g, beta, factors, opts, scale, h0, do, finals, dt, 
     return dq, dk, dv, db, dg, dh0, dA_log, ddt_bias
 
 
-def _kda_backward_steps(fla, q, k, v, g, beta, factors, opts, scale, h0, do, finals, dt, vl):
+def _kda_backward_steps(fla, x: DeltaInputs, factors, opts, scale, h0, do, finals, vl):
     """:func:`_backward_steps` for KDA (fla's ``chunk_kda_bwd``, recomputing)."""
+    q, k, v, g, beta = x
+    dt = compute_dtype(v)
     g_cum, Aqk, Akk = factors
     if opts.use_gate_in_kernel:  # the cumulative gate was not kept: fla recomputes it
         g_cum = fla.kda_gate_chunk_cumsum(g=g, A_log=opts.A_log, dt_bias=opts.dt_bias, scale=fla.RCP_LN2,
@@ -319,32 +249,32 @@ class FlaDelta:
     name = "fla"
 
     @staticmethod
-    def states(q, k, v, g, beta, opts, scale: float, bounds: Sequence[int], h0s: List[Optional[torch.Tensor]],
-               wide: bool):
-        B, T, HV, V = v.shape
-        K = q.shape[-1]
-        q, k, v, g, beta = (t.contiguous() for t in (q, k, v, g, beta))
-        dt = compute_dtype(v)  # fp32: fla's states (fp64 only in the CPU tests of this algebra)
+    def states(x: DeltaInputs, run, h0s: List[Optional[torch.Tensor]]):
+        opts, scale, bounds, wide = run.opts, run.scale, run.bounds, run.wide
+        B, T, HV, V = x.v.shape
+        K = x.q.shape[-1]
+        x = DeltaInputs(*(t.contiguous() for t in x))
+        dt = compute_dtype(x.v)  # fp32: fla's states (fp64 only in the CPU tests of this algebra)
         finals, M, steps = [], None, []
-        with on_device(q):
-            qa, ka, ba, q_rstd, k_rstd = _activate(q, k, beta, opts)
+        with on_device(x.q):
+            xa, q_rstd, k_rstd = _activate(x, opts)
             T0 = bounds[1] if wide else 0
             if wide:  # the first segment on [v | 0] from [h0 | I]
-                final, st = _state_steps(qa[:, :T0], ka[:, :T0], v[:, :T0], g[:, :T0], ba[:, :T0], opts, scale,
-                                         _beside_identity(h0s[0], B, HV, K, V, dt, v.device), V + K)
+                final, st = _state_steps(DeltaInputs(*(t[:, :T0] for t in xa)), opts, scale,
+                                         _beside_identity(h0s[0], B, HV, K, V, dt, x.v.device), V + K)
                 finals.append(final[..., :V].contiguous())
                 M = final[..., V:].contiguous()
                 steps.append(st)
             if T0 < T:  # the other segments in one (varlen) call, on the V columns
                 rest = [b - T0 for b in bounds if b >= T0]
-                cu, ci = local_varlen(rest, q.device)
+                varlen = local_varlen(rest, x.q.device)
                 inits = _stacked(h0s[len(bounds) - len(rest):], dt)
-                part = (lambda t: t[:, T0:]) if T0 else (lambda t: t)  # noqa: E731
-                final, st = _state_steps(part(qa), part(ka), part(v), part(g), part(ba), opts, scale, inits, V, cu, ci)
-                finals.extend(final.split(1) if cu is not None else [final])
+                part = DeltaInputs(*(t[:, T0:] for t in xa)) if T0 else xa
+                final, st = _state_steps(part, opts, scale, inits, V, varlen)
+                finals.extend(final.split(1) if varlen[0] is not None else [final])
                 steps.append(st)
-        activated = (qa if opts.use_qk_l2norm_in_kernel else None, ka if opts.use_qk_l2norm_in_kernel else None,
-                     ba if opts.use_beta_sigmoid_in_kernel else None, q_rstd, k_rstd)
+        l2, sig = opts.use_qk_l2norm_in_kernel, opts.use_beta_sigmoid_in_kernel
+        activated = (xa.q if l2 else None, xa.k if l2 else None, xa.beta if sig else None, q_rstd, k_rstd)
         return finals, M, (steps, wide, V, activated)
 
     @staticmethod
@@ -365,8 +295,9 @@ class FlaDelta:
         return o_head, q_eff, o_tail, activated + factors
 
     @staticmethod
-    def saved_like(q, k, v, g, beta, opts):
+    def saved_like(x: DeltaInputs, opts):
         """Empty tensors shaped like :meth:`outputs`' ``saved`` (None where absent): the fake kernels'."""
+        q, k, v, g, beta = x
         l2, sig = opts.use_qk_l2norm_in_kernel, opts.use_beta_sigmoid_in_kernel
         B, T, H, K = q.shape
         HV = v.shape[2]
@@ -388,42 +319,23 @@ class FlaDelta:
         return fla_functions().fold_state_grad(q_eff, do)
 
     @staticmethod
-    def backward(saved, q, k, v, g, beta, opts, scale: float, bounds: Sequence[int],
-                 h0s: List[Optional[torch.Tensor]], do: torch.Tensor, finals):
+    def backward(saved, x: DeltaInputs, run, h0s: List[Optional[torch.Tensor]], do: torch.Tensor, finals):
+        opts = run.opts
         qa, ka, ba, q_rstd, k_rstd, *factors = saved
-        qa = q.contiguous() if qa is None else qa
-        ka = k.contiguous() if ka is None else ka
-        ba = beta.contiguous() if ba is None else ba
-        dt = compute_dtype(v)
+        q, k, v, g, beta = x
+        xa = DeltaInputs(q.contiguous() if qa is None else qa, k.contiguous() if ka is None else ka, v.contiguous(),
+                         g.contiguous(), beta.contiguous() if ba is None else ba)
         with on_device(q):
-            cu, ci = local_varlen(bounds, q.device)
+            varlen = local_varlen(run.bounds, q.device)
             dq, dk, dv, dbeta, dg, dh0, dA_log, ddt_bias = _backward_steps(
-                qa, ka, v.contiguous(), g.contiguous(), ba, factors, opts, scale, _stacked(h0s, dt), do.contiguous(),
-                finals, dt, cu, ci)
+                xa, factors, opts, run.scale, _stacked(h0s, compute_dtype(v)), do.contiguous(), finals, varlen)
             if opts.use_qk_l2norm_in_kernel:
-                dq, dk = fla_functions().l2norm_bwd(qa, q_rstd, dq), fla_functions().l2norm_bwd(ka, k_rstd, dk)
+                dq, dk = fla_functions().l2norm_bwd(xa.q, q_rstd, dq), fla_functions().l2norm_bwd(xa.k, k_rstd, dk)
             if opts.use_beta_sigmoid_in_kernel:
                 dbeta = fla_functions().fused_beta_sigmoid_bwd(beta.contiguous(), dbeta, 2.0 if opts.allow_neg_eigval else 1.0)
         if dh0 is None:
             dh0s = [None] * len(h0s)
         else:
-            dh0s = list(dh0.split(1)) if cu is not None else [dh0]
+            dh0s = list(dh0.split(1)) if varlen[0] is not None else [dh0]
         return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dg.to(g.dtype), dbeta.to(beta.dtype), dh0s,
                 dA_log, ddt_bias)
-
-
-def fla_context_parallel(fn, kw, q, k, v, g, beta, scale, group, cu_seqlens, T_global):
-    """``method="fla_cp"``: fla's own context parallelism, called as fla documents it (one
-    ``build_cp_context`` over the global ``cu_seqlens``, then the chunk function with ``cp_context``)."""
-    if group is None:  # one rank: nothing to parallelise
-        o, _ = fn(q, k, v, g, beta, scale=scale, cu_seqlens=cu_seqlens, **kw)
-        return o
-    from fla.ops.cp import build_cp_context
-
-    if cu_seqlens is None:
-        cu_cpu = torch.tensor([0, T_global], dtype=torch.long)
-    else:
-        cu_cpu = cu_seqlens.detach().to("cpu", torch.long)
-    ctx = build_cp_context(cu_cpu.to(q.device), group, cu_seqlens_cpu=cu_cpu)
-    o, _ = fn(q, k, v, g, beta, scale=scale, cp_context=ctx, **kw)
-    return o

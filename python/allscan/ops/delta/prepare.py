@@ -20,7 +20,8 @@ from .._shards import ShardSegments, checked_cut
 from ..batch_context import context_fields
 from ..hooks import op_hooks
 from .chunk import TorchDelta, compute_dtype
-from .fla import FlaDelta, fla_delta_available
+from .fla import FlaDelta
+from .fla_imports import fla_delta_available
 from .gates import DeltaOptions
 from .shard import ShardRun, plan
 

@@ -66,7 +66,7 @@ from .._launch import tell_peers_of_failure
 from ..hooks import op_hooks
 from ..matrix_scan import OP as MATRIX_SCAN_OP
 from .._shards import own_precision, world_and_rank
-from .chunk import compute_dtype
+from .chunk import DeltaInputs, compute_dtype
 
 
 class ShardRun(NamedTuple):
@@ -142,8 +142,7 @@ def shard_forward(run: ShardRun, q, k, v, g, beta, h0):
     backward needs (Q', M, S_in None unless ``run.wide``)."""
     be = run.backend
     try:
-        finals, M, staged = be.states(q, k, v, g, beta, run.opts, run.scale, run.bounds,
-                                      _initial_states(run, h0), run.wide)
+        finals, M, staged = be.states(DeltaInputs(q, k, v, g, beta), run, _initial_states(run, h0))
         if run.world > 1:
             c = _crossing(run)
             x = (torch.zeros_like(finals[0]) if c is None else finals[c]).contiguous()
@@ -290,8 +289,8 @@ def shard_backward(run: ShardRun, q, k, v, g, beta, h0, *, reverse: Optional[Bes
         if run.wide:
             h0s[0] = S_in if h0s[0] is None else S_in + h0s[0].to(S_in.dtype)
         finals = FinalGrads(_final_grads(run, dfinal, dt), _crossing(run), reverse)
-        dq, dk, dv, dg, dbeta, dh0s, dA_log, ddt_bias = be.backward(saved, q, k, v, g, beta, run.opts, run.scale,
-                                                                     run.bounds, h0s, do, finals)
+        dq, dk, dv, dg, dbeta, dh0s, dA_log, ddt_bias = be.backward(saved, DeltaInputs(q, k, v, g, beta), run, h0s,
+                                                                     do, finals)
     finally:
         if reverse is not None:  # issued (or its failure told to the peers) and joined, whatever happened
             reverse.result()

@@ -47,7 +47,8 @@ from .._launch import traced_refusal
 from .._shards import inputs_need_grad, own_precision
 from ..batch_context import context_conflict, context_group
 from .compiled import compiled_delta_rule
-from .fla import fla_context_parallel, fla_kernel
+from .chunk import DeltaInputs
+from .fla_cp import fla_context_parallel
 from .gates import DeltaOptions
 from .prepare import METHODS, DeltaCall, prepared, shard_plan
 from .shard import ShardFunction
@@ -68,10 +69,9 @@ def _delta_rule(call: DeltaCall, q, k, v, g, beta, group, initial_state):
         return compiled_delta_rule(call, q, k, v, g, beta, group, initial_state)
     segs, opts, scale = prepared(call, group, q, k, v, g, beta, initial_state, conflict)
     if call.method == "fla_cp":
-        fn, kw = fla_kernel(opts)
         cu_seqlens = call.cu_seqlens if call.context is None else call.context.offsets(q.device)
-        o = fla_context_parallel(fn, kw, q, k, v, g, beta, scale, group if segs.world > 1 else None, cu_seqlens,
-                                 q.shape[1] * segs.world)
+        o = fla_context_parallel(DeltaInputs(q, k, v, g, beta), opts, scale, group if segs.world > 1 else None,
+                                 cu_seqlens, q.shape[1] * segs.world)
         return o, None
     run = shard_plan(segs, q, opts, scale, group, call.method, call.output_final_state)
     with own_precision(q.device.type):  # the compute dtype is ours
