@@ -19,6 +19,7 @@ from allscan.layers import GatedDeltaNet  # noqa: E402
 from allscan.ops import LOCAL  # noqa: E402
 from allscan.ops.delta import zeco_gated_delta_rule  # noqa: E402
 from allscan.ops.gla import zeco_gla  # noqa: E402
+from allscan.ops.ulysses import ulysses_attention  # noqa: E402
 
 
 def _inputs(rank, T=8, H=2, K=4):
@@ -38,7 +39,8 @@ def _ops_take_the_context(rank, world):
     layer = GatedDeltaNet(hidden_size=16, head_dim=4, num_heads=2, expand_v=1, conv_size=3).double()
     x = torch.randn(1, 8, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(10 + rank))
     on_layer = lambda **kw: layer(x, **kw)[0]  # noqa: E731
-    for run in (gla, gdn, on_layer):
+    uly = lambda **kw: ulysses_attention(q, k, v, causal=True, num_chunks=1, **kw)  # noqa: E731
+    for run in (gla, gdn, on_layer, uly):
         for cu in cuts:
             ctx = SequenceContext(cu_seqlens=cu)
             torch.testing.assert_close(run(context=ctx), run(cu_seqlens=torch.tensor(cu)), rtol=0, atol=0)
@@ -49,7 +51,7 @@ def _ops_take_the_context(rank, world):
     agreement._on_nccl = lambda group, device: True
     agreement._gather_rows = lambda *a: exchanges.append(1) or real_gather(*a)
     try:
-        for run in (gla, gdn):
+        for run in (gla, gdn, uly):
             run(context=SequenceContext(cu_seqlens=cuts[0]))  # these shapes' first call: checked
             before = len(exchanges)
             run(context=SequenceContext(cu_seqlens=cuts[1]))
@@ -62,10 +64,10 @@ def _ops_take_the_context(rank, world):
         agreement._on_nccl, agreement._gather_rows = real_on_nccl, real_gather
     # a context with cu_seqlens, or with another group: refused on every rank, naming both
     ctx = SequenceContext(cu_seqlens=cuts[0])
-    for run in (gla, gdn, on_layer):
+    for run in (gla, gdn, on_layer, uly):
         with pytest.raises(ValueError, match="context= and cu_seqlens= given together"):
             run(context=ctx, cu_seqlens=torch.tensor(cuts[0]))
-    for run in (gla, gdn):
+    for run in (gla, gdn, uly):
         with pytest.raises(ValueError, match="context= and group= name different groups"):
             run(context=ctx, group=LOCAL)
         run(context=ctx, group=dist.group.WORLD)  # the context's own group: accepted
@@ -74,7 +76,7 @@ def _ops_take_the_context(rank, world):
     from allscan.ops.halo import halo_exchange
 
     refused = "different groups" if rank == 1 else r"rank\(s\) \[1\]"
-    for run in (gla, gdn, lambda **kw: halo_exchange(x, 2, **kw)):
+    for run in (gla, gdn, uly, lambda **kw: halo_exchange(x, 2, **kw)):
         with pytest.raises(ValueError, match=refused):
             run(context=ctx, **({"group": LOCAL} if rank == 1 else {}))
     with pytest.raises(ValueError, match="given together" if rank == 1 else r"rank\(s\) \[1\]"):
@@ -116,9 +118,14 @@ def test_a_conflicting_context_is_refused_after_a_plain_call(single_rank):
     call of the same shapes passed its checks (a cached pass must not serve it: it would run unpacked)."""
     q, k, v, g, beta = _inputs(0, T=16)
     ctx = SequenceContext(None, cu_seqlens=[0, 5, 16])
-    for op in (lambda **kw: zeco_gla(q, k, v, g, **kw), lambda **kw: zeco_gated_delta_rule(q, k, v, g, beta, **kw)):
+    uly = lambda **kw: ulysses_attention(q, k, v, causal=True, **kw)  # noqa: E731
+    for op in (lambda **kw: zeco_gla(q, k, v, g, **kw), lambda **kw: zeco_gated_delta_rule(q, k, v, g, beta, **kw),
+               uly):
         op(group=single_rank)  # these shapes' checks pass once
         with pytest.raises(ValueError, match="context= and group= name different groups"):
             op(group=LOCAL, context=ctx)
         with pytest.raises(TypeError, match="context must be an allscan.SequenceContext"):
             op(context="a context")
+    # Ulysses needs a process group: a context of one process is refused, naming it
+    with pytest.raises(ValueError, match="the context's group is one process"):
+        uly(context=SequenceContext(LOCAL))

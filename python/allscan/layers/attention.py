@@ -111,13 +111,15 @@ class Attention(nn.Module):
 
         # before Ulysses' first collective: if it raises, the peers waiting there are told (packed calls:
         # in the check Ulysses then makes on every call)
-        # as Ulysses checks next: every call when packed (a packed context's offsets, or the caller's)
-        every_call = context.packed if isinstance(context, SequenceContext) else cu_seqlens is not None
+        # as Ulysses checks next: every call when packed by the caller's cu_seqlens (a context's were agreed once)
+        given = isinstance(context, SequenceContext)
+        every_call = cu_seqlens is not None and not given
         q, k, v, bounds = own_work(pg, name, "its projections", project, every_call=every_call)
         if pg is None:
             o = _causal_attention(q, k, v, bounds)
         else:
-            o = ulysses_attention(q, k, v, pg, causal=True, num_chunks=self.num_chunks, cu_seqlens=bounds)
+            packing = dict(context=context) if given else dict(cu_seqlens=bounds)
+            o = ulysses_attention(q, k, v, pg, causal=True, num_chunks=self.num_chunks, **packing)
         B, T = hidden_states.shape[:2]
         return self.o_proj(o.reshape(B, T, self.hidden_size)), None, None
 
