@@ -102,8 +102,7 @@ def _make_attention(group, name):
         else:
             from allscan.ops.ulysses import ulysses_attention
 
-            out = ulysses_attention(q, k, v, ctx.group.process_group, causal=True, scale=scale, cu_seqlens=bounds,
-                                    **features.as_kwargs())
+            out = ulysses_attention(q, k, v, causal=True, scale=scale, context=ctx, **features.as_kwargs())
         return out[..., :d_v], None
 
     return attention

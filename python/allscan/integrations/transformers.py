@@ -33,7 +33,7 @@ honours them on one process: the forward's first mask call makes the batch's
 :class:`allscan.context.SequenceContext` from the group's position ids
 (:meth:`~allscan.context.SequenceContext.from_position_ids`: one exchange builds the global offsets on
 every rank and refuses malformed ids on every rank), shared by the forward's other masks and every
-attention call, which attends each sequence alone (``ulysses_attention(..., cu_seqlens=)``);
+attention call, which attends each sequence alone (``ulysses_attention(..., context=)``);
 ``shard_batch(..., position_ids=)`` ignores the labels across each sequence's end and keeps the bounds in
 ``BatchShard.cu_seqlens``. One packed row at a time (B = 1). The flash-attention kwargs ``cu_seq_lens_q``
 / ``cu_seq_lens_k`` (global offsets) may be passed too: they are agreed across the group once per forward
@@ -239,8 +239,10 @@ def register(group=None, *, name: str = NAME, num_chunks="auto") -> str:
         if sp.size == 1:
             scale = float(scaling) if scaling is not None else q.shape[-1] ** -0.5
             return one_process_attention(q, k, v, scale, bounds, causal, features), None
+        # the forward's context: its packed offsets were agreed once, not again per layer
+        packing = dict(context=mask.context) if mask is not None else {}
         out = ulysses_attention(q, k, v, sp.process_group, causal=causal, scale=scaling, num_chunks=num_chunks,
-                                cu_seqlens=None if bounds is None else list(bounds), **features.as_kwargs())
+                                **packing, **features.as_kwargs())
         return out, None
 
     def mask_function(*args, attention_mask=None, config=None, mask_function=None, batch_size=None,
