@@ -15,7 +15,7 @@ from distributed import run_distributed  # noqa: E402
 
 import allscan._agreement as agreement  # noqa: E402
 from allscan import SequenceContext  # noqa: E402
-from allscan.layers import GatedDeltaNet  # noqa: E402
+from allscan.layers import GatedDeltaNet, UlyssesAttention  # noqa: E402
 from allscan.ops import LOCAL  # noqa: E402
 from allscan.ops.delta import zeco_gated_delta_rule  # noqa: E402
 from allscan.ops.gla import zeco_gla  # noqa: E402
@@ -40,7 +40,8 @@ def _ops_take_the_context(rank, world):
     x = torch.randn(1, 8, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(10 + rank))
     on_layer = lambda **kw: layer(x, **kw)[0]  # noqa: E731
     uly = lambda **kw: ulysses_attention(q, k, v, causal=True, num_chunks=1, **kw)  # noqa: E731
-    for run in (gla, gdn, on_layer, uly):
+    uly_module = lambda **kw: UlyssesAttention(num_chunks=1)(q, k, v, causal=True, **kw)  # noqa: E731
+    for run in (gla, gdn, on_layer, uly, uly_module):
         for cu in cuts:
             ctx = SequenceContext(cu_seqlens=cu)
             torch.testing.assert_close(run(context=ctx), run(cu_seqlens=torch.tensor(cu)), rtol=0, atol=0)

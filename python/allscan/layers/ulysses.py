@@ -45,10 +45,13 @@ class UlyssesAttention(torch.nn.Module):
         self.max_chunks = max_chunks
         self.last_info = None
 
-    def forward(self, q, k, v, *, causal: bool = False, scale: Optional[float] = None, cu_seqlens=None):
+    def forward(self, q, k, v, *, causal: bool = False, scale: Optional[float] = None, cu_seqlens=None,
+                context=None):
+        """``context``: the batch's :class:`allscan.SequenceContext`, instead of ``cu_seqlens`` (and of the
+        module's ``group``, which must then be None or the context's)."""
         out, info = ulysses_attention(q, k, v, self.group, causal=causal, scale=scale, num_chunks=self.num_chunks,
                                       chunk_weights=self.chunk_weights, max_chunks=self.max_chunks,
-                                      cu_seqlens=cu_seqlens, return_info=True)
+                                      cu_seqlens=cu_seqlens, return_info=True, context=context)
         self.last_info = info
         return out
 
