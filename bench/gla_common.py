@@ -59,7 +59,12 @@ def middle_rank_stand_in(world: int, module: str = "", place: str = "middle"):
     ``allscan.ops.hooks.op_hooks.shard_cut``. For the first two the sequence continues from a previous
     rank, so the incoming-state work is issued (GLA's last rank takes its incoming state's gradient from
     its local backward; a middle rank computes it beside); every place issues both scans, over the
-    one-rank group, so one GPU issues that rank's work. With more ranks: nothing changes."""
+    one-rank group, so one GPU issues that rank's work. Ops handed a batch's ``SequenceContext`` (a whole
+    model made sequence-parallel: ``allscan.integrations``' layers) take their cut from it rather than
+    from the hook: its ``cut`` is stood in for the same way. With more ranks: nothing changes."""
+    import copy
+
+    from allscan.context import SequenceContext
     from allscan.ops.hooks import forget_plans, op_hooks, replaced
 
     if place not in PLACES:
@@ -67,21 +72,31 @@ def middle_rank_stand_in(world: int, module: str = "", place: str = "middle"):
     if world > 1:
         yield
         return
-    real = op_hooks.shard_cut
+    real, real_context_cut = op_hooks.shard_cut, SequenceContext.cut
 
-    def stand_in(*args):
-        cut = real(*args)
+    def as_place(cut):
         if not cut.varlen:
+            cut = copy.copy(cut)  # a context keeps its cuts: leave its own as they were
             cut.world, cut.rank = {"middle": (3, 1), "last": (2, 1), "first": (2, 0)}[place]
             cut.continued = cut.rank > 0
         return cut
+
+    def stand_in(*args):
+        return as_place(real(*args))
+
+    def context_cut(ctx, *args, **kwargs):
+        return as_place(real_context_cut(ctx, *args, **kwargs))
 
     # the ops reuse the cut of a call repeated with the same arguments: forget the cuts made before
     # (and, leaving, under) the stand-in
     forget_plans()
     try:
         with replaced(op_hooks, shard_cut=stand_in):
-            yield
+            SequenceContext.cut = context_cut
+            try:
+                yield
+            finally:
+                SequenceContext.cut = real_context_cut
     finally:
         forget_plans()
 
