@@ -19,6 +19,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from allscan.context import SequenceContext
+from allscan.layers.causal_conv import conv_with_halo
 from allscan.ops.halo import halo_exchange
 
 from .common import handed_context, op_group
@@ -70,31 +71,36 @@ def causal_conv(mod, x_local: torch.Tensor, ctx: SequenceContext) -> torch.Tenso
     ``[B, T_local, C]`` in ``x_local``'s dtype."""
     conv = mod.conv1d
     width = conv.kernel_size[0]
-    x = x_local
-    if width > 1:
-        x = torch.cat([halo_exchange(x_local, width - 1, op_group(ctx.group)), x_local], dim=1)
     weight = conv.weight  # [C, 1, width], as transformers' weight.squeeze(1).unsqueeze(1)
-    if not ctx.packed:
-        out = F.conv1d(x.transpose(1, 2).to(weight.dtype), weight, conv.bias, padding=0, groups=conv.groups)
+    if not ctx.packed and not torch.compiler.is_compiling():  # one autograd node, halo included
+        out = conv_with_halo(x_local.to(weight.dtype), weight, conv.bias, ctx.group.name if ctx.group.size > 1 else "")
     else:
-        # window slot i of local token t reads global token p - (width - 1) + i (p = rank * T + t): counted only
-        # from the start of p's sequence on
-        T = x_local.shape[1]
-        seen_all = conv_mask(ctx, T, width, x.device, weight.dtype)
-        xw = x.to(weight.dtype)
-        out = None
-        for i in range(width):
-            seen = seen_all[i][None, :, None]
-            term = xw[:, i:i + T, :] * weight[:, 0, i] * seen
-            out = term if out is None else out + term
-        if conv.bias is not None:
-            out = out + conv.bias
-        out = out.transpose(1, 2)  # [B, C, T], as F.conv1d's
+        x = x_local
+        if width > 1:
+            x = torch.cat([halo_exchange(x_local, width - 1, op_group(ctx.group)), x_local], dim=1)
+        if ctx.packed:
+            out = _packed_conv(x.to(weight.dtype), weight, conv.bias, conv_mask(ctx, x_local.shape[1], width, x.device,
+                                                                                 weight.dtype))
+        else:
+            out = F.conv1d(x.transpose(1, 2).to(weight.dtype), weight, conv.bias, padding=0, groups=conv.groups)
     if mod.activation is not None:
         from transformers.activations import ACT2FN
 
         out = ACT2FN[mod.activation](out)
     return out.to(x_local.dtype).transpose(1, 2)
+
+
+def _packed_conv(x, weight, bias, seen_all):
+    """The depthwise causal conv of ``x [B, width - 1 + T, C]`` (halo first) with window slot i of local token t
+    counted only where ``seen_all[i, t]`` (its token is of t's own sequence): ``[B, C, T]``, as ``F.conv1d``'s."""
+    width, T = seen_all.shape
+    out = None
+    for i in range(width):
+        term = x[:, i:i + T, :] * weight[:, 0, i] * seen_all[i][None, :, None]
+        out = term if out is None else out + term
+    if bias is not None:
+        out = out + bias
+    return out.transpose(1, 2)
 
 
 class SequenceParallelForward:

@@ -10,8 +10,11 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 
-__all__ = ["sequence_window_mask", "depthwise_causal_conv"]
+from allscan.ops.halo import halo_shift
+
+__all__ = ["sequence_window_mask", "depthwise_causal_conv", "conv_with_halo"]
 
 
 def sequence_window_mask(T: int, k: int, offset: int, cu_seqlens: Optional[torch.Tensor], device) -> torch.Tensor:
@@ -42,3 +45,49 @@ def depthwise_causal_conv(x: torch.Tensor, halo: Optional[torch.Tensor], weight:
     mask = sequence_window_mask(T, k, offset, cu_seqlens, x.device).to(x.dtype)  # [T, k]
     out = torch.einsum("btdk,tk,dk->btd", windows, mask, weight.to(x.dtype))
     return out if bias is None else out + bias.to(x.dtype)
+
+
+class _ConvWithHalo(torch.autograd.Function):
+    """``nn.Conv1d``'s depthwise causal convolution of ``x [B, T, C]`` with the previous rank's last ``k - 1``
+    tokens before it, in one autograd node: the backward sends the halo's gradient back to its rank and adds
+    what arrives (the gradient of this shard's last ``k - 1`` tokens) in place, instead of autograd's
+    full-size zeros for the sliced halo and a full-size add into x's gradient."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, group_name: str):
+        T, C = x.shape[1], x.shape[2]
+        w = weight.shape[-1] - 1
+        # zeros on rank 0 and alone (where a shard shorter than the halo is allowed: with several ranks the
+        # op refuses it on every rank)
+        send = x[:, T - w:].contiguous() if T >= w else x.new_zeros(x.shape[0], w, C)
+        halo = halo_shift(send, group_name, True, T)
+        out = F.conv1d(torch.cat([halo, x], 1).transpose(1, 2), weight, bias, groups=C)
+        ctx.save_for_backward(x, halo, weight)
+        ctx.group_name, ctx.has_bias = group_name, bias is not None
+        return out  # [B, C, T]
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, halo, weight = ctx.saved_tensors
+        C, w = x.shape[2], halo.shape[1]
+        seq = torch.cat([halo, x], 1).transpose(1, 2)
+        want = [ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.has_bias and ctx.needs_input_grad[2]]
+        g_seq, g_weight, g_bias = torch.ops.aten.convolution_backward(
+            grad_out, seq, weight, [C] if ctx.has_bias else None, [1], [0], [1], False, [0], C, want)
+        g_x = None
+        if g_seq is not None:
+            g_seq = g_seq.transpose(1, 2)  # [B, T + w, C], ours to change
+            g_x = g_seq[:, w:]
+            if ctx.group_name and w:  # the halo's gradient to its sender; the next rank's to these last w tokens
+                g_x[:, g_x.shape[1] - w:] += halo_shift(g_seq[:, :w].contiguous(), ctx.group_name, False, -1)
+        return g_x, g_weight, g_bias, None
+
+
+def conv_with_halo(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], group_name: str) -> torch.Tensor:
+    """``F.conv1d`` of the depthwise ``weight [C, 1, k]`` over the global sequence: ``x [B, T, C]`` (T >= k - 1
+    with several ranks) with the previous rank's last ``k - 1`` tokens of the group ``group_name`` before it
+    (zeros on its first rank; ``""``: one process). Returns ``[B, C, T]``, as ``nn.Conv1d`` does, before any
+    activation."""
+    if weight.shape[-1] == 1:
+        return F.conv1d(x.transpose(1, 2), weight, bias, groups=x.shape[2])
+    return _ConvWithHalo.apply(x, weight, bias, group_name)
