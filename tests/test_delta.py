@@ -651,14 +651,12 @@ def test_fla_backend_widened_forward_with_a_reference_kernel(monkeypatch):
         assert _rel(o_tail, want_o) < TOL and all(_rel(f[0], w) < TOL for f, w in zip(finals, want_f)), layer
 
 
-def test_fla_backend_option_plumbing_with_reference_steps(monkeypatch):
-    """FlaDelta's wrapper around fla's step functions, on CPU: fla's forward and backward steps and its
-    l2norm / beta-sigmoid kernels replaced by float64 torch equivalents with fla's conventions (the
-    steps see the activated q, k and beta; the backward returns dq, dk, dv, dbeta, dg, dh0, dA_log,
-    ddt_bias). With the in-kernel l2norm and beta sigmoid (negative eigenvalues allowed), the forward's
-    pieces and the gradients of the raw inputs must equal autograd through the reference."""
+def _reference_fla_steps(monkeypatch):
+    """FlaDelta's fla steps and l2norm / beta-sigmoid kernels replaced by float64 torch equivalents with fla's
+    conventions (the steps see the activated q, k and beta; the backward returns dq, dk, dv, dbeta, dg, dh0,
+    dA_log, ddt_bias): FlaDelta's own code runs on CPU. Returns its module."""
+
     import allscan.ops.delta.fla as fla_backend
-    from allscan.ops.delta.gates import DeltaOptions, beta_gate, l2norm
 
     def l2_fwd(x):
         rstd = torch.rsqrt((x * x).sum(-1) + 1e-6)
@@ -679,9 +677,13 @@ def test_fla_backend_option_plumbing_with_reference_steps(monkeypatch):
 
     def backward_steps(x, factors, opts, scale, h0, do, finals, varlen=(None, None)):
         (dht,) = finals.get()
-        xs = [t.detach().requires_grad_(True) for t in (*x, h0)]
-        o, fin = recurrent_delta_rule_reference(*xs[:5], scale, xs[5])
-        dq, dk, dv, dg, db, dh0 = torch.autograd.grad([o, fin], xs, [do, dht])
+        B, _, HV, Vv = x.v.shape
+        h0 = x.v.new_zeros(B, HV, x.q.shape[-1], Vv) if h0 is None else h0
+        with torch.enable_grad():  # (an autograd Function's backward runs without grad mode)
+            xs = [t.detach().requires_grad_(True) for t in (*x, h0)]
+            o, fin = recurrent_delta_rule_reference(*xs[:5], scale, xs[5])
+            dq, dk, dv, dg, db, dh0 = torch.autograd.grad([o, fin], xs,
+                                                          [do, torch.zeros_like(fin) if dht is None else dht])
         return dq, dk, dv, db, dg, dh0, None, None  # fla's order
 
     # the activations FlaDelta takes from fla (looked up once per process, through fla_functions)
@@ -693,6 +695,19 @@ def test_fla_backend_option_plumbing_with_reference_steps(monkeypatch):
     monkeypatch.setattr(fla_backend, "_head_output_step", lambda staged, S_in: (
         (staged[0][..., :V] + torch.einsum("bthk,bhkv->bthv", staged[0][..., V:], S_in), staged[0][..., V:]), ()))
     monkeypatch.setattr(fla_backend, "_backward_steps", backward_steps)
+    monkeypatch.setattr(fla_backend, "on_device", lambda t: contextlib.nullcontext())
+    return fla_backend
+
+
+def test_fla_backend_option_plumbing_with_reference_steps(monkeypatch):
+    """FlaDelta's wrapper around fla's step functions, on CPU: fla's forward and backward steps and its
+    l2norm / beta-sigmoid kernels replaced by float64 torch equivalents with fla's conventions (the
+    steps see the activated q, k and beta; the backward returns dq, dk, dv, dbeta, dg, dh0, dA_log,
+    ddt_bias). With the in-kernel l2norm and beta sigmoid (negative eigenvalues allowed), the forward's
+    pieces and the gradients of the raw inputs must equal autograd through the reference."""
+    from allscan.ops.delta.gates import DeltaOptions, beta_gate, l2norm
+
+    fla_backend = _reference_fla_steps(monkeypatch)
     be, scale = fla_backend.FlaDelta, K ** -0.5
     gen = torch.Generator().manual_seed(4)
     for layer in ("gdn", "kda"):
@@ -717,6 +732,38 @@ def test_fla_backend_option_plumbing_with_reference_steps(monkeypatch):
                                                           FinalGrads([dht]))
         for name, a, b in zip(("q", "k", "v", "g", "beta", "initial state"), (dq, dk, dv, dg, dbeta, dh0), want):
             assert a.dtype == b.dtype and _rel(a, b) < TOL, f"{layer}: d{name}: {_rel(a, b)}"
+
+
+def test_the_fla_op_keeps_the_normalised_q_k_not_the_inputs(monkeypatch):
+    """Eager zeco_gated_delta_rule on FlaDelta (its steps on CPU, :func:`_reference_fla_steps`), q, k, v views of
+    one fused projection, the l2norm in the kernel: the gradients are autograd's through the reference, and
+    nothing the backward keeps shares the fused projection's memory (it would keep it whole: fla keeps its
+    contiguous, l2-normalised copies, and so does the op)."""
+    import allscan.ops.delta.prepare as prepare
+    from allscan.ops.delta.gates import l2norm
+
+    _reference_fla_steps(monkeypatch)
+    monkeypatch.setattr(prepare, "fla_usable", lambda q: True)
+    gen = torch.Generator().manual_seed(6)
+    T = 24
+    fused = torch.randn(1, T, H * (2 * K + V), generator=gen, dtype=torch.float64, requires_grad=True)
+    g = -torch.rand(1, T, H, generator=gen, dtype=torch.float64)
+    beta = torch.rand(1, T, H, generator=gen, dtype=torch.float64)
+    do = torch.randn(1, T, H, V, generator=gen, dtype=torch.float64)
+
+    def split(t):
+        q, k, v = t.split([H * K, H * K, H * V], -1)
+        return q.view(1, T, H, K), k.view(1, T, H, K), v.view(1, T, H, V)
+
+    kept = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: kept.append(t) or t, lambda t: t):
+        o, _ = zeco_gated_delta_rule(*split(fused), g, beta, LOCAL, use_qk_l2norm_in_kernel=True)
+    got = torch.autograd.grad(o, fused, do)[0]
+    assert kept and not any(t.untyped_storage().data_ptr() == fused.untyped_storage().data_ptr() for t in kept)
+    q, k, v = split(fused)
+    want_o, _ = recurrent_delta_rule_reference(l2norm(q), l2norm(k), v, g, beta, K ** -0.5)
+    assert _rel(o, want_o) < TOL
+    assert _rel(got, torch.autograd.grad(want_o, fused, do)[0]) < TOL
 
 
 def test_fla_cp_refuses_what_fla_refuses(monkeypatch):

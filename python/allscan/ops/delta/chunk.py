@@ -190,6 +190,11 @@ class TorchDelta:
         return ()
 
     @staticmethod
+    def activated_qk(saved):
+        """None: the backward recomputes from the raw q and k."""
+        return None
+
+    @staticmethod
     def q_eff_dtype(v: torch.Tensor) -> torch.dtype:
         return compute_dtype(v)
 

@@ -310,6 +310,12 @@ class FlaDelta:
                 None if rstd is None else q.new_empty(B, T, H, dtype=torch.float32)) + factors
 
     @staticmethod
+    def activated_qk(saved):
+        """``(q, k)`` l2-normalised as :meth:`outputs` kept them, or None (no in-kernel l2norm): the
+        backward needs nothing else of q and k (fla keeps the same)."""
+        return None if saved[0] is None else (saved[0], saved[1])
+
+    @staticmethod
     def q_eff_dtype(v: torch.Tensor) -> torch.dtype:
         """The dtype of Q' (:func:`.fold_in.head_outputs` writes it in the values' dtype)."""
         return v.dtype

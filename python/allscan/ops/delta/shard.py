@@ -324,10 +324,16 @@ class ShardFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, g, beta, A_log, dt_bias, h0, run: ShardRun):
+        # Kept for the backward: the contiguous copies the kernels read, not the inputs, which are often
+        # views of one fused projection (a conv's output split into q, k, v) that they would keep whole;
+        # and not q, k at all where the backend keeps their activated (l2-normalised) form, as fla does.
+        q, k, v = (t.contiguous() for t in (q, k, v))
         o, final, q_eff, M, S_in, saved = shard_forward(run, q, k, v, g, beta, h0)
         ctx.run = run
         ctx.device_type = q.device.type
-        ctx.save_for_backward(q, k, v, g, beta, h0, q_eff, M, S_in, *saved)
+        activated = run.backend.activated_qk(saved) is not None
+        ctx.save_for_backward(None if activated else q, None if activated else k, v, g, beta, h0, q_eff, M, S_in,
+                              *saved)
         ctx.set_materialize_grads(False)
         return o, final
 
@@ -335,6 +341,8 @@ class ShardFunction(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, do, dfinal):
         q, k, v, g, beta, h0, q_eff, M, S_in, *saved = ctx.saved_tensors
+        if q is None:  # their activated form stands in (shapes and dtypes are the inputs')
+            q, k = ctx.run.backend.activated_qk(saved)
         _drop_saved(ctx)
         try:
             do = zero_if_absent(do, v)
