@@ -34,6 +34,11 @@ def sp2_against_transformers(rank, world, families, model_of, vocab, prepare=lam
     fp32 model on this rank's GPU; ``prepare(kind)``: what the family's reference needs first."""
     os.environ.setdefault("TRITON_F32_DEFAULT", "ieee")
     from allscan.integrations import hf_hybrids as sp
+    from allscan.ops.gla import limit_fla_autotune
+
+    # one config per fla kernel, transformers' own calls of them included: fla's full autotuning took each
+    # spawned rank minutes (the whole call's time on the lent GPU)
+    limit_fla_autotune("one")
 
     res = {}
     for kind in families:
