@@ -3,11 +3,13 @@
 #
 #   scripts/gpu_suite.sh [stage ...]      (default: every stage)
 #
-# Stages: build tests perf perffill perfab perfhead perfbase perfmatrix perfa2a scanhost scanbench glakern glatest glabench
-#         deltatest deltabench soak integration trainparity glatrain glatrain32 ulysses ulysses_host (default: all but soak, perfab, perfhead, perfbase, scanhost and glakern, the
+# Stages: build tests perf perffill perfab perfhead perfbase benchbase perfmatrix perfa2a scanhost scanbench glakern glatest glabench
+#         deltatest deltabench soak integration trainparity glatrain glatrain32 ulysses ulysses_host (default: all but soak, perfab, perfhead, perfbase, benchbase, scanhost and glakern, the
 #         investigations)
 # perfbase: the standard sweep of an earlier tree's allscan_perf (BASE=<source dir>, default .base) and of this one,
-#         alternated three times (a refactor's before/after, side by side in one run).
+#         alternated three times (a refactor's before/after, side by side in one run). benchbase: the same for a
+#         Python benchmark, BENCHBASE="torchrun --nproc-per-node 1 bench/gla_bench.py --tlocal 16384 ..." (each
+#         tree's own script on its own install).
 # Limits: TIMEOUT_<stage> or STAGE_TIMEOUT seconds per stage; KSWEEP=0 skips the K sweep of perf.
 # On fewer GPUs than a test has ranks, ALLSCAN_TEST_RANKS_PER_GPU=n lets n NCCL ranks share each GPU in the
 #         tests and glatest/deltatest stages (results only: tests/distributed.py).
@@ -116,6 +118,22 @@ for s in $STAGES; do
       PERF=$(ls build/*/bench/allscan_perf 2>/dev/null | head -1)
       for hf in auto side self; do
         ALLSCAN_HEAD_FILL=$hf run_stage "perfhead_$hf" "$PERF" -b 4K -e 256M -f 4 -g "$NGPU" -m pipelined -x chain -j "$OUT/perfhead_$hf.json"
+      done
+      ;;
+    benchbase)  # a redesign's before/after of a Python benchmark: BENCHBASE (a command line, run from a tree's
+      # root) in the earlier tree BASE (default .base) on its own plain install, then in this one, twice each
+      BASE=${BASE:-.base}
+      [ -n "${BENCHBASE:-}" ] || { note "benchbase: set BENCHBASE"; continue; }
+      run_stage benchbase_build python3 -m pip install --no-build-isolation --no-deps --target /tmp/allscan_base_site "$BASE" || continue
+      # this tree's editable install finds allscan ahead of PYTHONPATH, in every process a benchmark starts:
+      # its .pth is set aside while the earlier tree runs, and put back whatever happens
+      PTH=$(python3 -c 'import glob, sysconfig; print(*glob.glob(sysconfig.get_paths()["purelib"] + "/_editable_*allscan*.pth"))')
+      for i in 1 2; do
+        for f in $PTH; do mv "$f" "$f.aside"; done
+        (cd "$BASE" && export PYTHONPATH=/tmp/allscan_base_site${PYTHONPATH:+:$PYTHONPATH} &&
+         run_stage "benchbase_before_$i" bash -c "$BENCHBASE")
+        for f in $PTH; do mv "$f.aside" "$f"; done
+        run_stage "benchbase_after_$i" bash -c "$BENCHBASE"
       done
       ;;
     scanhost)  # host time of one scan call, piece by piece
