@@ -198,5 +198,6 @@ def run_distributed(fn, world_size, *args, timeout=120, backend="gloo", may_exit
     if errors:
         errors.sort()
         rank, tb = errors[0]
-        raise AssertionError(f"rank {rank} of {world_size} failed in {fn.__name__}:\n{tb}")
+        others = "".join(f"\n(rank {r} failed too: {t.strip().splitlines()[-1]})" for r, t in errors[1:])
+        raise AssertionError(f"rank {rank} of {world_size} failed in {fn.__name__}:\n{tb}{others}")
     return [results[r] for r in range(world_size)]
