@@ -364,3 +364,34 @@ def _inductor_strided(rank, world):
 def test_inductor_with_strided_inputs():
     for diff in run_distributed(_inductor_strided, 2, timeout=300):
         assert diff <= 1e-5, diff
+
+
+def _compiled_contexts(rank, world):
+    """The ops under torch.compile take a new batch's SequenceContext without a new graph: its offsets were
+    made when it was built (outside the trace), so the compiled graph takes them as an input, as it takes
+    cu_seqlens, instead of baking each batch's cut in as a constant. One recompile (the number of sequences
+    changes) at most; every call equals eager."""
+    from torch._dynamo.utils import counters
+
+    from allscan import SequenceContext
+    from allscan.layers import zeco_gated_delta_rule, zeco_gla
+
+    torch._dynamo.reset()
+    counters.clear()
+    q, k, v, g, beta = _inputs(rank, "gdn")
+    ops = {"zeco_gla": lambda ctx: zeco_gla(q, k, v, g[..., None].expand(*q.shape).contiguous(), context=ctx)[0],
+           "zeco_gated_delta_rule": lambda ctx: zeco_gated_delta_rule(q, k, v, g, beta, context=ctx)[0]}
+    T = q.shape[1] * world
+    for name, op in ops.items():
+        torch._dynamo.reset()
+        counters.clear()
+        compiled = torch.compile(op, fullgraph=True, backend="aot_eager")
+        for cu in ([0, 5, T], [0, 9, T], [0, 3, 20, T], [0, 7, 13, T], [0, 2, 11, T]):
+            ctx = SequenceContext(dist.group.WORLD, cu_seqlens=cu)
+            torch.testing.assert_close(compiled(ctx), op(ctx), rtol=0, atol=0)
+        assert counters["stats"]["unique_graphs"] <= 2, (name, dict(counters["stats"]))
+    return True
+
+
+def test_compiled_ops_take_each_batch_context_without_recompiling():
+    assert run_distributed(_compiled_contexts, 2) == [True, True]

@@ -178,6 +178,8 @@ class SequenceContext:
         self._set(cu, local_len)
         if cu_seqlens is not None:
             self._agree(problem)
+            self._premake_offsets(cu_seqlens.device if isinstance(cu_seqlens, torch.Tensor)
+                                  else _home_device(self.group))
 
     @classmethod
     def from_position_ids(cls, position_ids: torch.Tensor, group=None) -> "SequenceContext":
@@ -214,6 +216,7 @@ class SequenceContext:
         ctx = cls.__new__(cls)
         ctx.group = sp
         ctx._set(cu, T)
+        ctx._premake_offsets(position_ids.device)
         return ctx
 
     def _set(self, cu: Optional[Tuple[int, ...]], local_len: Optional[int]) -> None:
@@ -256,6 +259,12 @@ class SequenceContext:
             got = self._cuts[key] = ShardCut(self.group, T, B, self.cu_seqlens)
         return got
 
+    def _premake_offsets(self, device) -> None:
+        """The device copy of the packed offsets, made now, outside any trace: a compiled op takes it as a
+        graph input (one made while torch.compile traces would be a constant: each batch's cut a new graph)."""
+        if self.cu_seqlens is not None:
+            self.offsets(device)
+
     def offsets(self, device) -> Optional[torch.Tensor]:
         """The packed offsets as an int32 tensor on ``device`` (copied once per device), or None."""
         if self.cu_seqlens is None:
@@ -269,6 +278,14 @@ class SequenceContext:
     def __repr__(self) -> str:
         what = f"{len(self.cu_seqlens) - 1} packed sequences" if self.packed else "whole sequences"
         return f"SequenceContext(rank {self.group.rank} of {self.group.size}, {what})"
+
+
+def _home_device(sp: SPGroup) -> torch.device:
+    """Where the ops of a group run: the current GPU on an NCCL group, else the CPU."""
+    pg = sp.process_group
+    if pg is not None and "nccl" in str(dist.get_backend(pg)):
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def _local_length(cu_seqlens, world: int) -> int:
