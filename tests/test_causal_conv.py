@@ -32,6 +32,25 @@ def test_one_process_is_the_zero_padded_conv():
         torch.testing.assert_close(conv_with_halo(x, weight, bias, ""), _reference(x, weight, bias))
 
 
+def test_under_autocast_it_is_the_conv_autocast_runs():
+    """Under autocast (fp32 parameters, bf16 compute: a trainer's mixed precision) the output is F.conv1d's in
+    autocast's dtype, and the gradients come back to the fp32 tensors as F.conv1d's do."""
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(1, 9, 6, generator=gen, requires_grad=True)
+    weight = torch.randn(6, 1, 4, generator=gen, requires_grad=True)
+    bias = torch.randn(6, generator=gen, requires_grad=True)
+    dout = torch.randn(1, 6, 9, generator=gen)
+    got, want = [], []
+    for fn, into in ((lambda: conv_with_halo(x, weight, bias, ""), got), (lambda: _reference(x, weight, bias), want)):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = fn()
+        into += [out, *torch.autograd.grad(out, (x, weight, bias), dout.to(out.dtype))]
+    assert got[0].dtype == want[0].dtype == torch.bfloat16
+    for a, b in zip(got, want):
+        assert a.dtype == b.dtype
+        torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=2e-2)
+
+
 def _across_ranks(rank, world):
     import torch.distributed as dist
 

@@ -83,11 +83,18 @@ class _ConvWithHalo(torch.autograd.Function):
         return g_x, g_weight, g_bias, None
 
 
-def conv_with_halo(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], group_name: str) -> torch.Tensor:
+def conv_with_halo(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                   group_name: str) -> torch.Tensor:
     """``F.conv1d`` of the depthwise ``weight [C, 1, k]`` over the global sequence: ``x [B, T, C]`` (T >= k - 1
     with several ranks) with the previous rank's last ``k - 1`` tokens of the group ``group_name`` before it
     (zeros on its first rank; ``""``: one process). Returns ``[B, C, T]``, as ``nn.Conv1d`` does, before any
-    activation."""
+    activation; under autocast in autocast's dtype, as ``F.conv1d``'s (the casts are autograd's, outside the
+    node, so the parameters' gradients come back in their own dtype)."""
     if weight.shape[-1] == 1:
         return F.conv1d(x.transpose(1, 2), weight, bias, groups=x.shape[2])
-    return _ConvWithHalo.apply(x, weight, bias, group_name)
+    device = x.device.type
+    if not torch.is_autocast_enabled(device):
+        return _ConvWithHalo.apply(x, weight, bias, group_name)
+    dt = torch.get_autocast_dtype(device)
+    with torch.autocast(device, enabled=False):
+        return _ConvWithHalo.apply(x.to(dt), weight.to(dt), None if bias is None else bias.to(dt), group_name)
