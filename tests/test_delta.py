@@ -761,6 +761,11 @@ def test_the_fla_op_keeps_the_normalised_q_k_not_the_inputs(monkeypatch):
     got = torch.autograd.grad(o, fused, do)[0]
     assert kept and not any(t.untyped_storage().data_ptr() == fused.untyped_storage().data_ptr() for t in kept)
     q, k, v = split(fused)
+    # of q and k, their normalised forms alone: two tensors of their shape, not four
+    qk_shaped = [t for t in kept if t.shape == q.shape]
+    assert len(qk_shaped) == 2, [tuple(t.shape) for t in kept]
+    for t, want in zip(qk_shaped, (l2norm(q), l2norm(k))):
+        torch.testing.assert_close(t, want.detach(), rtol=1e-6, atol=1e-6)
     want_o, _ = recurrent_delta_rule_reference(l2norm(q), l2norm(k), v, g, beta, K ** -0.5)
     assert _rel(o, want_o) < TOL
     assert _rel(got, torch.autograd.grad(want_o, fused, do)[0]) < TOL
