@@ -178,8 +178,8 @@ class SequenceContext:
         self._set(cu, local_len)
         if cu_seqlens is not None:
             self._agree(problem)
-            self._premake_offsets(cu_seqlens.device if isinstance(cu_seqlens, torch.Tensor)
-                                  else _home_device(self.group))
+            given = cu_seqlens.device if isinstance(cu_seqlens, torch.Tensor) else None
+            self._premake_offsets(given if given is not None and given.type != "cpu" else _home_device(self.group))
 
     @classmethod
     def from_position_ids(cls, position_ids: torch.Tensor, group=None) -> "SequenceContext":
@@ -216,7 +216,7 @@ class SequenceContext:
         ctx = cls.__new__(cls)
         ctx.group = sp
         ctx._set(cu, T)
-        ctx._premake_offsets(position_ids.device)
+        ctx._premake_offsets(position_ids.device if position_ids.device.type != "cpu" else _home_device(sp))
         return ctx
 
     def _set(self, cu: Optional[Tuple[int, ...]], local_len: Optional[int]) -> None:
@@ -281,10 +281,12 @@ class SequenceContext:
 
 
 def _home_device(sp: SPGroup) -> torch.device:
-    """Where the ops of a group run: the current GPU on an NCCL group, else the CPU."""
+    """Where the ops of a group run: on an NCCL group its bound GPU (``init_process_group(device_id=)``), else
+    the current one; elsewhere the CPU."""
     pg = sp.process_group
     if pg is not None and "nccl" in str(dist.get_backend(pg)):
-        return torch.device("cuda", torch.cuda.current_device())
+        bound = getattr(pg, "bound_device_id", None)
+        return bound if bound is not None else torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
 
