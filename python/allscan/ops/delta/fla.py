@@ -338,7 +338,8 @@ class FlaDelta:
             if opts.use_qk_l2norm_in_kernel:
                 dq, dk = fla_functions().l2norm_bwd(xa.q, q_rstd, dq), fla_functions().l2norm_bwd(xa.k, k_rstd, dk)
             if opts.use_beta_sigmoid_in_kernel:
-                dbeta = fla_functions().fused_beta_sigmoid_bwd(beta.contiguous(), dbeta, 2.0 if opts.allow_neg_eigval else 1.0)
+                dbeta = fla_functions().fused_beta_sigmoid_bwd(beta.contiguous(), dbeta,
+                                                               2.0 if opts.allow_neg_eigval else 1.0)
         if dh0 is None:
             dh0s = [None] * len(h0s)
         else:

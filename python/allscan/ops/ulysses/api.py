@@ -92,8 +92,9 @@ def ulysses_attention(q, k, v, group=None, *, causal: bool = False, scale: Optio
             bounds = packed_bounds(cu_seqlens, B, Sl * world)
         options = check_options(window, softcap, sinks, q, causal, Sl * world)
     except (ValueError, TypeError) as e:
-        # The other ranks may be in the signature exchange: join it, so they raise too. Packed calls
-        # exchange on every call (their bounds change from batch to batch and are read on the host anyway).
+        # The other ranks may be in the signature exchange: join it, so they raise too. Calls packed by
+        # cu_seqlens exchange on every call (their bounds change from batch to batch and are read on the host
+        # anyway); a context's were agreed when it was built.
         announce_invalid(group, q.device if isinstance(q, torch.Tensor) else torch.device("cpu"), OP, str(e),
                          every_call=every_call)
         raise
