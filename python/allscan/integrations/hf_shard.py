@@ -19,7 +19,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from allscan.context import SequenceContext
-from allscan.layers.causal_conv import conv_with_halo
+from allscan.layers.causal_conv import conv_with_halo, sequence_window_mask
 from allscan.ops.halo import halo_exchange
 
 from .common import handed_context, op_group
@@ -56,10 +56,8 @@ def conv_mask(ctx: SequenceContext, T: int, width: int, device, dtype) -> torch.
     key = (T, width, torch.device(device), dtype)
     got = masks.get(key)
     if got is None:
-        pos = ctx.group.rank * T + torch.arange(T, device=device)
-        cu = ctx.offsets(device).to(torch.long)
-        start = cu[torch.searchsorted(cu, pos, right=True) - 1]
-        got = masks[key] = torch.stack([(pos - (width - 1) + i >= start) for i in range(width)]).to(dtype)
+        seen = sequence_window_mask(T, width, ctx.group.rank * T, ctx.offsets(device), device)  # [T, width]
+        got = masks[key] = seen.t().to(dtype).contiguous()
     return got
 
 
