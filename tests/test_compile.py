@@ -370,9 +370,12 @@ def _compiled_contexts(rank, world):
     """The ops under torch.compile take a new batch's SequenceContext without a new graph: its offsets were
     made when it was built (outside the trace), so the compiled graph takes them as an input, as it takes
     cu_seqlens, instead of baking each batch's cut in as a constant. One recompile (the number of sequences
-    changes) at most; every call equals eager."""
+    changes) at most; every call equals eager. And, as eager, the custom ops do not compare a context's cut
+    again (it was agreed when the context was built): under NCCL's rule a new batch's context costs no
+    exchange, where its offsets given as cu_seqlens cost one per call."""
     from torch._dynamo.utils import counters
 
+    import allscan._agreement as agreement
     from allscan import SequenceContext
     from allscan.layers import zeco_gated_delta_rule, zeco_gla
 
@@ -390,6 +393,17 @@ def _compiled_contexts(rank, world):
             ctx = SequenceContext(dist.group.WORLD, cu_seqlens=cu)
             torch.testing.assert_close(compiled(ctx), op(ctx), rtol=0, atol=0)
         assert counters["stats"]["unique_graphs"] <= 2, (name, dict(counters["stats"]))
+        exchanges = []
+        real_on_nccl, real_gather = agreement._on_nccl, agreement._gather_rows
+        agreement._on_nccl = lambda group, device: True
+        agreement._gather_rows = lambda *a: exchanges.append(1) or real_gather(*a)
+        try:
+            compiled(SequenceContext(dist.group.WORLD, cu_seqlens=[0, 4, 9, T]))  # these shapes: checked once
+            before = len(exchanges)
+            compiled(SequenceContext(dist.group.WORLD, cu_seqlens=[0, 6, 15, T]))
+            assert len(exchanges) == before, f"{name}: a context's cut was compared again under torch.compile"
+        finally:
+            agreement._on_nccl, agreement._gather_rows = real_on_nccl, real_gather
     return True
 
 

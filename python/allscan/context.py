@@ -219,6 +219,20 @@ class SequenceContext:
         ctx._premake_offsets(position_ids.device if position_ids.device.type != "cpu" else _home_device(sp))
         return ctx
 
+    @classmethod
+    def from_agreed_offsets(cls, group, cu_seqlens: torch.Tensor) -> "SequenceContext":
+        """The context whose offsets (``offsets(device)``) a context already agreed on across ``group``,
+        rebuilt without an exchange: for torch.compile's custom ops, to which a context cannot travel (they
+        take its offsets as a tensor, read here once). Nothing is compared: not for offsets no context
+        agreed on (those go to the ops as ``cu_seqlens=``)."""
+        sp = resolve_sp_group(group, "SequenceContext")
+        cu = tuple(int(b) for b in cu_seqlens.tolist())
+        ctx = cls.__new__(cls)
+        ctx.group = sp
+        ctx._set(cu, cu[-1] // sp.size)
+        ctx._device_offsets[cu_seqlens.device] = cu_seqlens
+        return ctx
+
     def _set(self, cu: Optional[Tuple[int, ...]], local_len: Optional[int]) -> None:
         self.cu_seqlens: Optional[Tuple[int, ...]] = cu  # global offsets on the host, None: whole sequences
         self.local_len = local_len

@@ -20,6 +20,7 @@ from typing import List, Optional, Tuple
 import torch
 
 from allscan._comm import resolve_group
+from allscan.context import LOCAL, SequenceContext
 
 from .._launch import absent, or_empty, tell_peers_of_failure
 from .._shards import own_precision
@@ -63,14 +64,20 @@ def zeco_delta_rule_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: tor
                        A_log: Optional[torch.Tensor], dt_bias: Optional[torch.Tensor], h0: Optional[torch.Tensor],
                        cu_seqlens: Optional[torch.Tensor], *, group_name: str, per_key: bool, scale: float,
                        l2norm: bool, gate: bool, beta_sigmoid: bool, neg_eigval: bool, safe_gate: bool,
-                       lower_bound: Optional[float], method: str, want_final: bool, needs_grad: bool) -> _Tensors:
+                       lower_bound: Optional[float], method: str, want_final: bool, needs_grad: bool,
+                       agreed: bool = False) -> _Tensors:
     """:func:`zeco_gated_delta_rule` / :func:`zeco_kda` (``per_key``) forward under torch.compile
-    (``group_name`` "" = one process): ``(o, final, Q', M, S_in, saved)``, each absent one empty."""
+    (``group_name`` "" = one process; ``agreed``: ``cu_seqlens`` are a context's offsets, checked as the
+    eager call with that context checks them): ``(o, final, Q', M, S_in, saved)``, each absent one empty."""
     kw = dict(group_name=group_name, per_key=per_key, scale=scale, l2norm=l2norm, gate=gate,
               beta_sigmoid=beta_sigmoid, neg_eigval=neg_eigval, safe_gate=safe_gate, lower_bound=lower_bound,
               method=method, want_final=want_final)
     group = _group(group_name)
-    segs, opts, scale = prepared(_call_of(kw, A_log, dt_bias, cu_seqlens, needs_grad), group, q, k, v, g, beta, h0)
+    call = _call_of(kw, A_log, dt_bias, cu_seqlens, needs_grad)
+    if agreed and cu_seqlens is not None:
+        call = replace(call, cu_seqlens=None,
+                       context=SequenceContext.from_agreed_offsets(LOCAL if group is None else group, cu_seqlens))
+    segs, opts, scale = prepared(call, group, q, k, v, g, beta, h0)
     # the head widened too: every rank's results have the fake's shapes (shard.runs_widened)
     run = shard_plan(segs, q, opts, scale, group, method, want_final, plain_head=False)
     with own_precision(q.device.type):
@@ -168,8 +175,8 @@ def _setup_context(ctx, inputs, keyword_only_inputs, output):
     q, k, v, g, beta, A_log, dt_bias, h0, cu_seqlens = inputs
     _, _, q_eff, M, S_in, saved = output
     ctx.save_for_backward(q, k, v, g, beta, A_log, dt_bias, h0, cu_seqlens, q_eff, M, S_in, *saved)
-    # needs_grad: the forward's signature only
-    ctx.options = {name: value for name, value in keyword_only_inputs.items() if name != "needs_grad"}
+    # needs_grad and agreed: the forward's checks only
+    ctx.options = {name: value for name, value in keyword_only_inputs.items() if name not in ("needs_grad", "agreed")}
 
 
 def _backward(ctx, do, dfinal, *_):
@@ -193,6 +200,6 @@ def compiled_delta_rule(call: DeltaCall, q, k, v, g, beta, group, initial_state)
     scale = q.shape[-1] ** -0.5 if call.scale is None else float(call.scale)
     cu_seqlens = call.cu_seqlens if call.context is None else call.context.offsets(q.device)
     o, final = zeco_delta_rule_op(q, k, v, g, beta, call.options.A_log, call.options.dt_bias, initial_state,
-                                  cu_seqlens, needs_grad=bool(call.needs_grad),
+                                  cu_seqlens, needs_grad=bool(call.needs_grad), agreed=call.context is not None,
                                   **_options_of(replace(call, scale=scale), group))[:2]
     return o, (final if call.output_final_state else None)

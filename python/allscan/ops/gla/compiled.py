@@ -12,6 +12,7 @@ from typing import List, Optional, Tuple
 import torch
 
 from allscan._comm import resolve_group
+from allscan.context import LOCAL, SequenceContext
 
 from .._launch import absent, or_empty
 from .._shards import ShardSegments, on_device, own_precision, world_and_rank
@@ -23,15 +24,19 @@ from .checks import checked_segments
 __all__ = ["zeco_gla_op", "zeco_gla_backward_op"]
 
 
-def _op_segments(group_name: str, q, cu_seqlens, check_args=None) -> ShardSegments:
+def _op_segments(group_name: str, q, cu_seqlens, check_args=None, agreed: bool = False) -> ShardSegments:
     """The shard cut, after the forward op's arguments ``check_args`` (k, v, g, h0, method, needs_grad)
     are checked (what the eager layer does before its Function): a rank whose own arguments fail
     reaches its peers' first exchange, as in eager. The backward op passes none: the forward checked
-    them."""
+    them. ``agreed``: ``cu_seqlens`` are a context's offsets (agreed when it was built), checked as the
+    eager call with that context checks them: not compared again."""
     group = resolve_group(group_name) if group_name else None
     if check_args is None:
         return op_hooks.shard_cut(group, q.shape[1], q.shape[0], cu_seqlens, "zeco_gla")
     k, v, g, h0, method, needs_grad = check_args
+    if agreed and cu_seqlens is not None:
+        context = SequenceContext.from_agreed_offsets(LOCAL if group is None else group, cu_seqlens)
+        return checked_segments(group, q, k, v, g, h0, None, method, needs_grad, context=context)
     return checked_segments(group, q, k, v, g, h0, cu_seqlens, method, needs_grad)
 
 
@@ -42,12 +47,13 @@ def _op_world(group_name: str) -> int:
 @torch.library.custom_op("allscan::zeco_gla", mutates_args=())
 def zeco_gla_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: Optional[torch.Tensor],
                 h0: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor], *, group_name: str, scale: float,
-                method: str, want_final: bool, needs_grad: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor,
-                                                                          torch.Tensor, List[torch.Tensor]]:
+                method: str, want_final: bool, needs_grad: bool,
+                agreed: bool = False) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                               List[torch.Tensor]]:
     """:func:`zeco_gla`'s forward under torch.compile (``group_name`` "" = one process; ``needs_grad``:
-    whether the traced call differentiates, compared across ranks): ``(o, final, S_in, gamma,
-    saved)``, each absent one an empty tensor."""
-    segs = _op_segments(group_name, q, cu_seqlens, (k, v, g, h0, method, needs_grad))
+    whether the traced call differentiates, compared across ranks; ``agreed``: ``cu_seqlens`` are a
+    context's offsets): ``(o, final, S_in, gamma, saved)``, each absent one an empty tensor."""
+    segs = _op_segments(group_name, q, cu_seqlens, (k, v, g, h0, method, needs_grad), agreed)
     run = GLARun(scale, segs, method, want_final, keep_offsets=False, share_zeros=False)
     with own_precision(q.device.type), on_device(q):
         o, final, S_in, gamma, saved = forward_body(select_backend(q), run, (q, k, v, g, h0))
@@ -56,7 +62,7 @@ def zeco_gla_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: Optional[t
 
 
 @zeco_gla_op.register_fake
-def _zeco_gla_fake(q, k, v, g, h0, cu_seqlens, *, group_name, scale, method, want_final, needs_grad):
+def _zeco_gla_fake(q, k, v, g, h0, cu_seqlens, *, group_name, scale, method, want_final, needs_grad, agreed=False):
     if q.dim() != 4 or v.dim() != 4 or (cu_seqlens is not None and cu_seqlens.dim() != 1):
         # arguments the op refuses when it runs, on every rank: shapes of no consequence, so that this
         # rank's trace does not fail alone and leave its peers waiting
