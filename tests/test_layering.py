@@ -1,7 +1,7 @@
 """The package's shape, as docs/design.md ("Layering") states it, checked on the source: no import circle
 among allscan's modules (imports inside functions included), no private name imported from another
-module, no function taking more than ten positional parameters (Triton kernels aside: a launch
-passes every pointer and stride), no module much over 400 lines."""
+module (nor by the benchmarks and examples), no function taking more than ten positional parameters
+(Triton kernels aside: a launch passes every pointer and stride), no module much over 400 lines."""
 from __future__ import annotations
 
 import ast
@@ -98,6 +98,22 @@ def test_no_private_name_imported_from_another_module():
                  for name, (path, tree) in MODULES.items() for source, imported in _imports(name, path, tree)
                  if imported and imported.startswith("_") and not imported.startswith("__") and imported != "_C"
                  and f"{source}.{imported}" not in MODULES]
+    assert not reach_ins, reach_ins
+
+
+def test_benchmarks_and_examples_use_public_names_only():
+    """bench/ and examples/ reach allscan through its public modules and names (the documented hooks included),
+    never a private module or name: what they time and show is what a user can call."""
+    reach_ins = []
+    for path in sorted([*(ROOT.parent / "bench").glob("*.py"), *(ROOT.parent / "examples").rglob("*.py")]):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "allscan":
+                names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names if a.name.split(".")[0] == "allscan"]
+            else:
+                continue
+            reach_ins += [f"{path.name}: {n}" for n in names if any(part.startswith("_") for part in n.split("."))]
     assert not reach_ins, reach_ins
 
 
