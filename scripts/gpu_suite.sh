@@ -3,8 +3,8 @@
 #
 #   scripts/gpu_suite.sh [stage ...]      (default: every stage)
 #
-# Stages: build tests perf perffill perfab perfhead perfbase benchbase perfmatrix perfa2a scanhost scanbench glakern glatest glabench
-#         deltatest deltabench soak integration trainparity glatrain glatrain32 ulysses ulysses_host (default: all but soak, perfab, perfhead, perfbase, benchbase, scanhost and glakern, the
+# Stages: build tests testfiles perf perffill perfab perfhead perfbase benchbase perfmatrix perfa2a scanhost scanbench glakern glatest glabench
+#         deltatest deltabench soak integration trainparity glatrain glatrain32 ulysses ulysses_host (default: all but testfiles, soak, perfab, perfhead, perfbase, benchbase, scanhost and glakern, the
 #         investigations)
 # perfbase: the standard sweep of an earlier tree's allscan_perf (BASE=<source dir>, default .base) and of this one,
 #         alternated three times (a refactor's before/after, side by side in one run). benchbase: the same for a
@@ -69,6 +69,14 @@ for s in $STAGES; do
     tests)
       # The GLA GPU tests compile fla's kernels: their own stage (glatest), not this one.
       run_stage tests python3 -m pytest -q -rsP -m gpu ${TESTS:-tests --ignore=tests/test_gla_gpu.py} -p no:cacheprovider --timeout 600 ;;
+    testfiles)  # every file with GPU tests on its own, each bounded (TIMEOUT_t_<file> or STAGE_TIMEOUT) and in the
+      # summary, so that one slow file costs its own time only; fla's autotuning one config per kernel (its full
+      # tuning in every spawned rank took minutes a file)
+      for f in ${GPU_TEST_FILES:-$(grep -l "mark.gpu" tests/test_*.py)}; do
+        name=t_$(basename "$f" .py)
+        ALLSCAN_FLA_AUTOTUNE=${ALLSCAN_FLA_AUTOTUNE:-one} run_stage "$name" python3 -m pytest -q -rs -m gpu "$f" \
+          -p no:cacheprovider --timeout 600
+      done ;;
     perf)
       PERF=$(ls build/*/bench/allscan_perf 2>/dev/null | head -1)
       [ -n "$PERF" ] || { note "perf: allscan_perf not built"; continue; }
