@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 
+import pytest
 import torch
 
 TOL = 2e-4  # the hybrids' fp32 bound
@@ -69,6 +70,21 @@ def sp2_against_transformers(rank, world, families, model_of, vocab, prepare=lam
                 "missing": sorted(n for n, p in ref.named_parameters() if p.grad is not None and grads[n] is None)}
             print(f"rank {rank} {kind} packed={packed}: {res[(kind, packed)]}", flush=True)
     return res
+
+
+def run_and_check(case, families, fla_module: str, timeout: int) -> None:
+    """``case`` on two NCCL ranks (skipped without two ranks or without ``fla_module``, the fla-core kernels the
+    families run on), then :func:`check` of what every rank returned."""
+    import importlib
+
+    from distributed import run_distributed, skip_unless_nccl_ranks
+
+    skip_unless_nccl_ranks(2)
+    try:
+        importlib.import_module(fla_module)
+    except Exception as e:  # noqa: BLE001 - any failure to import: not usable here
+        pytest.skip(f"needs fla-core (flash-linear-attention): {e}")
+    check(run_distributed(case, 2, backend="nccl", timeout=timeout), families)
 
 
 def check(results, families) -> None:

@@ -19,7 +19,6 @@ import sys
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
-from distributed import run_distributed, skip_unless_nccl_ranks  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 transformers = pytest.importorskip("transformers", minversion="5.0")
@@ -42,11 +41,6 @@ def _gpu_case(rank, world):
 
 
 def test_gdn_and_kda_hybrids_sp2_nccl_equal_transformers():
-    from hf_gpu_parity import check
+    from hf_gpu_parity import run_and_check
 
-    skip_unless_nccl_ranks(2)
-    try:
-        import fla.ops.gated_delta_rule  # noqa: F401
-    except Exception as e:  # noqa: BLE001
-        pytest.skip(f"needs fla-core (flash-linear-attention): {e}")
-    check(run_distributed(_gpu_case, 2, backend="nccl", timeout=900), FAMILIES)
+    run_and_check(_gpu_case, FAMILIES, "fla.ops.gated_delta_rule", timeout=900)

@@ -18,7 +18,6 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from distributed import run_distributed, skip_unless_nccl_ranks  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 transformers = pytest.importorskip("transformers", minversion="5.0")
@@ -54,11 +53,6 @@ def _gpu_case(rank, world):
 
 
 def test_nemotron_h_and_bamba_sp2_nccl_equal_transformers():
-    from hf_gpu_parity import check
+    from hf_gpu_parity import run_and_check
 
-    skip_unless_nccl_ranks(2)
-    try:
-        import fla.ops.gla.chunk  # noqa: F401
-    except Exception as e:  # noqa: BLE001
-        pytest.skip(f"needs fla-core (flash-linear-attention): {e}")
-    check(run_distributed(_gpu_case, 2, backend="nccl", timeout=600), FAMILIES)
+    run_and_check(_gpu_case, FAMILIES, "fla.ops.gla.chunk", timeout=600)
