@@ -226,7 +226,7 @@ def _opcheck_zeco_gla(rank, world):
     name = dist.group.WORLD.group_name
     q, k, v, g = (t.double().requires_grad_() for t in _inputs(rank, "gla"))
     h0 = torch.randn(1, 2, 8, 8, dtype=torch.float32, generator=torch.Generator().manual_seed(7))
-    plain = dict(group_name=name, scale=0.35, method="zeco", want_final=True, needs_grad=True)
+    plain = dict(group_name=name, group_size=world, scale=0.35, method="zeco", want_final=True, needs_grad=True)
     for args, kwargs in (((q, k, v, g, None, None), plain),
                          ((q, k, v, g[..., 0].detach().clone().requires_grad_(), None, None),
                           dict(plain, method="lasp2", want_final=False)),
@@ -254,8 +254,9 @@ def _opcheck_delta_rule(rank, world):
     _, _, _, gk, _ = (t.double().requires_grad_() for t in _inputs(rank, "kda"))
     A_log = torch.zeros(2, dtype=torch.float64, requires_grad=True)
     dt_bias = torch.full((2,), 0.1, dtype=torch.float64, requires_grad=True)
-    plain = dict(group_name=name, per_key=False, scale=0.35, l2norm=False, gate=False, beta_sigmoid=False,
-                 neg_eigval=False, safe_gate=False, lower_bound=None, method="zeco", want_final=True, needs_grad=True)
+    plain = dict(group_name=name, group_size=world, per_key=False, scale=0.35, l2norm=False, gate=False,
+                 beta_sigmoid=False, neg_eigval=False, safe_gate=False, lower_bound=None, method="zeco", want_final=True,
+                 needs_grad=True)
     cu = _packed(world)
     strided = q.transpose(1, 2).contiguous().transpose(1, 2)
     for args, kwargs in (((q, k, v, g, beta, None, None, None, None), plain),
@@ -268,7 +269,7 @@ def _opcheck_delta_rule(rank, world):
     q_eff, do = torch.randn_like(q), torch.randn_like(v)  # no gradient: it runs inside the backward
     for cut in (None, cu):
         torch.library.opcheck(torch.ops.allscan.zeco_delta_rule_state_grad.default,
-                              (q_eff, do, q.detach(), cut, name, False))
+                              (q_eff, do, q.detach(), cut, name, world, False))
     return True
 
 
@@ -409,3 +410,59 @@ def _compiled_contexts(rank, world):
 
 def test_compiled_ops_take_each_batch_context_without_recompiling():
     assert run_distributed(_compiled_contexts, 2) == [True, True]
+
+
+def _cached_graph_calls(rank, world):
+    """Every allscan custom op whose fake or traced gradient depends on the group's size or this rank's
+    place, compiled by inductor with its caches on: each call (forward and every gradient) equals eager.
+    Run at one world size and then another, and twice at two ranks, on one cache directory: a graph cached
+    at another size or by the other rank (the default group is named "0" whatever its size) must not be
+    served here."""
+    import torch._inductor.config as inductor_config
+
+    import allscan
+    from allscan.layers import zeco_gated_delta_rule, zeco_gla
+    from allscan.ops.ulysses import ulysses_attention
+
+    torch._dynamo.reset()
+    inductor_config.force_disable_caches = False
+    inductor_config.fx_graph_cache = True
+    gen = torch.Generator().manual_seed(3)  # the same on every rank and in every run: the graphs' inputs match
+    q, k, v, g = _inputs(0, "gla")
+    _, kn, _, gd, beta = _inputs(0, "gdn")
+    x, init = torch.randn(2, 3, generator=gen), torch.randn(2, 3, generator=gen)
+    gamma = torch.rand(2, 3, generator=gen)
+    heads = torch.randn(1, 4, 3, 8, generator=gen)  # 3 heads over 2 ranks: 2 and 1, by rank
+    calls = {
+        "zeco_gla": (lambda a, b, c, d: zeco_gla(a, b, c, d, output_final_state=True), (q, k, v, g)),
+        "zeco_gated_delta_rule": (lambda a, b, c, d, e: zeco_gated_delta_rule(a, b, c, d, e, output_final_state=True),
+                                  (q, kn, v, gd, beta)),
+        "scan with init": (lambda a, b, c: allscan.scan(a, b, init=c), (x, gamma, init)),
+        "ulysses_attention": (lambda a, b, c: ulysses_attention(a, b, c, causal=True), (heads, heads * 0.5, heads + 1)),
+        "scatter_heads": (lambda a: allscan.a2a.scatter_heads(a), (heads,)),
+    }
+    wrong = []
+    for name, (fn, args) in calls.items():
+        got = {}
+        for how, f in (("eager", fn), ("inductor", torch.compile(fn, fullgraph=True))):
+            xs = [t.clone().requires_grad_() for t in args]
+            outs = f(*xs)
+            outs = [outs] if isinstance(outs, torch.Tensor) else [o for o in outs if o is not None]
+            grads = torch.autograd.grad(outs, xs, [torch.ones_like(o) for o in outs], allow_unused=True)
+            got[how] = outs + [torch.zeros(0) if d is None else d for d in grads]
+        for i, (a, b) in enumerate(zip(got["eager"], got["inductor"])):
+            if a.shape != b.shape or not torch.allclose(a, b, rtol=1e-4, atol=1e-5):
+                wrong.append(f"{name} result {i}: {tuple(b.shape)} against eager's {tuple(a.shape)}")
+    return wrong
+
+
+def test_compiled_graphs_cached_at_another_world_size_or_rank_are_not_reused(tmp_path, monkeypatch):
+    """Inductor's graph caches (on by default, shared by every process of a machine, kept across runs) key
+    a graph by its ops and their arguments: the ops take the group's size and this rank's place where
+    their shapes or gradients depend on them."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("TORCHINDUCTOR_FX_GRAPH_CACHE", "1")
+    monkeypatch.setenv("TORCHINDUCTOR_AUTOGRAD_CACHE", "1")
+    for world in (1, 2, 2):
+        results = run_distributed(_cached_graph_calls, world, timeout=600)
+        assert results == [[]] * world, f"world {world}: {results}"

@@ -420,15 +420,17 @@ def _compiled(rank, world, layer):
     HV = v.shape[2]
     A_log = torch.zeros(HV, device=dev, requires_grad=True)
     dt_bias = torch.zeros(HV * K if layer == "kda" else HV, device=dev, requires_grad=True)
-    common = (dist.group.WORLD.group_name, layer == "kda", K ** -0.5)
-    for args in ((q, k, v, g, beta, None, None, None, None, *common, True, False, True, True, False, None, "zeco",
-                  True, True),
-                 (q, k, v, g, beta, A_log, dt_bias, None, None, *common, False, True, False, False, False, None, "zeco",
-                  False, True)):
+    common = dict(group_name=dist.group.WORLD.group_name, group_size=world, per_key=layer == "kda", scale=K ** -0.5,
+                  safe_gate=False, lower_bound=None, method="zeco", needs_grad=True)
+    for args, kwargs in (((q, k, v, g, beta, None, None, None, None),
+                          dict(common, l2norm=True, gate=False, beta_sigmoid=True, neg_eigval=True, want_final=True)),
+                         ((q, k, v, g, beta, A_log, dt_bias, None, None),
+                          dict(common, l2norm=False, gate=True, beta_sigmoid=False, neg_eigval=False,
+                               want_final=False))):
         # not test_aot_dispatch_*: it compares every output of two runs, and fla leaves the upper
         # triangle of KDA's saved Aqk unwritten (torch.empty, never read); the outputs and gradients
         # are compared bitwise below
-        torch.library.opcheck(torch.ops.allscan.zeco_delta_rule.default, args,
+        torch.library.opcheck(torch.ops.allscan.zeco_delta_rule.default, args, kwargs,
                               test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
 
     def run(fn):

@@ -311,7 +311,7 @@ def _compiled(rank, world, Hq, Hkv, causal):
     import allscan.ops.ulysses.traced  # noqa: F401 - registers the ops
 
     torch.library.opcheck(torch.ops.allscan.ulysses_scatter.default,
-                          (ql, kl, vl, dist.group.WORLD.group_name, causal, 0.3, 0, True))
+                          (ql, kl, vl, dist.group.WORLD.group_name, world, rank, causal, 0.3, 0, True))
     return True
 
 

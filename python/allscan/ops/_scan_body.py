@@ -15,7 +15,7 @@ from ._launch import traced_refusal, validated_group
 from ._scan_handle import ScanHandle, async_handle, by_handle_ok, side_stream_handle
 
 __all__ = ["MAX_BLOCKS", "MAX_DEVICE_CTAS", "check_num_blocks", "ScanLaunchPlan", "scan_body", "needs_grad",
-           "group_is_chain_head", "is_chain_head", "save_call_options"]
+           "group_is_chain_head", "reads_init", "save_call_options"]
 
 MAX_BLOCKS = _C.MAX_BLOCKS  # the pipeline's blocks (allscanMaxBlocks); the serial and all-gather methods use one
 MAX_DEVICE_CTAS = 128  # method="device": its CTA count (kMaxCtas, csrc/allscan/device_scan_kernel.cuh)
@@ -90,18 +90,23 @@ def group_is_chain_head(group, reverse: bool) -> bool:
     return rank == (world - 1 if reverse else 0)
 
 
-def is_chain_head(group_name: str, reverse: bool) -> bool:
-    """:func:`group_is_chain_head` of a group by name."""
-    group = _comm.resolve_group(group_name)
-    return dist.get_rank(group) == (dist.get_world_size(group) - 1 if reverse else 0)
+def reads_init(init, group, group_name: str, reverse: bool) -> bool:
+    """Whether this rank's ``init`` is the one the scan reads (given, on the chain's head; ``group``
+    None: the group named ``group_name``). The scan ops take it as an argument (``chain_head``): the
+    gradient of init depends on it, and a compiled graph's cache key holds the ops' arguments, not
+    the rank (docs/design.md, torch.compile)."""
+    if init is None:
+        return False
+    return group_is_chain_head(group if group is not None else _comm.resolve_group(group_name), reverse)
 
 
-def save_call_options(ctx, init, group_name, reverse, inclusive, num_blocks, method) -> None:
-    """What a scan op's backward needs of its call (the diagonal op's and the matrix op's): the options
-    and whether an init was given."""
+def save_call_options(ctx, init, group_name, reverse, inclusive, num_blocks, method, chain_head: bool) -> None:
+    """What a scan op's backward needs of its call (the diagonal op's and the matrix op's): the options,
+    whether an init was given and whether it is the one read (:func:`reads_init`)."""
     ctx.group_name = group_name
     ctx.reverse = reverse
     ctx.inclusive = inclusive
     ctx.num_blocks = num_blocks
     ctx.method = method
     ctx.has_init = init is not None
+    ctx.chain_head = chain_head

@@ -201,49 +201,53 @@ def _maps_from_lists(head_lo: List[int], head_hi: List[int]) -> HeadMap:
     return list(zip(head_lo, head_hi))
 
 
+# The ops take this rank's place in the group (``group_rank``): the fake's shapes and the traced gradient's
+# depend on it, and a compiled graph's cache key holds the ops' arguments, not the group's (docs/design.md, torch.compile).
 @torch.library.custom_op("allscan::scatter_heads", mutates_args=())
-def _scatter_heads_op(x: torch.Tensor, group_name: str, head_lo: List[int], head_hi: List[int]) -> torch.Tensor:
+def _scatter_heads_op(x: torch.Tensor, group_name: str, group_rank: int, head_lo: List[int],
+                      head_hi: List[int]) -> torch.Tensor:
     group = _comm.resolve_group(group_name)
     return a2a_multi(SCATTER, [x], [_maps_from_lists(head_lo, head_hi)], [x.shape[2]], group, names=["x"])[0]
 
 
 @_scatter_heads_op.register_fake
-def _(x, group_name, head_lo, head_hi):
-    group = _comm.resolve_group(group_name)
+def _(x, group_name, group_rank, head_lo, head_hi):
     P = len(head_lo)
-    me = dist.get_rank(group)
-    return x.new_empty(x.shape[0], x.shape[1] * P, head_hi[me] - head_lo[me], x.shape[3])
+    return x.new_empty(x.shape[0], x.shape[1] * P, head_hi[group_rank] - head_lo[group_rank], x.shape[3])
 
 
 @torch.library.custom_op("allscan::gather_heads", mutates_args=())
-def _gather_heads_op(y: torch.Tensor, group_name: str, num_heads: int, head_lo: List[int],
+def _gather_heads_op(y: torch.Tensor, group_name: str, group_rank: int, num_heads: int, head_lo: List[int],
                      head_hi: List[int]) -> torch.Tensor:
     group = _comm.resolve_group(group_name)
     return a2a_multi(GATHER, [y], [_maps_from_lists(head_lo, head_hi)], [num_heads], group, names=["y"])[0]
 
 
 @_gather_heads_op.register_fake
-def _(y, group_name, num_heads, head_lo, head_hi):
+def _(y, group_name, group_rank, num_heads, head_lo, head_hi):
     P = len(head_lo)
     return y.new_empty(y.shape[0], y.shape[1] // P, num_heads, y.shape[3])
 
 
 def _scatter_setup(ctx, inputs, output):
-    x, group_name, head_lo, head_hi = inputs
-    ctx.group_name, ctx.head_lo, ctx.head_hi, ctx.num_heads = group_name, head_lo, head_hi, x.shape[2]
+    x, group_name, group_rank, head_lo, head_hi = inputs
+    ctx.group_name, ctx.group_rank, ctx.head_lo, ctx.head_hi, ctx.num_heads = (group_name, group_rank, head_lo,
+                                                                               head_hi, x.shape[2])
 
 
 def _scatter_backward(ctx, grad):
-    return _gather_heads_op(grad.contiguous(), ctx.group_name, ctx.num_heads, ctx.head_lo, ctx.head_hi), None, None, None
+    return (_gather_heads_op(grad.contiguous(), ctx.group_name, ctx.group_rank, ctx.num_heads, ctx.head_lo,
+                             ctx.head_hi), None, None, None, None)
 
 
 def _gather_setup(ctx, inputs, output):
-    y, group_name, num_heads, head_lo, head_hi = inputs
-    ctx.group_name, ctx.head_lo, ctx.head_hi = group_name, head_lo, head_hi
+    y, group_name, group_rank, num_heads, head_lo, head_hi = inputs
+    ctx.group_name, ctx.group_rank, ctx.head_lo, ctx.head_hi = group_name, group_rank, head_lo, head_hi
 
 
 def _gather_backward(ctx, grad):
-    return _scatter_heads_op(grad.contiguous(), ctx.group_name, ctx.head_lo, ctx.head_hi), None, None, None, None
+    return (_scatter_heads_op(grad.contiguous(), ctx.group_name, ctx.group_rank, ctx.head_lo, ctx.head_hi),
+            None, None, None, None, None)
 
 
 _scatter_heads_op.register_autograd(_scatter_backward, setup_context=_scatter_setup)
@@ -270,7 +274,8 @@ def scatter_heads(x: torch.Tensor, group=None, *, head_range: Optional[Range] = 
         validated_group(group, x, "a2a.scatter_heads", validate)
     except (TypeError, ValueError) as e:  # under torch.compile: refused when the graph runs, on every rank
         return traced_refusal(group, x, "a2a.scatter_heads", e)
-    return _scatter_heads_op(x.contiguous(), _comm.group_name(group), [lo for lo, _ in hm], [hi for _, hi in hm])
+    return _scatter_heads_op(x.contiguous(), _comm.group_name(group), dist.get_rank(group), [lo for lo, _ in hm],
+                             [hi for _, hi in hm])
 
 
 def gather_heads(y: torch.Tensor, group=None, *, num_heads: Optional[int] = None, head_range: Optional[Range] = None,
@@ -300,5 +305,5 @@ def gather_heads(y: torch.Tensor, group=None, *, num_heads: Optional[int] = None
         validated_group(group, y, "a2a.gather_heads", validate)
     except (TypeError, ValueError) as e:  # under torch.compile: refused when the graph runs, on every rank
         return traced_refusal(group, y, "a2a.gather_heads", e)
-    return _gather_heads_op(y.contiguous(), _comm.group_name(group), int(num_heads), [lo for lo, _ in hm],
-                            [hi for _, hi in hm])
+    return _gather_heads_op(y.contiguous(), _comm.group_name(group), dist.get_rank(group), int(num_heads),
+                            [lo for lo, _ in hm], [hi for _, hi in hm])

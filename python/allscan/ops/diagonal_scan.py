@@ -31,7 +31,7 @@ from .._dtypes import DTYPE_CODES, dtype_code
 from ..reference import acc_dtype, expand_decay
 from . import _scan_dist
 from ._launch import nccl_preflight, plan_cache, plan_is_current, stream_ptr
-from ._scan_body import (ScanLaunchPlan, check_num_blocks, group_is_chain_head, is_chain_head, needs_grad,
+from ._scan_body import (ScanLaunchPlan, check_num_blocks, group_is_chain_head, needs_grad, reads_init,
                          save_call_options)
 
 __all__ = ["METHODS", "OP", "validate", "plan_for", "plan_key", "plans", "run", "launch", "scan_op", "scan_impl"]
@@ -183,19 +183,26 @@ def scan_op(
     inclusive: bool,
     num_blocks: int,
     method: str,
+    *,
+    chain_head: bool = False,
 ) -> torch.Tensor:
-    """The All-Scan of contiguous tensors (``num_blocks`` 0 = auto). Use :func:`allscan.scan`."""
+    """The All-Scan of contiguous tensors (``num_blocks`` 0 = auto; ``chain_head``: this rank's init is
+    the one read, :func:`~allscan.ops._scan_body.reads_init`). Use :func:`allscan.scan`."""
     return run(x, g, init, group_name, reverse, inclusive, num_blocks, method)
 
 
 @scan_op.register_fake
-def _scan_fake(x, g, init, group_name, reverse, inclusive, num_blocks, method):
+def _scan_fake(x, g, init, group_name, reverse, inclusive, num_blocks, method, *, chain_head=False):
     return x.new_empty(x.shape)
 
 
-def _setup_context(ctx, inputs, output):
+def _op_setup_context(ctx, inputs, keyword_only_inputs, output):
+    _setup_context(ctx, inputs, output, keyword_only_inputs["chain_head"])
+
+
+def _setup_context(ctx, inputs, output, chain_head: bool):
     x, g, init, group_name, reverse, inclusive, num_blocks, method = inputs
-    save_call_options(ctx, init, group_name, reverse, inclusive, num_blocks, method)
+    save_call_options(ctx, init, group_name, reverse, inclusive, num_blocks, method, chain_head)
     ctx.g_shape = None if g is None else tuple(g.shape)
     ctx.g_dtype = None if g is None else g.dtype
     need_y = g is not None and ctx.needs_input_grad[1]
@@ -222,7 +229,7 @@ def _backward(ctx, dy, reverse_scan=None):
         prod = y.to(acc) * dx.to(acc)
         dg = prod.reshape(tuple(ctx.g_shape) + (-1,)).sum(-1).to(ctx.g_dtype)
     if ctx.has_init and ctx.needs_input_grad[2]:
-        if is_chain_head(ctx.group_name, ctx.reverse):
+        if ctx.chain_head:
             # d/d init of y_head = init (its own output) and of y_next = g_head*init + x_head.
             acc = acc_dtype(dy.dtype)
             gb = 1.0 if g is None else expand_decay(g, dy.dim()).to(acc)
@@ -232,7 +239,7 @@ def _backward(ctx, dy, reverse_scan=None):
     return dx, dg, dinit, None, None, None, None, None
 
 
-scan_op.register_autograd(_backward, setup_context=_setup_context)
+scan_op.register_autograd(_backward, setup_context=_op_setup_context)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -248,7 +255,8 @@ class _EagerScan(torch.autograd.Function):
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        _setup_context(ctx, inputs[:8], output)
+        x, g, init, name, reverse = inputs[:5]
+        _setup_context(ctx, inputs[:8], output, reads_init(init, inputs[8], name, reverse))
 
     @staticmethod
     def backward(ctx, dy):
@@ -275,7 +283,8 @@ def scan_impl(x, g, init, name, reverse, inclusive, num_blocks, method, group=No
     if inclusive and grad:
         # Differentiable composite: the exclusive scan, then the rank's own combine.
         y = (_EagerScan.apply(x, g, init, name, reverse, False, num_blocks, method, group, None) if eager
-             else scan_op(x, g, init, name, reverse, False, num_blocks, method))
+             else scan_op(x, g, init, name, reverse, False, num_blocks, method,
+                          chain_head=reads_init(init, group, name, reverse)))
         acc = acc_dtype(x.dtype)
         if init is None and group_is_chain_head(group if group is not None else _comm.resolve_group(name), reverse):
             # nothing enters the head: its inclusive result is its own x, whatever its decay (an inf
@@ -284,4 +293,5 @@ def scan_impl(x, g, init, name, reverse, inclusive, num_blocks, method, group=No
         if g is None:
             return (y.to(acc) + x.to(acc)).to(x.dtype)
         return (expand_decay(g, x.dim()).to(acc) * y.to(acc) + x.to(acc)).to(x.dtype)
-    return scan_op(x, g, init, name, reverse, inclusive, num_blocks, method)
+    return scan_op(x, g, init, name, reverse, inclusive, num_blocks, method,
+                   chain_head=reads_init(init, group, name, reverse))

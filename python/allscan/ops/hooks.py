@@ -18,6 +18,8 @@ back when done (``with replaced(op_hooks, name=fn):``); the hooks are process-wi
 - ``shard_cut(group, T, B, cu_seqlens, op)``: how ``zeco_gla`` and the delta rules cut this rank's shard
   when no :class:`allscan.SequenceContext` is given (a :class:`allscan.context.ShardCut`); a benchmark
   stands one rank in for another here. Default: :class:`allscan.ops._shards.ShardSegments`.
+- :func:`cut_world`: the ranks a shard's cut spans, through ``shard_cut`` (what the compiled ops take as
+  their ``group_size``, so a stand-in's cut and the traced shapes agree).
 - :func:`forget_plans`: forget the plans and checked cuts made so far, so that a replaced hook serves
   the next call even where a repeated call would reuse an earlier call's cut.
 
@@ -32,7 +34,7 @@ from ._launch import forget_plans
 from ._shards import ShardSegments
 from .scan import scan
 
-__all__ = ["OpHooks", "op_hooks", "run_body", "replaced", "forget_plans"]
+__all__ = ["OpHooks", "op_hooks", "run_body", "replaced", "forget_plans", "cut_world"]
 
 
 def run_body(label: str, body, backend, *args):
@@ -67,3 +69,9 @@ def replaced(hooks: OpHooks, **fns) -> Iterator[OpHooks]:
     finally:
         for name, fn in saved.items():
             setattr(hooks, name, fn)
+
+
+def cut_world(group, q, op: str) -> int:
+    """How many ranks the cut of ``q``'s shard (``[B, T_local, ...]``) spans on ``group`` (None: one
+    process), through the ``shard_cut`` hook: it does not depend on the packed offsets' values."""
+    return op_hooks.shard_cut(group, q.shape[1], q.shape[0], None, op).world

@@ -28,7 +28,7 @@ from ..reference import acc_dtype
 from . import _matrix_dist
 from ._launch import nccl_preflight, plan_cache, plan_is_current, stream_ptr
 from ._matrix_math import combine
-from ._scan_body import ScanLaunchPlan, check_num_blocks, is_chain_head, needs_grad, save_call_options, scan_body
+from ._scan_body import ScanLaunchPlan, check_num_blocks, needs_grad, reads_init, save_call_options, scan_body
 
 __all__ = ["matrix_scan", "METHODS", "OP", "validate", "plan_for", "plan_key", "plans", "launch", "matrix_scan_op",
            "scan_impl"]
@@ -182,20 +182,27 @@ def matrix_scan_op(
     transpose: bool,
     num_blocks: int,
     method: str,
+    *,
+    chain_head: bool = False,
 ) -> torch.Tensor:
     """The matrix All-Scan of contiguous tensors (``num_blocks`` 0 = auto; ``transpose``: M^T is the
-    transition). Use :func:`allscan.scan` with ``transition=``."""
+    transition; ``chain_head``: this rank's init is the one read,
+    :func:`~allscan.ops._scan_body.reads_init`). Use :func:`allscan.scan` with ``transition=``."""
     return _run(x, m, init, group_name, reverse, inclusive, transpose, num_blocks, method)
 
 
 @matrix_scan_op.register_fake
-def _matrix_scan_fake(x, m, init, group_name, reverse, inclusive, transpose, num_blocks, method):
+def _matrix_scan_fake(x, m, init, group_name, reverse, inclusive, transpose, num_blocks, method, *, chain_head=False):
     return x.new_empty(x.shape)
 
 
-def _setup_context(ctx, inputs, output):
+def _op_setup_context(ctx, inputs, keyword_only_inputs, output):
+    _setup_context(ctx, inputs, output, keyword_only_inputs["chain_head"])
+
+
+def _setup_context(ctx, inputs, output, chain_head: bool):
     x, m, init, group_name, reverse, inclusive, transpose, num_blocks, method = inputs
-    save_call_options(ctx, init, group_name, reverse, inclusive, num_blocks, method)
+    save_call_options(ctx, init, group_name, reverse, inclusive, num_blocks, method, chain_head)
     ctx.transpose = transpose
     need_y = ctx.needs_input_grad[1]
     ctx.save_for_backward(m, output if need_y else None)
@@ -220,14 +227,14 @@ def _backward(ctx, dy, reverse_scan=None):
         outer = torch.matmul(r.to(acc), y.to(acc).transpose(-1, -2))  # d(transition used) = r y^T
         dm = (outer.transpose(-1, -2) if ctx.transpose else outer).to(m.dtype)
     if ctx.has_init and ctx.needs_input_grad[2]:
-        if is_chain_head(ctx.group_name, ctx.reverse):
+        if ctx.chain_head:
             dinit = combine(m, r, dy, not ctx.transpose)  # M_head^T r_head + dy_head
         else:
             dinit = torch.zeros_like(dy)
     return r, dm, dinit, None, None, None, None, None, None
 
 
-matrix_scan_op.register_autograd(_backward, setup_context=_setup_context)
+matrix_scan_op.register_autograd(_backward, setup_context=_op_setup_context)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -243,8 +250,9 @@ class _EagerMatrixScan(torch.autograd.Function):
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        x, m, init, name, reverse, num_blocks, method, _, _ = inputs
-        _setup_context(ctx, (x, m, init, name, reverse, False, False, num_blocks, method), output)
+        x, m, init, name, reverse, num_blocks, method, group, _ = inputs
+        _setup_context(ctx, (x, m, init, name, reverse, False, False, num_blocks, method), output,
+                       reads_init(init, group, name, reverse))
 
     @staticmethod
     def backward(ctx, dy):
@@ -269,9 +277,11 @@ def scan_impl(x, m, init, name, reverse, inclusive, num_blocks, method, group=No
     if grad and eager:
         y = _EagerMatrixScan.apply(x, m, init, name, reverse, num_blocks, method, group, stream)
     elif grad:
-        y = matrix_scan_op(x, m, init, name, reverse, False, False, num_blocks, method)
+        y = matrix_scan_op(x, m, init, name, reverse, False, False, num_blocks, method,
+                           chain_head=reads_init(init, group, name, reverse))
     else:
-        return matrix_scan_op(x, m, init, name, reverse, inclusive, False, num_blocks, method)
+        return matrix_scan_op(x, m, init, name, reverse, inclusive, False, num_blocks, method,
+                              chain_head=reads_init(init, group, name, reverse))
     # inclusive: a differentiable composite, the exclusive scan then the rank's own combine
     return combine(m, y, x) if inclusive else y
 

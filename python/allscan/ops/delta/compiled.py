@@ -24,6 +24,7 @@ from allscan.context import LOCAL, SequenceContext
 
 from .._launch import absent, or_empty, tell_peers_of_failure
 from .._shards import own_precision
+from ..hooks import cut_world
 from ..matrix_scan import OP as MATRIX_SCAN_OP
 from .chunk import DeltaInputs, compute_dtype
 from .gates import DeltaOptions
@@ -41,10 +42,10 @@ def _group(group_name: str):
     return resolve_group(group_name) if group_name else None
 
 
-def _options_of(call: DeltaCall, group) -> dict:
+def _options_of(call: DeltaCall, group, group_size: int) -> dict:
     """A call's options as the custom ops' keyword-only arguments (plain values a schema takes)."""
     o = call.options
-    return dict(group_name="" if group is None else group.group_name, per_key=bool(o.per_key),
+    return dict(group_name="" if group is None else group.group_name, group_size=group_size, per_key=bool(o.per_key),
                 scale=float(call.scale), l2norm=bool(o.use_qk_l2norm_in_kernel), gate=bool(o.use_gate_in_kernel),
                 beta_sigmoid=bool(o.use_beta_sigmoid_in_kernel), neg_eigval=bool(o.allow_neg_eigval),
                 safe_gate=bool(o.safe_gate), lower_bound=None if o.lower_bound is None else float(o.lower_bound),
@@ -62,14 +63,16 @@ def _call_of(kw: dict, A_log, dt_bias, cu_seqlens, needs_grad: bool = False) -> 
 @torch.library.custom_op("allscan::zeco_delta_rule", mutates_args=())
 def zeco_delta_rule_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                        A_log: Optional[torch.Tensor], dt_bias: Optional[torch.Tensor], h0: Optional[torch.Tensor],
-                       cu_seqlens: Optional[torch.Tensor], *, group_name: str, per_key: bool, scale: float,
+                       cu_seqlens: Optional[torch.Tensor], *, group_name: str, group_size: int, per_key: bool,
+                       scale: float,
                        l2norm: bool, gate: bool, beta_sigmoid: bool, neg_eigval: bool, safe_gate: bool,
                        lower_bound: Optional[float], method: str, want_final: bool, needs_grad: bool,
                        agreed: bool = False) -> _Tensors:
     """:func:`zeco_gated_delta_rule` / :func:`zeco_kda` (``per_key``) forward under torch.compile
-    (``group_name`` "" = one process; ``agreed``: ``cu_seqlens`` are a context's offsets, checked as the
+    (``group_name`` "" = one process, ``group_size`` its ranks, 1 for one process: the fake's shapes depend
+    on it; ``agreed``: ``cu_seqlens`` are a context's offsets, checked as the
     eager call with that context checks them): ``(o, final, Q', M, S_in, saved)``, each absent one empty."""
-    kw = dict(group_name=group_name, per_key=per_key, scale=scale, l2norm=l2norm, gate=gate,
+    kw = dict(group_name=group_name, group_size=group_size, per_key=per_key, scale=scale, l2norm=l2norm, gate=gate,
               beta_sigmoid=beta_sigmoid, neg_eigval=neg_eigval, safe_gate=safe_gate, lower_bound=lower_bound,
               method=method, want_final=want_final)
     group = _group(group_name)
@@ -100,8 +103,7 @@ def _zeco_delta_rule_fake(q, k, v, g, beta, A_log, dt_bias, h0, cu_seqlens, **kw
     HV, V = v.shape[2:]
     be = select_backend(q)
     dt = compute_dtype(v)
-    # the world as the shard's cut sees it (it does not depend on cu_seqlens' values, which fakes lack)
-    sp = shard_cut(_group(kw["group_name"]), q, None, _op_name(kw["per_key"])).world > 1
+    sp = kw["group_size"] > 1
     n = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
     final = v.new_empty(n, HV, K, V, dtype=dt) if kw["want_final"] else None
     q_eff = v.new_empty(B, T, HV, K, dtype=be.q_eff_dtype(v)) if sp else None
@@ -114,7 +116,8 @@ def _zeco_delta_rule_fake(q, k, v, g, beta, A_log, dt_bias, h0, cu_seqlens, **kw
 
 @torch.library.custom_op("allscan::zeco_delta_rule_state_grad", mutates_args=())
 def zeco_delta_rule_state_grad_op(q_eff: torch.Tensor, do: torch.Tensor, q: torch.Tensor,
-                                  cu_seqlens: Optional[torch.Tensor], group_name: str, per_key: bool) -> torch.Tensor:
+                                  cu_seqlens: Optional[torch.Tensor], group_name: str, group_size: int,
+                                  per_key: bool) -> torch.Tensor:
     """The backward's first step, ``Q'^T do`` (:func:`~allscan.ops.delta.shard.outputs_state_grad`;
     empty with one rank): an op of its own, so that the compiled backward can free Q' before the
     backward op allocates."""
@@ -132,8 +135,8 @@ def zeco_delta_rule_state_grad_op(q_eff: torch.Tensor, do: torch.Tensor, q: torc
 
 
 @zeco_delta_rule_state_grad_op.register_fake
-def _zeco_delta_rule_state_grad_fake(q_eff, do, q, cu_seqlens, group_name, per_key):
-    if shard_cut(_group(group_name), q, None, _op_name(per_key)).world == 1:
+def _zeco_delta_rule_state_grad_fake(q_eff, do, q, cu_seqlens, group_name, group_size, per_key):
+    if group_size == 1:
         return or_empty(None, q)
     B, _, HV, V = do.shape
     return do.new_empty(B, HV, q.shape[-1], V, dtype=compute_dtype(do))
@@ -175,15 +178,17 @@ def _setup_context(ctx, inputs, keyword_only_inputs, output):
     q, k, v, g, beta, A_log, dt_bias, h0, cu_seqlens = inputs
     _, _, q_eff, M, S_in, saved = output
     ctx.save_for_backward(q, k, v, g, beta, A_log, dt_bias, h0, cu_seqlens, q_eff, M, S_in, *saved)
-    # needs_grad and agreed: the forward's checks only
-    ctx.options = {name: value for name, value in keyword_only_inputs.items() if name not in ("needs_grad", "agreed")}
+    # needs_grad and agreed: the forward's checks only; group_size: the fakes' (the backward op's are its inputs')
+    ctx.group_size = keyword_only_inputs["group_size"]
+    ctx.options = {name: value for name, value in keyword_only_inputs.items()
+                   if name not in ("needs_grad", "agreed", "group_size")}
 
 
 def _backward(ctx, do, dfinal, *_):
     q, k, v, g, beta, A_log, dt_bias, h0, cu_seqlens, q_eff, M, S_in, *saved = ctx.saved_tensors
     do = zero_if_absent(do, v)
     # Q' is read here for the last time: a compiled backward frees it before the backward op runs
-    dy_out = zeco_delta_rule_state_grad_op(q_eff, do, q, cu_seqlens, ctx.options["group_name"],
+    dy_out = zeco_delta_rule_state_grad_op(q_eff, do, q, cu_seqlens, ctx.options["group_name"], ctx.group_size,
                                            ctx.options["per_key"])
     inputs = [q, k, v, g, beta, A_log, dt_bias, h0]
     grads = zeco_delta_rule_backward_op(do, absent(dfinal), inputs, cu_seqlens, absent(dy_out), absent(M),
@@ -201,5 +206,5 @@ def compiled_delta_rule(call: DeltaCall, q, k, v, g, beta, group, initial_state)
     cu_seqlens = call.cu_seqlens if call.context is None else call.context.offsets(q.device)
     o, final = zeco_delta_rule_op(q, k, v, g, beta, call.options.A_log, call.options.dt_bias, initial_state,
                                   cu_seqlens, needs_grad=bool(call.needs_grad), agreed=call.context is not None,
-                                  **_options_of(replace(call, scale=scale), group))[:2]
+                                  **_options_of(replace(call, scale=scale), group, cut_world(group, q, call.op)))[:2]
     return o, (final if call.output_final_state else None)

@@ -3,7 +3,8 @@
 (opaque to the tracer: no graph break, no collective while tracing; every rank runs them as the eager
 function does, the checks and the shard's cut included). The options travel as keyword-only arguments.
 Absent results travel as empty tensors (a schema has no optional outputs); which are absent depends on
-shapes and the group only, so the fake kernels know.
+shapes and the group's size only, an argument of the forward op (``group_size``), so that the fake kernel
+knows it and a compiled graph's cache key holds it (docs/design.md, torch.compile).
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from allscan._comm import resolve_group
 from allscan.context import LOCAL, SequenceContext
 
 from .._launch import absent, or_empty
-from .._shards import ShardSegments, on_device, own_precision, world_and_rank
+from .._shards import ShardSegments, on_device, own_precision
 from ..hooks import op_hooks
 from .body import GLARun, backward_body, forward_body, select_backend
 from .chunk import state_dtype
@@ -40,17 +41,14 @@ def _op_segments(group_name: str, q, cu_seqlens, check_args=None, agreed: bool =
     return checked_segments(group, q, k, v, g, h0, cu_seqlens, method, needs_grad)
 
 
-def _op_world(group_name: str) -> int:
-    return world_and_rank(resolve_group(group_name))[0] if group_name else 1
-
-
 @torch.library.custom_op("allscan::zeco_gla", mutates_args=())
 def zeco_gla_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: Optional[torch.Tensor],
-                h0: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor], *, group_name: str, scale: float,
-                method: str, want_final: bool, needs_grad: bool,
+                h0: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor], *, group_name: str, group_size: int,
+                scale: float, method: str, want_final: bool, needs_grad: bool,
                 agreed: bool = False) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                                                List[torch.Tensor]]:
-    """:func:`zeco_gla`'s forward under torch.compile (``group_name`` "" = one process; ``needs_grad``:
+    """:func:`zeco_gla`'s forward under torch.compile (``group_name`` "" = one process, ``group_size`` its
+    ranks, 1 for one process; ``needs_grad``:
     whether the traced call differentiates, compared across ranks; ``agreed``: ``cu_seqlens`` are a
     context's offsets): ``(o, final, S_in, gamma, saved)``, each absent one an empty tensor."""
     segs = _op_segments(group_name, q, cu_seqlens, (k, v, g, h0, method, needs_grad), agreed)
@@ -62,14 +60,15 @@ def zeco_gla_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: Optional[t
 
 
 @zeco_gla_op.register_fake
-def _zeco_gla_fake(q, k, v, g, h0, cu_seqlens, *, group_name, scale, method, want_final, needs_grad, agreed=False):
+def _zeco_gla_fake(q, k, v, g, h0, cu_seqlens, *, group_name, group_size, scale, method, want_final, needs_grad,
+                   agreed=False):
     if q.dim() != 4 or v.dim() != 4 or (cu_seqlens is not None and cu_seqlens.dim() != 1):
         # arguments the op refuses when it runs, on every rank: shapes of no consequence, so that this
         # rank's trace does not fail alone and leave its peers waiting
         return (v.new_empty(v.shape), *(q.new_empty(0, dtype=torch.float32) for _ in range(3)), [])
     B, T, H, K = q.shape
     V = v.shape[-1]
-    sp = _op_world(group_name) > 1
+    sp = group_size > 1
     n = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
     sdt = state_dtype(q.dtype)
     final = q.new_empty(n, H, K, V, dtype=sdt) if want_final else None

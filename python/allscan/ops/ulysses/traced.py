@@ -55,11 +55,12 @@ def _refused(q, k, v, world: int) -> bool:
 
 
 @torch.library.custom_op("allscan::ulysses_scatter", mutates_args=())
-def ulysses_scatter(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group_name: str, causal: bool,
-                    scale: Optional[float], num_chunks: int, needs_grad: bool) -> Tuple[torch.Tensor, torch.Tensor,
-                                                                                      torch.Tensor]:
+def ulysses_scatter(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group_name: str, group_size: int,
+                    group_rank: int, causal: bool, scale: Optional[float], num_chunks: int,
+                    needs_grad: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The checks of a Ulysses call, then scatter-heads of q (this rank's query heads) and k, v (the
-    k/v heads they use) over ``group_name``: ``[B, S, n, D]`` each."""
+    k/v heads they use) over ``group_name`` (``group_size`` ranks, this one ``group_rank``: the shapes
+    depend on them): ``[B, S, n, D]`` each."""
     group = _comm.resolve_group(group_name)
     Hq, Hkv = _checked(q, k, v, group, causal, scale, num_chunks, needs_grad)
     q_map, kv_map = _maps(dist.get_world_size(group), Hq, Hkv)
@@ -69,9 +70,8 @@ def ulysses_scatter(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group_nam
 
 
 @ulysses_scatter.register_fake
-def _ulysses_scatter_fake(q, k, v, group_name, causal, scale, num_chunks, needs_grad):
-    group = _comm.resolve_group(group_name)
-    world, me = dist.get_world_size(group), dist.get_rank(group)
+def _ulysses_scatter_fake(q, k, v, group_name, group_size, group_rank, causal, scale, num_chunks, needs_grad):
+    world, me = group_size, group_rank
     if _refused(q, k, v, world):
         # arguments the op refuses when it runs, on every rank: shapes of no consequence, so that this
         # rank's trace does not fail alone and leave its peers waiting
@@ -86,8 +86,8 @@ def _ulysses_scatter_fake(q, k, v, group_name, causal, scale, num_chunks, needs_
 
 
 @torch.library.custom_op("allscan::ulysses_scatter_backward", mutates_args=())
-def ulysses_scatter_backward(dqs: torch.Tensor, dks: torch.Tensor, dvs: torch.Tensor, group_name: str, Hq: int,
-                             Hkv: int) -> List[torch.Tensor]:
+def ulysses_scatter_backward(dqs: torch.Tensor, dks: torch.Tensor, dvs: torch.Tensor, group_name: str,
+                             group_size: int, Hq: int, Hkv: int) -> List[torch.Tensor]:
     """Gather-heads of the three gradients in one collective (a k/v head's gradients summed over the
     ranks that held it)."""
     group = _comm.resolve_group(group_name)
@@ -97,20 +97,19 @@ def ulysses_scatter_backward(dqs: torch.Tensor, dks: torch.Tensor, dvs: torch.Te
 
 
 @ulysses_scatter_backward.register_fake
-def _ulysses_scatter_backward_fake(dqs, dks, dvs, group_name, Hq, Hkv):
-    world = dist.get_world_size(_comm.resolve_group(group_name))
-    return [t.new_empty(t.shape[0], t.shape[1] // world, H, t.shape[3]) for t, H in ((dqs, Hq), (dks, Hkv),
+def _ulysses_scatter_backward_fake(dqs, dks, dvs, group_name, group_size, Hq, Hkv):
+    return [t.new_empty(t.shape[0], t.shape[1] // group_size, H, t.shape[3]) for t, H in ((dqs, Hq), (dks, Hkv),
                                                                                       (dvs, Hkv))]
 
 
 def _setup(ctx, inputs, output):
-    q, k, _, group_name = inputs[:4]
-    ctx.group_name, ctx.Hq, ctx.Hkv = group_name, int(q.shape[2]), int(k.shape[2])
+    q, k, _, group_name, group_size = inputs[:5]
+    ctx.group_name, ctx.group_size, ctx.Hq, ctx.Hkv = group_name, group_size, int(q.shape[2]), int(k.shape[2])
 
 
 def _backward(ctx, dqs, dks, dvs):
-    dq, dk, dv = ulysses_scatter_backward(dqs, dks, dvs, ctx.group_name, ctx.Hq, ctx.Hkv)
-    return dq, dk, dv, None, None, None, None, None
+    dq, dk, dv = ulysses_scatter_backward(dqs, dks, dvs, ctx.group_name, ctx.group_size, ctx.Hq, ctx.Hkv)
+    return dq, dk, dv, None, None, None, None, None, None, None
 
 
 ulysses_scatter.register_autograd(_backward, setup_context=_setup)
@@ -120,7 +119,8 @@ def traced_attention(q, k, v, group, causal: bool, scale: Optional[float], num_c
     """:func:`allscan.ops.ulysses.ulysses_attention` as traced (module docstring); ``num_chunks`` 0 = "auto"."""
     world, me = dist.get_world_size(group), dist.get_rank(group)
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
-    qs, ks, vs = ulysses_scatter(q, k, v, group.group_name, bool(causal), scale, int(num_chunks), needs_grad)
+    qs, ks, vs = ulysses_scatter(q, k, v, group.group_name, world, me, bool(causal), scale, int(num_chunks),
+                                 needs_grad)
     if _refused(q, k, v, world):  # the op raises when it runs, on every rank; the result only keeps it in the graph
         return q + (qs.sum() + ks.sum() + vs.sum()) * 0
     Hq, Hkv = int(q.shape[2]), int(k.shape[2])
@@ -132,4 +132,5 @@ def traced_attention(q, k, v, group, causal: bool, scale: Optional[float], num_c
     o = F.scaled_dot_product_attention(qs.transpose(1, 2), ks.transpose(1, 2), vs.transpose(1, 2), is_causal=causal,
                                        scale=scale)
     lo, hi = zip(*q_map)
-    return torch.ops.allscan.gather_heads(o.transpose(1, 2).contiguous(), group.group_name, Hq, list(lo), list(hi))
+    return torch.ops.allscan.gather_heads(o.transpose(1, 2).contiguous(), group.group_name, me, Hq, list(lo),
+                                          list(hi))
