@@ -2,7 +2,10 @@
 sequence-parallel against transformers' own model on the whole sequence on one GPU: logits, loss and every
 parameter gradient, with B = 2 rows and with a packed row (a sequence start inside rank 0's shard, a sequence
 crossing the rank boundary) against each sequence run alone. fp32 runs with IEEE dots in fla's kernels
-(``TRITON_F32_DEFAULT=ieee``)."""
+(``TRITON_F32_DEFAULT=ieee``) and without TF32 in cuBLAS and cuDNN (torch lets cuDNN's fp32 convolutions use TF32
+by default): the gates' parameter gradients (``A_log``, ``dt_bias``) are sums that cancel, about 1e3 times the
+rounding of what feeds them (fp32 against float64 on CPU: 1e-4 relative), so TF32's rounding in the causal conv
+alone would put them percents apart."""
 from __future__ import annotations
 
 import os
@@ -34,6 +37,8 @@ def sp2_against_transformers(rank, world, families, model_of, vocab, prepare=lam
     """Run on each rank of a spawned NCCL world: ``{(family, packed): errors}``. ``model_of(kind)``: a fresh seeded
     fp32 model on this rank's GPU; ``prepare(kind)``: what the family's reference needs first."""
     os.environ.setdefault("TRITON_F32_DEFAULT", "ieee")
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
     from allscan.integrations import hf_hybrids as sp
     from allscan.ops.gla import limit_fla_autotune
 
@@ -67,6 +72,7 @@ def sp2_against_transformers(rank, world, families, model_of, vocab, prepare=lam
                 "loss": abs(sp.reduce_loss(loss).item() - ref_loss.item()) / abs(ref_loss.item()),
                 "logits": _rel(logits, ref_logits[:, rank * Tl:(rank + 1) * Tl]),
                 "grads": max(_rel(grads[n], p.grad) for n, p in ref.named_parameters() if p.grad is not None),
+                "worst": max((_rel(grads[n], p.grad), n) for n, p in ref.named_parameters() if p.grad is not None)[1],
                 "missing": sorted(n for n, p in ref.named_parameters() if p.grad is not None and grads[n] is None)}
             print(f"rank {rank} {kind} packed={packed}: {res[(kind, packed)]}", flush=True)
     return res
