@@ -12,6 +12,7 @@ call time raises on every rank. Without a spawn: a model with a sequence mixer a
 naming it and is left as it was; the call-time refusals by name; on one process (``LOCAL``) the rewired model
 equals the original, packed row included.
 """
+import contextlib
 import os
 import sys
 
@@ -45,6 +46,22 @@ def _modeling(kind):
 def fp64_delta_rule(kind):
     """Point the family's modeling module at its own torch delta rule computing in the inputs' dtype: the
     function's source with ``torch.float32`` (and KDA's ``.float()``) made the inputs' dtype. Test only."""
+    setattr(_modeling(kind), DELTA_RULE[kind], _delta_rule_in_inputs_dtype(kind))
+
+
+@contextlib.contextmanager
+def fp64_delta_rule_within(kind):
+    """:func:`fp64_delta_rule` inside the block only (transformers' own binding after it: fla's kernels on GPU)."""
+    mod, name = _modeling(kind), DELTA_RULE[kind]
+    kept = getattr(mod, name)
+    setattr(mod, name, _delta_rule_in_inputs_dtype(kind))
+    try:
+        yield
+    finally:
+        setattr(mod, name, kept)
+
+
+def _delta_rule_in_inputs_dtype(kind):
     mod = _modeling(kind)
     name = DELTA_RULE[kind]
     src = open(mod.__file__).read()
@@ -54,7 +71,7 @@ def fp64_delta_rule(kind):
     code = code.replace("torch.float32", "initial_dtype").replace(".float()", ".to(initial_dtype)")
     namespace = dict(vars(mod))
     exec(compile(code, mod.__file__, "exec"), namespace)  # noqa: S102
-    setattr(mod, name, namespace[name])
+    return namespace[name]
 
 
 def tiny_model(kind, seed=0, width=1):

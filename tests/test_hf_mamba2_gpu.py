@@ -1,13 +1,13 @@
 """transformers' Nemotron-H and Bamba made sequence-parallel (``hf_hybrids.sequence_parallel``, the Mamba2 mixers on
 ``zeco_ssd`` with fla-core's kernels) at SP = 2 on NCCL, fp32, against transformers' own model on the whole
-sequence on one GPU (its torch path: mamba-ssm is not a dependency): logits, loss and every parameter gradient,
-with B = 2 rows and with a packed row (a sequence start inside rank 0's shard, a sequence crossing the rank
-boundary) against each sequence run alone.
+sequence on one GPU (its torch path: mamba-ssm is not a dependency), with B = 2 rows and with a packed row (a
+sequence start inside rank 0's shard, a sequence crossing the rank boundary) against each sequence run alone:
+logits and loss, and every parameter gradient against a float64 truth.
 
     ALLSCAN_TEST_RANKS_PER_GPU=2 python3 -m pytest -s -q -m gpu tests/test_hf_mamba2_gpu.py -p no:cacheprovider
 
-One spawn of two ranks for both families (two NCCL ranks may share one GPU). fp32 runs with IEEE dots in fla's
-kernels; the bound is the hybrids' fp32 one, 2e-4 relative (``tests/hf_gpu_parity.py``).
+One spawn of two ranks for both families (two NCCL ranks may share one GPU); the bounds and why:
+``tests/hf_gpu_parity.py``.
 """
 from __future__ import annotations
 
