@@ -87,7 +87,7 @@ def main():
         xf, yf = x.float(), y.float()
 
         def combine():
-            return torch.ops.allscan.matrix_scan(x, m, y, name, False, True, transpose, 0, "pipelined")
+            return torch.ops.allscan.matrix_scan(x, m, y, name, False, True, transpose, 0, "pipelined", chain_head=True)
 
         def bmm_fp32():
             return torch.baddbmm(xf, mt, yf)

@@ -255,8 +255,8 @@ def _opcheck_delta_rule(rank, world):
     A_log = torch.zeros(2, dtype=torch.float64, requires_grad=True)
     dt_bias = torch.full((2,), 0.1, dtype=torch.float64, requires_grad=True)
     plain = dict(group_name=name, group_size=world, per_key=False, scale=0.35, l2norm=False, gate=False,
-                 beta_sigmoid=False, neg_eigval=False, safe_gate=False, lower_bound=None, method="zeco", want_final=True,
-                 needs_grad=True)
+                 beta_sigmoid=False, neg_eigval=False, safe_gate=False, lower_bound=None, method="zeco",
+                 want_final=True, needs_grad=True)
     cu = _packed(world)
     strided = q.transpose(1, 2).contiguous().transpose(1, 2)
     for args, kwargs in (((q, k, v, g, beta, None, None, None, None), plain),
@@ -417,14 +417,16 @@ def _cached_graph_calls(rank, world):
     place, compiled by inductor with its caches on: each call (forward and every gradient) equals eager.
     Run at one world size and then another, and twice at two ranks, on one cache directory: a graph cached
     at another size or by the other rank (the default group is named "0" whatever its size) must not be
-    served here."""
+    served here. Returns what differed and how many graphs came from the caches."""
     import torch._inductor.config as inductor_config
+    from torch._dynamo.utils import counters
 
     import allscan
     from allscan.layers import zeco_gated_delta_rule, zeco_gla
     from allscan.ops.ulysses import ulysses_attention
 
     torch._dynamo.reset()
+    counters.clear()
     inductor_config.force_disable_caches = False
     inductor_config.fx_graph_cache = True
     gen = torch.Generator().manual_seed(3)  # the same on every rank and in every run: the graphs' inputs match
@@ -432,12 +434,15 @@ def _cached_graph_calls(rank, world):
     _, kn, _, gd, beta = _inputs(0, "gdn")
     x, init = torch.randn(2, 3, generator=gen), torch.randn(2, 3, generator=gen)
     gamma = torch.rand(2, 3, generator=gen)
+    xm, im = torch.randn(2, 3, 4, generator=gen), torch.randn(2, 3, 4, generator=gen)
+    mm = torch.randn(2, 3, 3, generator=gen) / 2
     heads = torch.randn(1, 4, 3, 8, generator=gen)  # 3 heads over 2 ranks: 2 and 1, by rank
     calls = {
         "zeco_gla": (lambda a, b, c, d: zeco_gla(a, b, c, d, output_final_state=True), (q, k, v, g)),
         "zeco_gated_delta_rule": (lambda a, b, c, d, e: zeco_gated_delta_rule(a, b, c, d, e, output_final_state=True),
                                   (q, kn, v, gd, beta)),
         "scan with init": (lambda a, b, c: allscan.scan(a, b, init=c), (x, gamma, init)),
+        "matrix scan with init": (lambda a, b, c: allscan.scan(a, transition=b, init=c), (xm, mm, im)),
         "ulysses_attention": (lambda a, b, c: ulysses_attention(a, b, c, causal=True), (heads, heads * 0.5, heads + 1)),
         "scatter_heads": (lambda a: allscan.a2a.scatter_heads(a), (heads,)),
     }
@@ -453,7 +458,7 @@ def _cached_graph_calls(rank, world):
         for i, (a, b) in enumerate(zip(got["eager"], got["inductor"])):
             if a.shape != b.shape or not torch.allclose(a, b, rtol=1e-4, atol=1e-5):
                 wrong.append(f"{name} result {i}: {tuple(b.shape)} against eager's {tuple(a.shape)}")
-    return wrong
+    return wrong, counters["inductor"]["fxgraph_cache_hit"] + counters["aot_autograd"]["autograd_cache_hit"]
 
 
 def test_compiled_graphs_cached_at_another_world_size_or_rank_are_not_reused(tmp_path, monkeypatch):
@@ -463,6 +468,9 @@ def test_compiled_graphs_cached_at_another_world_size_or_rank_are_not_reused(tmp
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("TORCHINDUCTOR_FX_GRAPH_CACHE", "1")
     monkeypatch.setenv("TORCHINDUCTOR_AUTOGRAD_CACHE", "1")
+    hits = []
     for world in (1, 2, 2):
         results = run_distributed(_cached_graph_calls, world, timeout=600)
-        assert results == [[]] * world, f"world {world}: {results}"
+        assert [wrong for wrong, _ in results] == [[]] * world, f"world {world}: {results}"
+        hits.append(sum(hit for _, hit in results))
+    assert hits[2] > 0, f"the last run took no graph from the caches (hits per run {hits}): nothing was tested"

@@ -176,7 +176,8 @@ def test_opcheck_single_rank(single_rank):
     for args in [(x, m, init, name, False, False, False, 0, "pipelined"),
                  (x, m, None, name, True, False, True, 2, "serial"),
                  (x, m, init, name, True, False, False, 0, "allgather")]:
-        torch.library.opcheck(torch.ops.allscan.matrix_scan.default, args)
+        # one rank heads the chain both ways: its init is the one read
+        torch.library.opcheck(torch.ops.allscan.matrix_scan.default, args, {"chain_head": args[2] is not None})
 
 
 def test_async_handle_on_cpu(single_rank):
@@ -208,8 +209,9 @@ def _opcheck_and_compile(rank, P):
     ms = [torch.randn(2, 3, 3, generator=gen, dtype=torch.float64) / 2 for _ in range(P)]
     x = xs[rank].clone().requires_grad_()
     m = ms[rank].clone().requires_grad_()
-    torch.library.opcheck(torch.ops.allscan.matrix_scan.default, (x, m, None, name, False, False, False, 0, "pipelined"))
-    torch.library.opcheck(torch.ops.allscan.matrix_scan.default, (x, m, None, name, True, False, True, 0, "allgather"))
+    op, no_init = torch.ops.allscan.matrix_scan.default, {"chain_head": False}
+    torch.library.opcheck(op, (x, m, None, name, False, False, False, 0, "pipelined"), no_init)
+    torch.library.opcheck(op, (x, m, None, name, True, False, True, 0, "allgather"), no_init)
 
     def f(x, m):
         return allscan.scan(x * 2, transition=m, reverse=True, inclusive=True).sin()

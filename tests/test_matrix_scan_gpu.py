@@ -136,7 +136,7 @@ def _kernel_one_rank(rank, P):
         y0 = torch.randn(lead + (K, V), generator=gen, dtype=torch.float64)
         exact = (m.transpose(-1, -2) if transpose else m) @ y0 + x
         out = torch.ops.allscan.matrix_scan(x.float().to(dev), m.float().to(dev), y0.float().to(dev), name, False,
-                                            True, transpose, 0, "pipelined")
+                                            True, transpose, 0, "pipelined", chain_head=True)
         err = _rel(out.cpu(), exact)
         assert err <= 1e-6, (lead, K, V, transpose, err)
 

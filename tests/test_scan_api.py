@@ -100,7 +100,8 @@ def test_opcheck_single_rank(single_rank):
     init = torch.randn(2, 3, 4, dtype=torch.float64, requires_grad=True)
     for args in [(x, g, init, name, False, False, 0, "pipelined"), (x, None, None, name, True, False, 2, "serial"),
                  (x, g, None, name, False, False, 0, "allgather")]:
-        torch.library.opcheck(torch.ops.allscan.scan.default, args)
+        # one rank heads the chain both ways: its init is the one read
+        torch.library.opcheck(torch.ops.allscan.scan.default, args, {"chain_head": args[2] is not None})
 
 
 def _opcheck_and_compile(rank, P):
@@ -110,8 +111,9 @@ def _opcheck_and_compile(rank, P):
     gs = [torch.rand(2, 3, generator=gen, dtype=torch.float64) for _ in range(P)]
     x = xs[rank].clone().requires_grad_()
     g = gs[rank].clone().requires_grad_()
-    torch.library.opcheck(torch.ops.allscan.scan.default, (x, g, None, name, False, False, 0, "pipelined"))
-    torch.library.opcheck(torch.ops.allscan.scan.default, (x, g, None, name, True, False, 0, "allgather"))
+    no_init = {"chain_head": False}
+    torch.library.opcheck(torch.ops.allscan.scan.default, (x, g, None, name, False, False, 0, "pipelined"), no_init)
+    torch.library.opcheck(torch.ops.allscan.scan.default, (x, g, None, name, True, False, 0, "allgather"), no_init)
 
     def f(x, g):
         return allscan.scan(x * 2, g, reverse=True, inclusive=True).sin()

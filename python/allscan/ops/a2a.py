@@ -34,6 +34,7 @@ from .._dtypes import DTYPE_CODES
 from .._settings import settings
 from .._threads import one_thread
 from ._launch import traced_refusal, validated_group
+from ._shards import world_and_rank
 from . import _a2a_dist
 from ._a2a_checks import check_head_map, check_tensor, resolve_head_map, signature_fields, validate_call
 from ._a2a_dist import GATHER, SCATTER, HeadMap, Range, overlaps
@@ -202,7 +203,8 @@ def _maps_from_lists(head_lo: List[int], head_hi: List[int]) -> HeadMap:
 
 
 # The ops take this rank's place in the group (``group_rank``): the fake's shapes and the traced gradient's
-# depend on it, and a compiled graph's cache key holds the ops' arguments, not the group's (docs/design.md, torch.compile).
+# depend on it, and a compiled graph's cache key holds the ops' arguments, not the group's (docs/design.md,
+# torch.compile).
 @torch.library.custom_op("allscan::scatter_heads", mutates_args=())
 def _scatter_heads_op(x: torch.Tensor, group_name: str, group_rank: int, head_lo: List[int],
                       head_hi: List[int]) -> torch.Tensor:
@@ -263,7 +265,7 @@ def scatter_heads(x: torch.Tensor, group=None, *, head_range: Optional[Range] = 
     (the backward is :func:`gather_heads`); a ``torch.library`` custom op.
     """
     group = _comm.normalize_group(group)
-    P = dist.get_world_size(group)
+    P, me = world_and_rank(group)
     hm = []
 
     def validate():
@@ -274,7 +276,7 @@ def scatter_heads(x: torch.Tensor, group=None, *, head_range: Optional[Range] = 
         validated_group(group, x, "a2a.scatter_heads", validate)
     except (TypeError, ValueError) as e:  # under torch.compile: refused when the graph runs, on every rank
         return traced_refusal(group, x, "a2a.scatter_heads", e)
-    return _scatter_heads_op(x.contiguous(), _comm.group_name(group), dist.get_rank(group), [lo for lo, _ in hm],
+    return _scatter_heads_op(x.contiguous(), _comm.group_name(group), me, [lo for lo, _ in hm],
                              [hi for _, hi in hm])
 
 
@@ -288,7 +290,7 @@ def gather_heads(y: torch.Tensor, group=None, *, num_heads: Optional[int] = None
     ``head_range`` the output keeps all ``num_heads`` heads and those outside the range are zero.
     """
     group = _comm.normalize_group(group)
-    P = dist.get_world_size(group)
+    P, me = world_and_rank(group)
     hm = []
 
     def validate():
@@ -305,5 +307,5 @@ def gather_heads(y: torch.Tensor, group=None, *, num_heads: Optional[int] = None
         validated_group(group, y, "a2a.gather_heads", validate)
     except (TypeError, ValueError) as e:  # under torch.compile: refused when the graph runs, on every rank
         return traced_refusal(group, y, "a2a.gather_heads", e)
-    return _gather_heads_op(y.contiguous(), _comm.group_name(group), dist.get_rank(group), int(num_heads),
+    return _gather_heads_op(y.contiguous(), _comm.group_name(group), me, int(num_heads),
                             [lo for lo, _ in hm], [hi for _, hi in hm])

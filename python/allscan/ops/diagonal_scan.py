@@ -184,7 +184,7 @@ def scan_op(
     num_blocks: int,
     method: str,
     *,
-    chain_head: bool = False,
+    chain_head: bool,
 ) -> torch.Tensor:
     """The All-Scan of contiguous tensors (``num_blocks`` 0 = auto; ``chain_head``: this rank's init is
     the one read, :func:`~allscan.ops._scan_body.reads_init`). Use :func:`allscan.scan`."""
@@ -192,7 +192,7 @@ def scan_op(
 
 
 @scan_op.register_fake
-def _scan_fake(x, g, init, group_name, reverse, inclusive, num_blocks, method, *, chain_head=False):
+def _scan_fake(x, g, init, group_name, reverse, inclusive, num_blocks, method, *, chain_head):
     return x.new_empty(x.shape)
 
 
@@ -212,7 +212,7 @@ def _setup_context(ctx, inputs, output, chain_head: bool):
 def _backward(ctx, dy, reverse_scan=None):
     """The op's gradient; ``reverse_scan`` runs the reverse scan (default: the op, differentiable and
     traceable; the eager autograd path passes :func:`_eager_reverse`)."""
-    reverse_scan = reverse_scan or scan_op
+    reverse_scan = reverse_scan or _reverse_op
     if ctx.inclusive:
         raise RuntimeError(
             "allscan::scan with inclusive=True has no registered gradient; allscan.scan() computes the "
@@ -263,10 +263,15 @@ class _EagerScan(torch.autograd.Function):
         return _backward(ctx, dy, _eager_reverse) + (None, None)
 
 
+def _reverse_op(*args):
+    """The backward's reverse scan as the op (no init: no rank's is read)."""
+    return scan_op(*args, chain_head=False)
+
+
 def _eager_reverse(*args):
     """The backward's reverse scan in an eager backward: without the dispatcher, unless a double
     backward needs it differentiable (grad mode on)."""
-    return scan_op(*args) if torch.is_grad_enabled() else run(*args)
+    return _reverse_op(*args) if torch.is_grad_enabled() else run(*args)
 
 
 def scan_impl(x, g, init, name, reverse, inclusive, num_blocks, method, group=None, stream=None):

@@ -18,8 +18,9 @@ back when done (``with replaced(op_hooks, name=fn):``); the hooks are process-wi
 - ``shard_cut(group, T, B, cu_seqlens, op)``: how ``zeco_gla`` and the delta rules cut this rank's shard
   when no :class:`allscan.SequenceContext` is given (a :class:`allscan.context.ShardCut`); a benchmark
   stands one rank in for another here. Default: :class:`allscan.ops._shards.ShardSegments`.
-- :func:`cut_world`: the ranks a shard's cut spans, through ``shard_cut`` (what the compiled ops take as
-  their ``group_size``, so a stand-in's cut and the traced shapes agree).
+- :func:`cut_world`: the ranks a shard's cut spans, through ``shard_cut``: what the compiled ops take as
+  their ``group_size`` (their results' shapes depend on it; :func:`check_cut_world` holds the cut they make
+  to it).
 - :func:`forget_plans`: forget the plans and checked cuts made so far, so that a replaced hook serves
   the next call even where a repeated call would reuse an earlier call's cut.
 
@@ -34,7 +35,7 @@ from ._launch import forget_plans
 from ._shards import ShardSegments
 from .scan import scan
 
-__all__ = ["OpHooks", "op_hooks", "run_body", "replaced", "forget_plans", "cut_world"]
+__all__ = ["OpHooks", "op_hooks", "run_body", "replaced", "forget_plans", "cut_world", "check_cut_world"]
 
 
 def run_body(label: str, body, backend, *args):
@@ -73,5 +74,15 @@ def replaced(hooks: OpHooks, **fns) -> Iterator[OpHooks]:
 
 def cut_world(group, q, op: str) -> int:
     """How many ranks the cut of ``q``'s shard (``[B, T_local, ...]``) spans on ``group`` (None: one
-    process), through the ``shard_cut`` hook: it does not depend on the packed offsets' values."""
+    process), through the ``shard_cut`` hook, asked without the packed offsets (a trace has no values)."""
+    if q.dim() < 2:  # refused by the op's checks when it runs; no shard to cut here
+        return 1
     return op_hooks.shard_cut(group, q.shape[1], q.shape[0], None, op).world
+
+
+def check_cut_world(cut, group_size: int, op: str) -> None:
+    """A compiled op's cut spans the ``group_size`` ranks its results' shapes were traced for (a replaced
+    ``shard_cut`` hook could cut packed rows otherwise): a clear error instead of mismatched shapes."""
+    if cut.world != group_size:
+        raise RuntimeError(f"allscan::{op}: traced for {group_size} rank(s), but this call's shard cut spans "
+                           f"{cut.world} (a shard_cut hook that cuts packed rows differently from plain ones?)")

@@ -183,7 +183,7 @@ def matrix_scan_op(
     num_blocks: int,
     method: str,
     *,
-    chain_head: bool = False,
+    chain_head: bool,
 ) -> torch.Tensor:
     """The matrix All-Scan of contiguous tensors (``num_blocks`` 0 = auto; ``transpose``: M^T is the
     transition; ``chain_head``: this rank's init is the one read,
@@ -192,7 +192,7 @@ def matrix_scan_op(
 
 
 @matrix_scan_op.register_fake
-def _matrix_scan_fake(x, m, init, group_name, reverse, inclusive, transpose, num_blocks, method, *, chain_head=False):
+def _matrix_scan_fake(x, m, init, group_name, reverse, inclusive, transpose, num_blocks, method, *, chain_head):
     return x.new_empty(x.shape)
 
 
@@ -211,7 +211,7 @@ def _setup_context(ctx, inputs, output, chain_head: bool):
 def _backward(ctx, dy, reverse_scan=None):
     """The op's gradient; ``reverse_scan`` runs the adjoint scan (default: the op, differentiable and
     traceable; the eager autograd path passes :func:`_eager_reverse`)."""
-    reverse_scan = reverse_scan or matrix_scan_op
+    reverse_scan = reverse_scan or _reverse_op
     if ctx.inclusive:
         raise RuntimeError(
             "allscan::matrix_scan with inclusive=True has no registered gradient; allscan.scan() computes the "
@@ -260,10 +260,15 @@ class _EagerMatrixScan(torch.autograd.Function):
         return r, dm, dinit, None, None, None, None, None, None
 
 
+def _reverse_op(*args):
+    """The backward's adjoint scan as the op (no init: no rank's is read)."""
+    return matrix_scan_op(*args, chain_head=False)
+
+
 def _eager_reverse(*args):
     """The backward's adjoint scan in an eager backward: without the dispatcher, unless a double
     backward needs it differentiable (grad mode on)."""
-    return matrix_scan_op(*args) if torch.is_grad_enabled() else _run(*args)
+    return _reverse_op(*args) if torch.is_grad_enabled() else _run(*args)
 
 
 def scan_impl(x, m, init, name, reverse, inclusive, num_blocks, method, group=None, stream=None):

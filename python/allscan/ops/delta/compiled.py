@@ -24,7 +24,7 @@ from allscan.context import LOCAL, SequenceContext
 
 from .._launch import absent, or_empty, tell_peers_of_failure
 from .._shards import own_precision
-from ..hooks import cut_world
+from ..hooks import check_cut_world, cut_world
 from ..matrix_scan import OP as MATRIX_SCAN_OP
 from .chunk import DeltaInputs, compute_dtype
 from .gates import DeltaOptions
@@ -81,6 +81,7 @@ def zeco_delta_rule_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: tor
         call = replace(call, cu_seqlens=None,
                        context=SequenceContext.from_agreed_offsets(LOCAL if group is None else group, cu_seqlens))
     segs, opts, scale = prepared(call, group, q, k, v, g, beta, h0)
+    check_cut_world(segs, group_size, "zeco_delta_rule")
     # the head widened too: every rank's results have the fake's shapes (shard.runs_widened)
     run = shard_plan(segs, q, opts, scale, group, method, want_final, plain_head=False)
     with own_precision(q.device.type):

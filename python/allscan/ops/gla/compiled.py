@@ -17,7 +17,7 @@ from allscan.context import LOCAL, SequenceContext
 
 from .._launch import absent, or_empty
 from .._shards import ShardSegments, on_device, own_precision
-from ..hooks import op_hooks
+from ..hooks import check_cut_world, op_hooks
 from .body import GLARun, backward_body, forward_body, select_backend
 from .chunk import state_dtype
 from .checks import checked_segments
@@ -52,6 +52,7 @@ def zeco_gla_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: Optional[t
     whether the traced call differentiates, compared across ranks; ``agreed``: ``cu_seqlens`` are a
     context's offsets): ``(o, final, S_in, gamma, saved)``, each absent one an empty tensor."""
     segs = _op_segments(group_name, q, cu_seqlens, (k, v, g, h0, method, needs_grad), agreed)
+    check_cut_world(segs, group_size, "zeco_gla")
     run = GLARun(scale, segs, method, want_final, keep_offsets=False, share_zeros=False)
     with own_precision(q.device.type), on_device(q):
         o, final, S_in, gamma, saved = forward_body(select_backend(q), run, (q, k, v, g, h0))

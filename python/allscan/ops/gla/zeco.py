@@ -151,7 +151,8 @@ def zeco_gla(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: Optional[torc
         # traced here could not tell the peers: the trace runs no collective)
         o, final = zeco_gla_op(q, k, v, g, initial_state, cu_seqlens, group_name="" if spg is None else spg.group_name,
                                group_size=cut_world(spg, q, "zeco_gla"), scale=scale, method=method,
-                               want_final=bool(output_final_state), needs_grad=needs_grad, agreed=context is not None)[:2]
+                               want_final=bool(output_final_state), needs_grad=needs_grad,
+                               agreed=context is not None)[:2]
         return o, (final if output_final_state else None)
     conflict = context_conflict(context, group, cu_seqlens, "zeco_gla")
     spg = context_group(context, group, "zeco_gla")
