@@ -255,8 +255,8 @@ class _EagerScan(torch.autograd.Function):
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        x, g, init, name, reverse = inputs[:5]
-        _setup_context(ctx, inputs[:8], output, reads_init(init, inputs[8], name, reverse))
+        _, _, init, name, reverse, *_, group, _ = inputs
+        _setup_context(ctx, inputs[:8], output, reads_init(init, group, name, reverse))
 
     @staticmethod
     def backward(ctx, dy):
