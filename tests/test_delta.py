@@ -653,8 +653,11 @@ def test_fla_backend_widened_forward_with_a_reference_kernel(monkeypatch):
 
 def _reference_fla_steps(monkeypatch):
     """FlaDelta's fla steps and l2norm / beta-sigmoid kernels replaced by float64 torch equivalents with fla's
-    conventions (the steps see the activated q, k and beta; the backward returns dq, dk, dv, dbeta, dg, dh0,
-    dA_log, ddt_bias): FlaDelta's own code runs on CPU. Returns its module."""
+    conventions (the steps see the activated q, k and beta, and the raw g with the in-kernel gate; packed
+    sequences through fla's ``(cu_seqlens, chunk_indices)``; the backward returns dq, dk, dv, dbeta, dg, dh0,
+    dA_log, ddt_bias): FlaDelta's own code runs on CPU. ``monkeypatch``: a pytest fixture, or anything with its
+    ``setattr`` (a spawned rank's :class:`_Patch`). Returns the backend's module."""
+    from allscan.ops.delta.gates import gdn_gate, kda_gate
 
     import allscan.ops.delta.fla as fla_backend
 
@@ -669,26 +672,46 @@ def _reference_fla_steps(monkeypatch):
         s = torch.sigmoid(x)
         return dy * scale * s * (1 - s)
 
-    def state_steps(x, opts, scale, h0, width, varlen=(None, None)):
+    def gate(g, opts, A_log, dt_bias):
+        if not opts.use_gate_in_kernel:
+            return g
+        return kda_gate(g, A_log, dt_bias, opts.lower_bound) if opts.per_key else gdn_gate(g, A_log, dt_bias)
+
+    def run(x, opts, scale, h0, width, varlen, A_log, dt_bias):
         q, k, v, g, beta = x
         v_wide = torch.cat([v, v.new_zeros(*v.shape[:-1], width - v.shape[-1])], -1)
-        o, final = recurrent_delta_rule_reference(q, k, v_wide, g, beta, scale, h0)
-        return final, (o, q)
+        return recurrent_delta_rule_reference(q, k, v_wide, gate(g, opts, A_log, dt_bias), beta, scale, h0,
+                                              cu_seqlens=varlen[0])
+
+    calls = []  # (step, widened, packed) of every call, for the tests to see which paths ran
+
+    def state_steps(x, opts, scale, h0, width, varlen=(None, None)):
+        calls.append(("forward", width > x.v.shape[-1], varlen[0] is not None))
+        o, final = run(x, opts, scale, h0, width, varlen, opts.A_log, opts.dt_bias)
+        return final, (o, x.q)
 
     def backward_steps(x, factors, opts, scale, h0, do, finals, varlen=(None, None)):
-        (dht,) = finals.get()
+        calls.append(("backward", False, varlen[0] is not None))
         B, _, HV, Vv = x.v.shape
-        h0 = x.v.new_zeros(B, HV, x.q.shape[-1], Vv) if h0 is None else h0
+        rows = B if varlen[0] is None else len(varlen[0]) - 1
+        dht = fla_backend._stacked(finals.get(), torch.float64)
+        h0 = x.v.new_zeros(rows, HV, x.q.shape[-1], Vv) if h0 is None else h0
+        params = [t for t in (opts.A_log, opts.dt_bias) if opts.use_gate_in_kernel and t is not None]
         with torch.enable_grad():  # (an autograd Function's backward runs without grad mode)
-            xs = [t.detach().requires_grad_(True) for t in (*x, h0)]
-            o, fin = recurrent_delta_rule_reference(*xs[:5], scale, xs[5])
-            dq, dk, dv, dg, db, dh0 = torch.autograd.grad([o, fin], xs,
-                                                          [do, torch.zeros_like(fin) if dht is None else dht])
-        return dq, dk, dv, db, dg, dh0, None, None  # fla's order
+            xs = [t.detach().requires_grad_(True) for t in (*x, h0, *params)]
+            A_log, dt_bias = (xs[6:] + [None, None])[:2] if params else (None, None)
+            o, fin = run(DeltaInputs(*xs[:5]), opts, scale, xs[5], Vv, varlen, A_log, dt_bias)
+            grads = torch.autograd.grad([o, fin], xs, [do, torch.zeros_like(fin) if dht is None else dht])
+        dq, dk, dv, dg, db, dh0, *dparams = grads
+        dA_log, ddt_bias = (dparams + [None, None])[:2] if params else (None, None)
+        return dq, dk, dv, db, dg, dh0, dA_log, ddt_bias  # fla's order
 
     # the activations FlaDelta takes from fla (looked up once per process, through fla_functions)
     fakes = SimpleNamespace(l2norm_fwd=l2_fwd, l2norm_bwd=l2_bwd, fused_beta_sigmoid_bwd=sig_bwd,
-                            fused_beta_sigmoid_fwd=lambda x, scale=1.0: scale * torch.sigmoid(x))
+                            fused_beta_sigmoid_fwd=lambda x, scale=1.0: scale * torch.sigmoid(x),
+                            prepare_chunk_indices=lambda cu, chunk, cu_seqlens_cpu=None: None,
+                            fold_state_grad=lambda q_eff, do: torch.einsum("bthk,bthv->bhkv", q_eff, do),
+                            calls=calls)
     monkeypatch.setattr(fla_backend, "fla_functions", lambda: fakes)
     monkeypatch.setattr(fla_backend, "_state_steps", state_steps)
     monkeypatch.setattr(fla_backend, "_output_step", lambda staged: (staged[0], ()))
@@ -697,6 +720,40 @@ def _reference_fla_steps(monkeypatch):
     monkeypatch.setattr(fla_backend, "_backward_steps", backward_steps)
     monkeypatch.setattr(fla_backend, "on_device", lambda t: contextlib.nullcontext())
     return fla_backend
+
+
+class _Patch:
+    """``monkeypatch.setattr`` where no fixture is (a spawned rank, which exits after its test)."""
+
+    setattr = staticmethod(setattr)
+
+
+def _fla_backend_cases(rank, world, cases):
+    """:func:`_check_case` on FlaDelta (its fla steps on CPU, :func:`_reference_fla_steps`)."""
+    import allscan.ops.delta.prepare as prepare
+
+    fla_backend = _reference_fla_steps(_Patch())
+    prepare.fla_usable = lambda q: True
+    for case in cases:
+        _check_case(rank, world, dist.group.WORLD, case)
+    return sorted(set(fla_backend.fla_functions().calls))
+
+
+def test_fla_backend_packed_shards_with_reference_steps():
+    """FlaDelta's packed path on three ranks (its fla steps on CPU): the middle rank's widened first segment and
+    the other segments in one varlen call, the backward in one varlen call over the shard with the segments'
+    initial and final states, fewer key than value heads, the in-kernel l2norm, gate and beta sigmoid, a sequence
+    across every rank boundary and one cut on a boundary: outputs, final states and every gradient (A_log and
+    dt_bias summed over the ranks) against the float64 recurrence on the whole sequence."""
+    world, T_local = 3, 70
+    T = world * T_local
+    cases = [dict(layer=layer, cu=cu, T_local=T_local, B=1, HV=2 * H, gated=True, methods=["zeco"])
+             for layer in LAYERS for cu in ([0, 17, T_local, T_local + 3, T], [0, 5, T - 7, T])]
+    paths = run_distributed(_fla_backend_cases, world, [_prepare(world, c) for c in cases], timeout=600)
+    # the later ranks ran widened first segments, rank 0 a packed forward call, every rank a packed backward call
+    assert all(("forward", True, False) in p for p in paths[1:]), paths
+    assert ("forward", False, True) in paths[0], paths
+    assert all(("backward", False, True) in p for p in paths), paths
 
 
 def test_fla_backend_option_plumbing_with_reference_steps(monkeypatch):
