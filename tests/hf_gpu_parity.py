@@ -36,7 +36,9 @@ def _batch(packed, vocab):
 
 
 def _rel(a, b):
-    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+    """Relative error, on the CPU (the truth is computed there, the rest on the GPU)."""
+    a, b = a.detach().double().cpu(), b.detach().double().cpu()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
 def _grad_bound(own, truth):
