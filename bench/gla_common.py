@@ -61,7 +61,8 @@ def middle_rank_stand_in(world: int, module: str = "", place: str = "middle"):
     its local backward; a middle rank computes it beside); every place issues both scans, over the
     one-rank group, so one GPU issues that rank's work. Ops handed a batch's ``SequenceContext`` (a whole
     model made sequence-parallel: ``allscan.integrations``' layers) take their cut from it rather than
-    from the hook: its ``cut`` is stood in for the same way. With more ranks: nothing changes."""
+    from the hook: its ``cut`` is stood in for the same way, and the ``cut_world`` hook tells the compiled ops
+    the ranks the stood-in cut spans. With more ranks: nothing changes."""
     import copy
 
     from allscan.context import SequenceContext
@@ -91,7 +92,9 @@ def middle_rank_stand_in(world: int, module: str = "", place: str = "middle"):
     # (and, leaving, under) the stand-in
     forget_plans()
     try:
-        with replaced(op_hooks, shard_cut=stand_in):
+        # the compiled ops are traced for the ranks the stood-in cut spans (packed cuts are left as they are)
+        world_of_cut = {"middle": 3, "last": 2, "first": 2}[place]
+        with replaced(op_hooks, shard_cut=stand_in, cut_world=lambda group, packed: 1 if packed else world_of_cut):
             SequenceContext.cut = context_cut
             try:
                 yield

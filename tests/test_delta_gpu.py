@@ -253,31 +253,30 @@ def _fla_fn(layer):
     return chunk_kda if layer == "kda" else chunk_gated_delta_rule
 
 
-class _StandInGroup:
-    """What the shard's cut reads as the group of the one-GPU stand-in: rank 1 of 3 ranks."""
-
-
 def _as_middle_rank(world):
     """With one rank, the layer cuts its shard as rank 1 of 3 (the sequence continues from a previous
     rank and, with packed sequences, one crosses into the next), so one GPU runs the incoming-state
     path: fla's widened forward, the scans over the one-rank group (which deliver the scan's init, the
     first row of ``initial_state``, as the incoming state), the fold-in and the narrow backward.
-    ``allscan.ops.LOCAL`` still means one process."""
+    ``allscan.ops.LOCAL`` still means one process. The cut is made for a resolved group that says rank 1 of
+    3 (``SPGroup``, which every op takes as a group) around the real one-rank group."""
+    import torch.distributed as dist
+
     import allscan.ops._shards as shards
+    from allscan.context import SPGroup
     from allscan.ops.hooks import forget_plans, op_hooks  # the documented hook where the cut is made
 
     if world != 1:
         return
-    stand_in = _StandInGroup()
-    shards._PLACES[stand_in] = (3, 1)
+    place = SPGroup(dist.group.WORLD, dist.group.WORLD.group_name, 1, 3)
 
     class MiddleRank(shards.ShardSegments):
         def __init__(self, group, T, B, cu_seqlens, op):
-            super().__init__(group if group is None else stand_in, T, B, cu_seqlens, op)
-            self.group = group
-            self.stand_in = stand_in  # the weakly keyed place lives as long as the cut
+            assert group is None or group is dist.group.WORLD, "the stand-in is the default group's"
+            super().__init__(None if group is None else place, T, B, cu_seqlens, op)
 
     op_hooks.shard_cut = MiddleRank
+    op_hooks.cut_world = lambda group, packed: 1 if group is None else 3  # what the compiled ops are traced for
     forget_plans()  # no cut made before is reused (a repeated call reuses its cut)
 
 
@@ -404,6 +403,7 @@ def _compiled(rank, world, layer):
     import torch.distributed as dist
 
     import allscan.ops.delta.shard as shard
+    from allscan.ops.hooks import op_hooks
 
     _as_middle_rank(world)
     op = _layer_op(layer)
@@ -420,7 +420,9 @@ def _compiled(rank, world, layer):
     HV = v.shape[2]
     A_log = torch.zeros(HV, device=dev, requires_grad=True)
     dt_bias = torch.zeros(HV * K if layer == "kda" else HV, device=dev, requires_grad=True)
-    common = dict(group_name=dist.group.WORLD.group_name, group_size=world, per_key=layer == "kda", scale=K ** -0.5,
+    # the ranks the cut spans: 3 where one GPU stands in for a middle rank
+    size = op_hooks.cut_world(dist.group.WORLD, False)
+    common = dict(group_name=dist.group.WORLD.group_name, group_size=size, per_key=layer == "kda", scale=K ** -0.5,
                   safe_gate=False, lower_bound=None, method="zeco", needs_grad=True)
     for args, kwargs in (((q, k, v, g, beta, None, None, None, None),
                           dict(common, l2norm=True, gate=False, beta_sigmoid=True, neg_eigval=True, want_final=True)),

@@ -18,9 +18,11 @@ back when done (``with replaced(op_hooks, name=fn):``); the hooks are process-wi
 - ``shard_cut(group, T, B, cu_seqlens, op)``: how ``zeco_gla`` and the delta rules cut this rank's shard
   when no :class:`allscan.SequenceContext` is given (a :class:`allscan.context.ShardCut`); a benchmark
   stands one rank in for another here. Default: :class:`allscan.ops._shards.ShardSegments`.
-- :func:`cut_world`: the ranks a shard's cut spans, through ``shard_cut``: what the compiled ops take as
-  their ``group_size`` (their results' shapes depend on it; :func:`check_cut_world` holds the cut they make
-  to it).
+- ``cut_world(group, packed)``: how many ranks the cut of a call on ``group`` (None: one process) will span,
+  ``packed`` whether it has packed offsets: what ``zeco_gla`` and the delta rules pass their custom ops under
+  torch.compile as ``group_size`` (the results' shapes depend on it; it is evaluated while tracing, so it reads
+  no tensor). Whoever replaces ``shard_cut`` with a cut of another size replaces this too. Default: the group's
+  size. :func:`check_cut_world` holds the cut the op makes to it.
 - :func:`forget_plans`: forget the plans and checked cuts made so far, so that a replaced hook serves
   the next call even where a repeated call would reuse an earlier call's cut.
 
@@ -31,11 +33,13 @@ from __future__ import annotations
 import contextlib
 from typing import Iterator
 
+import torch.distributed as dist
+
 from ._launch import forget_plans
 from ._shards import ShardSegments
 from .scan import scan
 
-__all__ = ["OpHooks", "op_hooks", "run_body", "replaced", "forget_plans", "cut_world", "check_cut_world"]
+__all__ = ["OpHooks", "op_hooks", "run_body", "replaced", "forget_plans", "group_world", "check_cut_world"]
 
 
 def run_body(label: str, body, backend, *args):
@@ -43,16 +47,23 @@ def run_body(label: str, body, backend, *args):
     return body(backend, *args)
 
 
+def group_world(group, packed: bool) -> int:
+    """The default ``cut_world``: ``group``'s size (1 for None, one process), packed or not. Asked of
+    torch.distributed, not of a cache: a cache filled while tracing is a guard that fails on the next call."""
+    return 1 if group is None else dist.get_world_size(group)
+
+
 class OpHooks:
     """The hooks (see the module docstring); one instance, :data:`op_hooks`."""
 
-    __slots__ = ("gla_scan", "gla_body", "delta_scan", "shard_cut")
+    __slots__ = ("gla_scan", "gla_body", "delta_scan", "shard_cut", "cut_world")
 
     def __init__(self):
         self.gla_scan = scan
         self.gla_body = run_body
         self.delta_scan = scan
         self.shard_cut = ShardSegments
+        self.cut_world = group_world
 
 
 op_hooks = OpHooks()
@@ -72,17 +83,10 @@ def replaced(hooks: OpHooks, **fns) -> Iterator[OpHooks]:
             setattr(hooks, name, fn)
 
 
-def cut_world(group, q, op: str) -> int:
-    """How many ranks the cut of ``q``'s shard (``[B, T_local, ...]``) spans on ``group`` (None: one
-    process), through the ``shard_cut`` hook, asked without the packed offsets (a trace has no values)."""
-    if q.dim() < 2:  # refused by the op's checks when it runs; no shard to cut here
-        return 1
-    return op_hooks.shard_cut(group, q.shape[1], q.shape[0], None, op).world
-
 
 def check_cut_world(cut, group_size: int, op: str) -> None:
     """A compiled op's cut spans the ``group_size`` ranks its results' shapes were traced for (a replaced
-    ``shard_cut`` hook could cut packed rows otherwise): a clear error instead of mismatched shapes."""
+    ``shard_cut`` hook whose ``cut_world`` says otherwise): a clear error instead of mismatched shapes."""
     if cut.world != group_size:
         raise RuntimeError(f"allscan::{op}: traced for {group_size} rank(s), but this call's shard cut spans "
-                           f"{cut.world} (a shard_cut hook that cuts packed rows differently from plain ones?)")
+                           f"{cut.world} (a replaced shard_cut hook without the cut_world that goes with it?)")

@@ -24,7 +24,7 @@ from allscan.context import LOCAL, SequenceContext
 
 from .._launch import absent, or_empty, tell_peers_of_failure
 from .._shards import own_precision
-from ..hooks import check_cut_world, cut_world
+from ..hooks import check_cut_world, op_hooks
 from ..matrix_scan import OP as MATRIX_SCAN_OP
 from .chunk import DeltaInputs, compute_dtype
 from .gates import DeltaOptions
@@ -207,5 +207,6 @@ def compiled_delta_rule(call: DeltaCall, q, k, v, g, beta, group, initial_state)
     cu_seqlens = call.cu_seqlens if call.context is None else call.context.offsets(q.device)
     o, final = zeco_delta_rule_op(q, k, v, g, beta, call.options.A_log, call.options.dt_bias, initial_state,
                                   cu_seqlens, needs_grad=bool(call.needs_grad), agreed=call.context is not None,
-                                  **_options_of(replace(call, scale=scale), group, cut_world(group, q, call.op)))[:2]
+                                  **_options_of(replace(call, scale=scale), group,
+                                                op_hooks.cut_world(group, cu_seqlens is not None)))[:2]
     return o, (final if call.output_final_state else None)

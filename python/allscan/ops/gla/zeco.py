@@ -67,7 +67,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from .._launch import traced_refusal
-from ..hooks import cut_world, op_hooks
+from ..hooks import op_hooks
 from .._shards import LOCAL, inputs_need_grad, on_device, own_precision
 from ..batch_context import context_conflict, context_group
 from .body import METHODS, GLARun, backward_body, forward_body, select_backend
@@ -150,7 +150,7 @@ def zeco_gla(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: Optional[torc
         # the arguments are checked and the shard cut inside the op, when it runs (a failed check
         # traced here could not tell the peers: the trace runs no collective)
         o, final = zeco_gla_op(q, k, v, g, initial_state, cu_seqlens, group_name="" if spg is None else spg.group_name,
-                               group_size=cut_world(spg, q, "zeco_gla"), scale=scale, method=method,
+                               group_size=op_hooks.cut_world(spg, cu_seqlens is not None), scale=scale, method=method,
                                want_final=bool(output_final_state), needs_grad=needs_grad,
                                agreed=context is not None)[:2]
         return o, (final if output_final_state else None)
