@@ -56,10 +56,8 @@ _PLACES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 def world_and_rank(group):
     """(world size, rank) of this process in ``group``: fixed for the group's life, so asked of
-    torch.distributed once (every layer call needs it: host time per call, issue 14); while torch.compile
-    traces, asked again (a cache filled while tracing is a guard that fails on the next call)."""
-    if torch.compiler.is_compiling():
-        return dist.get_world_size(group), dist.get_rank(group)
+    torch.distributed once (every layer call needs it: host time per call, issue 14). Not for code
+    torch.compile traces: a cache filled while tracing is a guard that fails on the next call."""
     place = _PLACES.get(group)
     if place is None:
         place = _PLACES[group] = (dist.get_world_size(group), dist.get_rank(group))

@@ -34,7 +34,6 @@ from .._dtypes import DTYPE_CODES
 from .._settings import settings
 from .._threads import one_thread
 from ._launch import traced_refusal, validated_group
-from ._shards import world_and_rank
 from . import _a2a_dist
 from ._a2a_checks import check_head_map, check_tensor, resolve_head_map, signature_fields, validate_call
 from ._a2a_dist import GATHER, SCATTER, HeadMap, Range, overlaps
@@ -265,7 +264,7 @@ def scatter_heads(x: torch.Tensor, group=None, *, head_range: Optional[Range] = 
     (the backward is :func:`gather_heads`); a ``torch.library`` custom op.
     """
     group = _comm.normalize_group(group)
-    P, me = world_and_rank(group)
+    P, me = dist.get_world_size(group), dist.get_rank(group)  # traced too: no cache
     hm = []
 
     def validate():
@@ -290,7 +289,7 @@ def gather_heads(y: torch.Tensor, group=None, *, num_heads: Optional[int] = None
     ``head_range`` the output keeps all ``num_heads`` heads and those outside the range are zero.
     """
     group = _comm.normalize_group(group)
-    P, me = world_and_rank(group)
+    P, me = dist.get_world_size(group), dist.get_rank(group)  # traced too: no cache
     hm = []
 
     def validate():
