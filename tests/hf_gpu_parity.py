@@ -3,23 +3,28 @@ sequence-parallel against transformers' own model on the whole sequence on one G
 packed row (a sequence start inside rank 0's shard, a sequence crossing the rank boundary) against each sequence
 run alone: logits and loss against transformers' fp32 model; every parameter gradient against a float64 truth
 (transformers' own model, the same weights, on CPU, its scan in float64; its norms and softmax still round to fp32,
-as transformers writes them), within TOL or twice transformers' own fp32 error, and never more than
-:data:`GRAD_CAP` (a reference that far off would hide a wrong gradient: the test fails instead). The gates'
-parameter gradients (``A_log``, ``dt_bias``) are sums that cancel: on CPU transformers' own fp32 model is 1e-4
-relative from float64 there, and two fp32 computations in different orders (the sharded one, fla's kernels on
-sequences cut differently) are no closer to each other. fp32 runs with IEEE dots in fla's kernels
-(``TRITON_F32_DEFAULT=ieee``) and without TF32 in cuBLAS and cuDNN (torch lets cuDNN's fp32 convolutions use it by
-default)."""
+as transformers writes them), within TOL or twice transformers' own fp32 error on the GPU.
+
+Where both models compute in IEEE fp32 (torch's paths, fla's Triton kernels with ``TRITON_F32_DEFAULT=ieee``, no
+TF32 in cuBLAS and cuDNN), a gradient is also never more than :data:`GRAD_CAP` off (a reference that far off would
+hide a wrong gradient: the test fails instead). Not so on fla's gated delta-rule backward on Hopper with Triton
+< 3.7.1: fla runs it in tilelang, whose fp32 matrix products are TF32. Measured on an H100 (fla-core 0.6.0, the op
+alone against a float64 recurrence, Qwen3-Next's gates): dq and dk 1.5e-3 relative, and the gate gradients, sums
+that cancel, from 4e-2 up to several times their own size (an fp32 recurrence: 4e-7), and transformers' own
+model there is just as far from the truth. On those kernels the check is that allscan's gradients are as close to
+the truth as transformers' own (``grad_cap=None``); the GPU tests hold the sequence-parallel algorithm to the cap on
+torch's paths beside it."""
 from __future__ import annotations
 
 import contextlib
 import os
+from typing import Optional
 
 import pytest
 import torch
 
 TOL = 2e-4  # the hybrids' fp32 bound
-GRAD_CAP = 1e-2  # the most a gradient may be off the truth, whatever transformers' own error
+GRAD_CAP = 1e-2  # the most a gradient may be off the truth in IEEE fp32, whatever transformers' own error
 T = 256  # 128 tokens a rank: two of fla's 64-token chunks
 BOUNDS = [0, 40, 150, T]  # 40 inside rank 0's shard; the sequence 40..150 crosses the boundary at 128
 
@@ -41,10 +46,11 @@ def _rel(a, b):
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
-def _grad_bound(own, truth):
+def _grad_bound(own, truth, cap):
     """How far a gradient may be from the truth: TOL, or twice transformers' own fp32 error ``own`` (None: its run
-    left the parameter without a gradient), at most GRAD_CAP."""
-    return min(GRAD_CAP, max(TOL, 0.0 if own is None else 2 * _rel(own, truth)))
+    left the parameter without a gradient), at most ``cap`` (None: no cap)."""
+    bound = max(TOL, 0.0 if own is None else 2 * _rel(own, truth))
+    return bound if cap is None else min(cap, bound)
 
 
 def _transformers_run(model, ids, labels, packed, sp):
@@ -58,11 +64,13 @@ def _transformers_run(model, ids, labels, packed, sp):
 
 
 def sp2_against_transformers(rank, world, families, model_of, vocab, prepare=lambda kind: None,
-                             fp64_paths=lambda kind: contextlib.nullcontext()):
+                             fp64_paths=lambda kind: contextlib.nullcontext(),
+                             fp32_paths=lambda kind: contextlib.nullcontext(), grad_cap=GRAD_CAP):
     """Run on each rank of a spawned NCCL world: ``{(family, packed): errors}``. ``model_of(kind)``: a fresh seeded
     fp32 model on this rank's GPU; ``prepare(kind)``: what the family's reference needs first; ``fp64_paths(kind)``:
-    a context in which transformers' torch paths of the family compute in float64 (the truth's; the module
-    docstring says what is compared)."""
+    a context in which transformers' torch paths of the family compute in float64 (the truth's);
+    ``fp32_paths(kind)``: a context in which both fp32 models are built and run (the kernels they take);
+    ``grad_cap``: :func:`_grad_bound`'s (the module docstring says what is compared and why)."""
     os.environ.setdefault("TRITON_F32_DEFAULT", "ieee")
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
@@ -78,22 +86,22 @@ def sp2_against_transformers(rank, world, families, model_of, vocab, prepare=lam
         prepare(kind)
         for packed in (False, True):
             ids, labels = _batch(packed, vocab)
-            ref_logits, ref_loss, ref_grads = _transformers_run(model_of(kind), ids, labels, packed, sp)
             with fp64_paths(kind):
                 _, _, truth = _transformers_run(model_of(kind).double().cpu(), ids.cpu(), labels.cpu(), packed, sp)
-
-            model = sp.sequence_parallel(model_of(kind))
-            pieces = list(zip(BOUNDS[:-1], BOUNDS[1:]))
-            pos = torch.cat([torch.arange(b - a) for a, b in pieces])[None].cuda() if packed else None
-            shard = sp.shard_batch(ids, labels, position_ids=pos)
-            logits = model(input_ids=shard.input_ids, position_ids=shard.position_ids).logits
-            loss = sp.causal_lm_loss(logits, shard)
-            loss.backward()
+            with fp32_paths(kind):
+                ref_logits, ref_loss, ref_grads = _transformers_run(model_of(kind), ids, labels, packed, sp)
+                model = sp.sequence_parallel(model_of(kind))
+                pieces = list(zip(BOUNDS[:-1], BOUNDS[1:]))
+                pos = torch.cat([torch.arange(b - a) for a, b in pieces])[None].cuda() if packed else None
+                shard = sp.shard_batch(ids, labels, position_ids=pos)
+                logits = model(input_ids=shard.input_ids, position_ids=shard.position_ids).logits
+                loss = sp.causal_lm_loss(logits, shard)
+                loss.backward()
             sp.sync_gradients(model)
             Tl = T // world
             grads = {n: p.grad for n, p in model.named_parameters()}
             missing = sorted(n for n in truth if grads[n] is None)
-            over = {n: _rel(grads[n], t) / _grad_bound(ref_grads.get(n), t) for n, t in truth.items()
+            over = {n: _rel(grads[n], t) / _grad_bound(ref_grads.get(n), t, grad_cap) for n, t in truth.items()
                     if grads[n] is not None}
             worst = max(over, key=over.get)
             res[(kind, packed)] = {
@@ -107,16 +115,17 @@ def sp2_against_transformers(rank, world, families, model_of, vocab, prepare=lam
     return res
 
 
-def run_and_check(case, families, fla_module: str, timeout: int, *args) -> None:
+def run_and_check(case, families, fla_module: Optional[str], timeout: int, *args) -> None:
     """``case(rank, world, *args)`` on two NCCL ranks (skipped without two ranks or without ``fla_module``, the
-    fla-core kernels the families run on), then :func:`check` of what every rank returned."""
+    fla-core kernels the families run on; None: none), then :func:`check` of what every rank returned."""
     import importlib
 
     from distributed import run_distributed, skip_unless_nccl_ranks
 
     skip_unless_nccl_ranks(2)
     try:
-        importlib.import_module(fla_module)
+        if fla_module is not None:
+            importlib.import_module(fla_module)
     except Exception as e:  # noqa: BLE001 - any failure to import: not usable here
         pytest.skip(f"needs fla-core (flash-linear-attention): {e}")
     check(run_distributed(case, 2, *args, backend="nccl", timeout=timeout), families)

@@ -46,29 +46,34 @@ def _modeling(kind):
 def fp64_delta_rule(kind):
     """Point the family's modeling module at its own torch delta rule computing in the inputs' dtype: the
     function's source with ``torch.float32`` (and KDA's ``.float()``) made the inputs' dtype. Test only."""
-    setattr(_modeling(kind), DELTA_RULE[kind], _delta_rule_in_inputs_dtype(kind))
+    setattr(_modeling(kind), DELTA_RULE[kind], _torch_delta_rule(kind, in_inputs_dtype=True))
 
 
 @contextlib.contextmanager
-def fp64_delta_rule_within(kind):
-    """:func:`fp64_delta_rule` inside the block only (transformers' own binding after it: fla's kernels on GPU)."""
+def torch_delta_rule_within(kind, in_inputs_dtype=True):
+    """Inside the block only, the family's modeling module calls its own torch delta rule, never fla's kernels:
+    computing in the inputs' dtype (:func:`fp64_delta_rule`'s) or, ``in_inputs_dtype=False``, in fp32 as
+    transformers writes it. transformers' own binding after it (fla's kernels for CUDA tensors)."""
     mod, name = _modeling(kind), DELTA_RULE[kind]
     kept = getattr(mod, name)
-    setattr(mod, name, _delta_rule_in_inputs_dtype(kind))
+    setattr(mod, name, _torch_delta_rule(kind, in_inputs_dtype))
     try:
         yield
     finally:
         setattr(mod, name, kept)
 
 
-def _delta_rule_in_inputs_dtype(kind):
+def _torch_delta_rule(kind, in_inputs_dtype):
+    """The function from the installed modeling file's source, without the decorator that hands CUDA tensors to
+    fla's kernels; ``in_inputs_dtype``: its upcast to fp32 made one to the inputs' dtype."""
     mod = _modeling(kind)
     name = DELTA_RULE[kind]
     src = open(mod.__file__).read()
     start = src.index(f"\ndef {name}(") + 1
     code = src[start:src.index("\n\n\n", start)]
     assert "initial_dtype = query.dtype" in code
-    code = code.replace("torch.float32", "initial_dtype").replace(".float()", ".to(initial_dtype)")
+    if in_inputs_dtype:
+        code = code.replace("torch.float32", "initial_dtype").replace(".float()", ".to(initial_dtype)")
     namespace = dict(vars(mod))
     exec(compile(code, mod.__file__, "exec"), namespace)  # noqa: S102
     return namespace[name]

@@ -1,17 +1,24 @@
 """transformers' Gated DeltaNet and KDA hybrids (Qwen3-Next, Qwen3.5, OLMo-Hybrid, Kimi Linear) made
-sequence-parallel (``hf_hybrids.sequence_parallel``: the delta rule on fla-core's kernels through
-``zeco_gated_delta_rule`` / ``zeco_kda``, the attention on Ulysses) at SP = 2 on NCCL, fp32, against transformers'
-own model on the whole sequence on one GPU, with B = 2 rows and with a packed row (a sequence start inside rank 0's
-shard, a sequence crossing the rank boundary) against each sequence run alone: logits and loss, and every
-parameter gradient against a float64 truth (``tests/hf_gpu_parity.py`` says the bounds and why).
+sequence-parallel (``hf_hybrids.sequence_parallel``: the delta rule through ``zeco_gated_delta_rule`` /
+``zeco_kda``, the attention on Ulysses) at SP = 2 on NCCL, fp32, against transformers' own model on the whole
+sequence on one GPU, with B = 2 rows and with a packed row (a sequence start inside rank 0's shard, a sequence
+crossing the rank boundary) against each sequence run alone: logits and loss, and every parameter gradient against
+a float64 truth (``tests/hf_gpu_parity.py`` says the bounds and why). Two ways:
+
+- on fla-core's kernels, as users run them, both models: allscan's gradients as close to the truth as
+  transformers' own (fla's delta-rule backward on Hopper computes its fp32 products in TF32);
+- on torch's paths, both models (allscan's torch delta rule, transformers' own torch function): IEEE fp32, every
+  gradient within the cap as well. One family of each rule: the sequence-parallel algorithm on NCCL, held tight.
 
     ALLSCAN_TEST_RANKS_PER_GPU=2 python3 -m pytest -s -q -m gpu tests/test_hf_hybrids_gpu.py -p no:cacheprovider
 
-One spawn of two ranks per family (two NCCL ranks may share one GPU), each bounded and reported on its own. fla's
-gated delta-rule backward needs tilelang on Hopper with Triton < 3.7.1 (``../shared/tools/device_tilelang.sh``).
+One spawn of two ranks per case (two NCCL ranks may share one GPU), each bounded and reported on its own. fla's
+gated delta-rule backward needs tilelang on Hopper with Triton < 3.7.1 (``../shared/tools/device_tilelang.sh``);
+its kernels compile on first use, about half a minute each.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 
@@ -32,15 +39,39 @@ def _model_of(kind):
     return tiny_model(kind, width=4).float().cuda()
 
 
-def _gpu_case(rank, world, family):
-    from hf_gpu_parity import sp2_against_transformers
-    from test_hf_hybrids import VOCAB, fp64_delta_rule_within
+@contextlib.contextmanager
+def _torch_paths(kind):
+    """Both fp32 models on torch's delta rule: transformers' own function, allscan's torch backend."""
+    from unittest import mock
 
-    return sp2_against_transformers(rank, world, [family], _model_of, VOCAB, fp64_paths=fp64_delta_rule_within)
+    from test_hf_hybrids import torch_delta_rule_within
+
+    import allscan.ops.delta.prepare as prepare
+
+    with torch_delta_rule_within(kind, in_inputs_dtype=False), mock.patch.object(prepare, "fla_usable",
+                                                                                 lambda q: False):
+        yield
+
+
+def _gpu_case(rank, world, family, kernels):
+    from hf_gpu_parity import GRAD_CAP, sp2_against_transformers
+    from test_hf_hybrids import VOCAB, torch_delta_rule_within
+
+    fp32_paths, grad_cap = {"fla": (lambda kind: contextlib.nullcontext(), None),
+                            "torch": (_torch_paths, GRAD_CAP)}[kernels]
+    return sp2_against_transformers(rank, world, [family], _model_of, VOCAB, fp64_paths=torch_delta_rule_within,
+                                    fp32_paths=fp32_paths, grad_cap=grad_cap)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_gdn_and_kda_hybrids_sp2_nccl_equal_transformers(family):
+def test_gdn_and_kda_hybrids_sp2_nccl_on_fla_as_close_as_transformers(family):
     from hf_gpu_parity import run_and_check
 
-    run_and_check(_gpu_case, [family], "fla.ops.gated_delta_rule", 600, family)
+    run_and_check(_gpu_case, [family], "fla.ops.gated_delta_rule", 600, family, "fla")
+
+
+@pytest.mark.parametrize("family", ["qwen3_next", "kimi_linear"])
+def test_gdn_and_kda_hybrids_sp2_nccl_on_torch_paths_equal_transformers(family):
+    from hf_gpu_parity import run_and_check
+
+    run_and_check(_gpu_case, [family], None, 600, family, "torch")
