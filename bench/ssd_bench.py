@@ -9,22 +9,25 @@ Forward + backward of the SSD (the gradients of x, dt, A, B, C, D), batch 1, ``-
 tokens a rank. Rows, interleaved in one process (each repeat runs every row once, odd repeats reversed),
 CUDA events around ``--inner`` back-to-back calls after warm-up, median of the repeats:
 
-    ideal   fla's ``chunk_simple_gla`` on the shard alone (q = C, k = B, v = dt x, g = dt A, the skip D x
-            and the groups' broadcast as zeco_ssd does them): no communication, the floor
+    ideal   fla's ``chunk_gla`` on the shard alone, the per-head decay broadcast over the state's K (q = C,
+            k = B, v = dt x, g = dt A, the skip D x and the groups' broadcast as zeco_ssd does them): the
+            kernel zeco_ssd runs (through zeco_gla), no communication: the floor
     zeco    ``zeco_ssd``: the rank ``--stand-in`` names (rank 1 of 3 by default: the incoming state's
             fold-in and its gradient issued, the scans over the one-rank group, so no transfer)
     a2a     the head-parallel scheme over ``--a2a-ranks`` ranks: all-to-all heads (x, dt, B, C: this rank
-            keeps H/P heads and G/P groups of the whole sequence), ``chunk_simple_gla`` on the whole
+            keeps H/P heads and G/P groups of the whole sequence), the ideal's kernel on the whole
             sequence for those heads, all-to-all back (y), the same in the backward. On one GPU the
             all-to-alls are their pack and unpack copies (the data that stays on the rank); their transfer
             is not timed, as zeco's is not: both rows are a rank's own work.
+    simple  fla's ``chunk_simple_gla`` (one decay per head, no broadcast) on the shard alone, where fla runs
+            its gated backward: fla-core 0.6 refuses it on Hopper with Triton 3.4 to 3.7.0 (its issue #640)
+            unless tilelang takes it, which it does for fp32 only; the row says so instead of a time.
 
 Beside the times: the bytes one rank sends per fwd+bwd in each scheme (by the algorithm, not measured). The
 agreement of ``zeco`` with ``ideal`` (max relative error of output and gradients) is printed: the stand-in's
 scans run over the one-rank group, so its incoming state and the gradient from its right are zeros and it
 computes the shard's own answer (``a2a`` on one GPU computes other data: its sequence is the rank's own
-heads' pieces one after another). Writes DIR/ssd_bench.json. Note: zeco_gla (under zeco_ssd) expands the per-head
-decay to ``[B, T, H, K]`` and runs fla's ``chunk_gla`` kernels, not ``chunk_simple_gla``'s.
+heads' pieces one after another). Writes DIR/ssd_bench.json.
 """
 from __future__ import annotations
 
@@ -38,7 +41,7 @@ import time
 
 from gla_common import add_fla_autotune_option, add_stand_in_option, middle_rank_stand_in, progress
 
-ROWS = ["ideal", "zeco", "a2a"]
+ROWS = ["ideal", "zeco", "a2a", "simple"]  # "simple" last: left out where fla refuses it
 _say = progress("ssd_bench")
 
 
@@ -58,15 +61,33 @@ def _inputs(args, T, dev):
     return [t.requires_grad_(True) for t in (x, dt, A, B, C, D)], dy
 
 
-def simple_gla_ssd(x, dt, A, B, C, D):
-    """The SSD by fla's chunk_simple_gla on what this rank holds (the ideal's kernel and glue)."""
-    from fla.ops.simple_gla import chunk_simple_gla
-
+def fla_ssd(x, dt, A, B, C, D, kernel="chunk_gla"):
+    """The SSD by fla's ``kernel`` on what this rank holds: ``chunk_gla`` with the per-head decay broadcast
+    over K (the ideal's), or ``chunk_simple_gla``."""
     H, G = x.shape[2], B.shape[2]
     q, k = (t.repeat_interleave(H // G, dim=2) for t in (C, B))
     v = (dt.unsqueeze(-1) * x.float()).to(x.dtype)
-    y, _ = chunk_simple_gla(q, k, v, g=dt * A, scale=1.0)
+    g = dt * A
+    if kernel == "chunk_gla":
+        from fla.ops.gla import chunk_gla
+
+        y, _ = chunk_gla(q, k, v, g.unsqueeze(-1).expand(*g.shape, q.shape[-1]), scale=1.0)
+    else:
+        from fla.ops.simple_gla import chunk_simple_gla
+
+        y, _ = chunk_simple_gla(q, k, v, g=g, scale=1.0)
     return (y.float() + D[:, None] * x.float()).to(x.dtype)
+
+
+def simple_gla_refusal(ins, dy):
+    """None where fla runs ``chunk_simple_gla``'s gated backward on these inputs, else why it does not."""
+    import torch
+
+    try:
+        torch.autograd.grad(fla_ssd(*ins, kernel="chunk_simple_gla"), ins, dy)
+    except RuntimeError as e:
+        return f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
+    return None
 
 
 def _to_heads(t, ranks):
@@ -91,7 +112,7 @@ def a2a_ssd(x, dt, A, B, C, D, ranks):
     heads = x.shape[2] // ranks
     xs, dts, Bs, Cs = (_to_heads(t, ranks) for t in (x, dt, B, C))
     # the whole sequence (``ranks`` shards) for this rank's heads: A and D of the first heads stand in
-    return _to_sequence(simple_gla_ssd(xs, dts, A[:heads], Bs, Cs, D[:heads]), ranks)
+    return _to_sequence(fla_ssd(xs, dts, A[:heads], Bs, Cs, D[:heads]), ranks)
 
 
 def _bytes(args, T):
@@ -109,13 +130,20 @@ def _measure(args, dev):
 
     from allscan.ops.ssd import zeco_ssd
 
-    results, checks = [], {}
+    results, checks, refused = [], {}, {}
     for T in args.tlocal:
         ins, dy = _inputs(args, T, dev)
+        why = simple_gla_refusal(ins, dy)
+        rows = ROWS if why is None else ROWS[:-1]
+        if why is not None:
+            refused[f"{T}/simple"] = why
+            _say(f"T_local={T}: fla refuses chunk_simple_gla's backward here ({why}): no 'simple' row")
 
         def fwd_bwd(name):
             if name == "ideal":
-                y = simple_gla_ssd(*ins)
+                y = fla_ssd(*ins)
+            elif name == "simple":
+                y = fla_ssd(*ins, kernel="chunk_simple_gla")
             elif name == "zeco":
                 y = zeco_ssd(*ins, torch.distributed.group.WORLD)[0]
             else:
@@ -123,19 +151,19 @@ def _measure(args, dev):
             return (y,) + torch.autograd.grad(y, ins, dy)
 
         _say(f"T_local={T}: first fwd+bwd of every row (compiles kernels the first time)")
-        outs = {n: fwd_bwd(n) for n in ROWS}
+        outs = {n: fwd_bwd(n) for n in rows}
         # the stand-in's scans run over the one-rank group: its incoming state and the gradient from its
-        # right are zeros, so it computes the ideal's answer (through chunk_gla's kernels)
+        # right are zeros, so it computes the ideal's answer (through the same chunk_gla kernels)
         checks[f"{T}/zeco"] = max(((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
                                   for a, b in zip(outs["zeco"], outs["ideal"]))
         del outs
         for _ in range(args.warmup):
-            for n in ROWS:
+            for n in rows:
                 fwd_bwd(n)
         torch.cuda.synchronize()
-        times = {n: [] for n in ROWS}
+        times = {n: [] for n in rows}
         for r in range(args.repeats):
-            for n in (ROWS if r % 2 == 0 else ROWS[::-1]):
+            for n in (rows if r % 2 == 0 else rows[::-1]):
                 torch.cuda.synchronize()
                 e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 e0.record()
@@ -145,12 +173,12 @@ def _measure(args, dev):
                 torch.cuda.synchronize()
                 times[n].append(e0.elapsed_time(e1) / args.inner)
         sent = _bytes(args, T)
-        for n in ROWS:
+        for n in rows:
             results.append(dict(T_local=T, row=n, ms=statistics.median(times[n]), ms_all=times[n],
                                 sent_bytes=sent.get(n, 0)))
-        _say(f"T_local={T}: " + ", ".join(f"{n} {statistics.median(times[n]):.2f} ms" for n in ROWS))
+        _say(f"T_local={T}: " + ", ".join(f"{n} {statistics.median(times[n]):.2f} ms" for n in rows))
         torch.cuda.empty_cache()
-    return results, checks
+    return results, checks, refused
 
 
 def report(out):
@@ -162,10 +190,12 @@ def report(out):
     for T in sorted({r["T_local"] for r in out["results"]}):
         ideal = by[(T, "ideal")]["ms"]
         cells = [f"{by[(T, n)]['ms']:7.2f} {by[(T, n)]['ms'] / ideal:5.2f}x {by[(T, n)]['sent_bytes'] / 2 ** 20:7.1f}"
-                 for n in ROWS]
+                 if (T, n) in by else "refused by fla" for n in ROWS]
         print(f"{T:7d} " + " ".join(f"{c:>24s}" for c in cells))
     for key, err in sorted(out["agreement_rel_err_vs_ideal"].items()):
         print(f"  agreement {key}: max relative error against ideal {err:.2e}")
+    for key, why in sorted(out["refused"].items()):
+        print(f"  {key}: {why}")
 
 
 def run(args):
@@ -184,14 +214,14 @@ def run(args):
     nk = limit_fla_autotune(args.fla_autotune)
     _say(f"T_local {args.tlocal}, fla autotune {args.fla_autotune!r} ({nk} kernels)")
     with middle_rank_stand_in(1, "allscan.ops.gla.zeco", args.stand_in):
-        results, checks = _measure(args, dev)
+        results, checks, refused = _measure(args, dev)
     out = dict(bench="ssd_bench", H=args.heads, P=args.head_dim, N=args.state, G=args.groups, dtype=args.dtype,
                a2a_ranks=args.a2a_ranks, stand_in={"middle": "a middle", "last": "the last", "first": "the first"}[
                    args.stand_in], repeats=args.repeats, inner=args.inner, fla_autotune=args.fla_autotune,
                host=socket.gethostname(), device=torch.cuda.get_device_name(dev), torch=torch.__version__,
                time=time.strftime("%Y-%m-%d %H:%M:%S"),
                command="torchrun --nproc-per-node 1 bench/ssd_bench.py " + " ".join(sys.argv[1:]),
-               agreement_rel_err_vs_ideal=checks, results=results)
+               agreement_rel_err_vs_ideal=checks, refused=refused, results=results)
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, "ssd_bench.json")
     with open(path, "w") as f:

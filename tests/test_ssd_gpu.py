@@ -1,15 +1,18 @@
 """Mamba2's SSD (:func:`allscan.ops.ssd.zeco_ssd`) on fla-core's kernels (through zeco_gla) against the exact
-recurrence and against fla's ``chunk_simple_gla`` on the whole sequence: one rank (``LOCAL``, the whole
-sequence) and two NCCL ranks (sharing one GPU with ``ALLSCAN_TEST_RANKS_PER_GPU=2``).
+recurrence and against fla's ``chunk_gla`` on the whole sequence: one rank (``LOCAL``, the whole sequence) and two
+NCCL ranks (sharing one GPU with ``ALLSCAN_TEST_RANKS_PER_GPU=2``).
 
     ALLSCAN_TEST_RANKS_PER_GPU=2 python3 -m pytest -s -q -m gpu tests/test_ssd_gpu.py -p no:cacheprovider
 
 Every rank computes on the whole sequence the exact answer (:func:`allscan.ssd_reference.ssd_recurrence` in
-float64 on the same rounded inputs, with autograd) and fla's ``chunk_simple_gla`` with q = C, k = B, v = dt x,
-g = dt A, scale 1 (the skip term D x added, the groups broadcast to the heads), then zeco_ssd on the whole
-sequence and on its shard; outputs, final states and the gradients of x, dt, A, B, C, D and the initial state.
-Metric: RMS error ratio against the exact answer; bound: ``TOL`` or 1.25x fla's own error on the same slice
-(as accurate as the single-GPU kernel). fp32 runs Triton's dots in IEEE fp32 (TRITON_F32_DEFAULT=ieee).
+float64 on the same rounded inputs, with autograd) and fla's ``chunk_gla`` with q = C, k = B, v = dt x, g = dt A
+broadcast over the state's K, scale 1 (the skip term D x added, the groups broadcast to the heads), then zeco_ssd
+on the whole sequence and on its shard; outputs, final states and the gradients of x, dt, A, B, C, D and the
+initial state. Metric: RMS error ratio against the exact answer; bound: ``TOL`` or 1.25x fla's own error on the
+same slice (as accurate as the single-GPU kernel). fp32 runs Triton's dots in IEEE fp32
+(TRITON_F32_DEFAULT=ieee). Not fla's ``chunk_simple_gla`` (the SSD's own form): fla-core 0.6 refuses its gated
+backward on Hopper with Triton 3.4 to 3.7.0 (fla issue #640) unless tilelang takes it, which it does only for
+fp32, with TF32 products.
 """
 from __future__ import annotations
 
@@ -36,14 +39,15 @@ def _rms_ratio(a, b):
 
 
 def _fla_ssd(x, dt, A, B, C, D, h0, cu):
-    """SSD by fla's chunk_simple_gla on the whole sequence (the state transposed: fla's [K=N, V=P])."""
-    from fla.ops.simple_gla import chunk_simple_gla
+    """SSD by fla's chunk_gla on the whole sequence (the state transposed: fla's [K=N, V=P])."""
+    from fla.ops.gla import chunk_gla
 
     heads = H // G
     q, k = (t.repeat_interleave(heads, dim=2) for t in (C, B))
     v = (dt.unsqueeze(-1) * x.float()).to(x.dtype)
-    y, fin = chunk_simple_gla(q, k, v, g=dt * A, scale=1.0, initial_state=h0.transpose(-1, -2).contiguous(),
-                              output_final_state=True, cu_seqlens=cu)
+    g = (dt * A).unsqueeze(-1).expand(*dt.shape, N)
+    y, fin = chunk_gla(q, k, v, g, scale=1.0, initial_state=h0.transpose(-1, -2).contiguous(),
+                       output_final_state=True, cu_seqlens=cu)
     return (y.float() + D[:, None] * x.float()).to(x.dtype), fin.transpose(-1, -2)
 
 
@@ -126,5 +130,5 @@ def _run(rank, world, dtype_name):
 @pytest.mark.parametrize("dtype_name", ["float32", "bfloat16"])
 def test_zeco_ssd_matches_exact_and_fla(dtype_name):
     skip_unless_nccl_ranks(2)
-    pytest.importorskip("fla.ops.simple_gla")
+    pytest.importorskip("fla.ops.gla")
     assert run_distributed(_run, 2, dtype_name, timeout=RUN_TIMEOUT, backend="nccl") == [True, True]
