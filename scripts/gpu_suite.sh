@@ -16,7 +16,8 @@
 # Logs and JSON go to $OUT (default ./gpu_out); a short table is printed last.
 # Needs: python3 with torch (CUDA), nvcc, cmake, ninja, pybind11, scikit-build-core; fla-core and
 # yunchang wheels in .whl/ for the GLA and Ulysses comparisons (../shared/tools/device_wheels.sh);
-# tilelang's wheels in .tl1/ and .tl2/ for the delta-rule stages (../shared/tools/device_tilelang.sh).
+# tilelang's wheels in .tl1/ and .tl2/ for the delta-rule stages (../shared/tools/device_tilelang.sh); or all of
+# them packed into one carry, .gpuenv/env.tar.xz (scripts/pack_gpu_env.sh).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu_out}
@@ -30,6 +31,10 @@ SUMMARY="$OUT/summary.txt"
 : > "$SUMMARY"
 note() { echo "$*" | tee -a "$SUMMARY"; }
 
+# .gpuenv/env.tar.xz (scripts/pack_gpu_env.sh): every wheel below in one carry, unpacked once per machine
+if [ -f .gpuenv/env.tar.xz ] && [ ! -f /tmp/gpuenv/.unpacked ]; then
+  mkdir -p /tmp/gpuenv && tar -xJf .gpuenv/env.tar.xz -C /tmp/gpuenv && touch /tmp/gpuenv/.unpacked
+fi
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 fi
@@ -41,7 +46,7 @@ for d in .tl1 .tl2; do
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/tl "$d"/*.whl
   fi
 done
-for d in /tmp/site /tmp/tl; do
+for d in /tmp/site /tmp/tl /tmp/gpuenv; do
   [ -d "$d" ] && export PYTHONPATH=$d${PYTHONPATH:+:$PYTHONPATH}
 done
 
