@@ -31,9 +31,17 @@ SUMMARY="$OUT/summary.txt"
 : > "$SUMMARY"
 note() { echo "$*" | tee -a "$SUMMARY"; }
 
-# .gpuenv/env.tar.xz (scripts/pack_gpu_env.sh): every wheel below in one carry, unpacked once per machine
-if [ -f .gpuenv/env.tar.xz ] && [ ! -f /tmp/gpuenv/.unpacked ]; then
-  mkdir -p /tmp/gpuenv && tar -xJf .gpuenv/env.tar.xz -C /tmp/gpuenv && touch /tmp/gpuenv/.unpacked
+# .gpuenv/env.tar.xz (scripts/pack_gpu_env.sh): every wheel below in one carry, unpacked once per machine and
+# again when the archive changes; first on PYTHONPATH (below) when it unpacked, so it wins over the wheel folders
+GPUENV=""
+if [ -f .gpuenv/env.tar.xz ]; then
+  sum=$(sha256sum .gpuenv/env.tar.xz | cut -d' ' -f1)
+  if [ "$(cat /tmp/gpuenv/.unpacked 2>/dev/null)" != "$sum" ]; then
+    rm -rf /tmp/gpuenv && mkdir -p /tmp/gpuenv &&
+      tar -xJf .gpuenv/env.tar.xz -C /tmp/gpuenv && echo "$sum" > /tmp/gpuenv/.unpacked ||
+      note "unpacking .gpuenv/env.tar.xz failed: the stages run without it"
+  fi
+  [ "$(cat /tmp/gpuenv/.unpacked 2>/dev/null)" = "$sum" ] && GPUENV=/tmp/gpuenv
 fi
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
@@ -46,7 +54,7 @@ for d in .tl1 .tl2; do
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/tl "$d"/*.whl
   fi
 done
-for d in /tmp/site /tmp/tl /tmp/gpuenv; do
+for d in /tmp/site /tmp/tl $GPUENV; do
   [ -d "$d" ] && export PYTHONPATH=$d${PYTHONPATH:+:$PYTHONPATH}
 done
 

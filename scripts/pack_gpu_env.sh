@@ -32,7 +32,7 @@ done
 if [ -f "$stage/z3/lib/libz3.so" ]; then
   for f in "$stage"/z3/lib/libz3.so.*; do [ -f "$f" ] && ! [ -L "$f" ] && rm "$f" && ln -s libz3.so "$f"; done
 fi
-mkdir -p .gpuenv
-grep -qx "/.gpuenv/" .git/info/exclude 2>/dev/null || echo "/.gpuenv/" >> .git/info/exclude
+chmod 755 "$stage"  # the archive's root: mktemp's 0700 would become /tmp/gpuenv's
+mkdir -p .gpuenv  # git-ignored
 XZ_OPT="-9 -T0" tar -cJf .gpuenv/env.tar.xz -C "$stage" .
 echo "$n wheels -> .gpuenv/env.tar.xz $(du -m .gpuenv/env.tar.xz | cut -f1) MB (a call carries 64 MB with the tree)"

@@ -3,20 +3,25 @@ sequence-parallel against transformers' own model on the whole sequence on one G
 packed row (a sequence start inside rank 0's shard, a sequence crossing the rank boundary) against each sequence
 run alone: logits and loss against transformers' fp32 model; every parameter gradient against a float64 truth
 (transformers' own model, the same weights, on CPU, its scan in float64; its norms and softmax still round to fp32,
-as transformers writes them), within TOL or twice transformers' own fp32 error on the GPU.
+as transformers writes them), within TOL or :data:`OWN_ERROR_FACTOR` times transformers' own fp32 error on the
+GPU: where a gradient is a sum that cancels (the gates' ``A_log``, ``dt_bias``), two fp32 computations of it in
+different orders are each that far from the truth, not equally far (on CPU, on torch's paths, Qwen3.5's
+``dt_bias``: transformers' 5.9e-4, allscan's sharded 1.2e-3).
 
 Where both models compute in IEEE fp32 (torch's paths, fla's Triton kernels with ``TRITON_F32_DEFAULT=ieee``, no
 TF32 in cuBLAS and cuDNN), a gradient is also never more than :data:`GRAD_CAP` off (a reference that far off would
-hide a wrong gradient: the test fails instead). Not so on fla's gated delta-rule backward on Hopper with Triton
-< 3.7.1: fla runs it in tilelang, whose fp32 matrix products are TF32. Measured on an H100 (fla-core 0.6.0, the op
-alone against a float64 recurrence, Qwen3-Next's gates): dq and dk 1.5e-3 relative, and the gate gradients, sums
-that cancel, from 4e-2 up to several times their own size (an fp32 recurrence: 4e-7), and transformers' own
-model there is just as far from the truth. On those kernels the check is that allscan's gradients are as close to
-the truth as transformers' own (``grad_cap=None``); the GPU tests hold the sequence-parallel algorithm to the cap on
-torch's paths beside it."""
+hide a wrong gradient: the test fails instead). Not so where fla hands the delta rule's backward to tilelang
+(:func:`fla_backward_in_tilelang`: fla-core 0.6 does for the gated delta rule on Hopper with Triton 3.4 to 3.7.0,
+and for KDA wherever tilelang and nvcc are there), whose fp32 matrix products are TF32. Measured on an H100
+(fla-core 0.6.0, the op alone against a float64 recurrence, Qwen3-Next's gates): dq and dk 1.5e-3 relative, and
+the gate gradients, sums that cancel, from 4e-2 up to several times their own size (an fp32 recurrence: 4e-7),
+and transformers' own model there is just as far from the truth. On those kernels the check is that allscan's
+gradients are within that factor of transformers' own error (``grad_cap=None``), which cannot tell a wrong gate gradient
+from fla's rounding: the GPU tests hold every family to the cap on torch's paths beside it."""
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 from typing import Optional
 
@@ -25,6 +30,7 @@ import torch
 
 TOL = 2e-4  # the hybrids' fp32 bound
 GRAD_CAP = 1e-2  # the most a gradient may be off the truth in IEEE fp32, whatever transformers' own error
+OWN_ERROR_FACTOR = 4  # how many times transformers' own fp32 error a gradient may be off (module docstring)
 T = 256  # 128 tokens a rank: two of fla's 64-token chunks
 BOUNDS = [0, 40, 150, T]  # 40 inside rank 0's shard; the sequence 40..150 crosses the boundary at 128
 
@@ -47,10 +53,23 @@ def _rel(a, b):
 
 
 def _grad_bound(own, truth, cap):
-    """How far a gradient may be from the truth: TOL, or twice transformers' own fp32 error ``own`` (None: its run
-    left the parameter without a gradient), at most ``cap`` (None: no cap)."""
-    bound = max(TOL, 0.0 if own is None else 2 * _rel(own, truth))
+    """How far a gradient may be from the truth: TOL, or OWN_ERROR_FACTOR times transformers' own fp32 error ``own``
+    (None: its run left the parameter without a gradient), at most ``cap`` (None: no cap)."""
+    bound = max(TOL, 0.0 if own is None else OWN_ERROR_FACTOR * _rel(own, truth))
     return bound if cap is None else min(cap, bound)
+
+
+def fla_backward_in_tilelang(kda: bool) -> bool:
+    """Whether fla hands the gated delta rule's (``kda``: KDA's) backward to its tilelang backend here."""
+    try:
+        if kda:
+            from fla.ops.kda.backends import KDATileLangBackend as Backend
+        else:
+            from fla.ops.common.backends.tilelang import CommonTileLangBackend as Backend
+    except ImportError:
+        return False
+    backend = Backend()
+    return backend.is_available() and backend.is_enabled()
 
 
 def _transformers_run(model, ids, labels, packed, sp):
@@ -78,8 +97,11 @@ def sp2_against_transformers(rank, world, families, model_of, vocab, prepare=lam
     from allscan.ops.gla import limit_fla_autotune
 
     # one config per fla kernel, transformers' own calls of them included: fla's full autotuning took each
-    # spawned rank minutes (the whole call's time on the lent GPU)
-    limit_fla_autotune("one")
+    # spawned rank minutes (the whole call's time on the lent GPU); without fla-core (torch's paths) nothing to limit
+    try:
+        limit_fla_autotune("one")
+    except ImportError:
+        pass
 
     res = {}
     for kind in families:
@@ -103,6 +125,7 @@ def sp2_against_transformers(rank, world, families, model_of, vocab, prepare=lam
             missing = sorted(n for n in truth if grads[n] is None)
             over = {n: _rel(grads[n], t) / _grad_bound(ref_grads.get(n), t, grad_cap) for n, t in truth.items()
                     if grads[n] is not None}
+            over = {n: r if math.isfinite(r) else math.inf for n, r in over.items()}  # max() passes NaN over
             worst = max(over, key=over.get)
             res[(kind, packed)] = {
                 "loss": abs(sp.reduce_loss(loss).item() - ref_loss.item()) / abs(ref_loss.item()),
