@@ -254,7 +254,7 @@ def test_unknown_sequence_mixer_is_named_and_nothing_changes():
 def test_one_process_equals_original_and_call_time_refusals():
     """``LOCAL``: the rewired model (convolution, delta rule, attention all of this process) equals transformers'
     own, on whole rows and on a packed row (each sequence alone); what sequence parallelism cannot run is refused
-    by name at the call."""
+    by name at the call (the routers' load-balancing loss too, as at any size: one rule)."""
     from allscan.integrations import hf_hybrids as sp
     from allscan.integrations import transformers as tsp
     from allscan.ops import LOCAL
@@ -280,9 +280,15 @@ def test_one_process_equals_original_and_call_time_refusals():
                           (dict(attention_mask=torch.ones_like(ids).index_fill_(1, torch.tensor([0]), 0)), "padding"),
                           (dict(position_ids=restart), "packed rows .* in a batch of 2 rows"),
                           (dict(cu_seq_lens_q=torch.tensor([0, T], dtype=torch.int32)), "cu_seq_lens_"),
-                          (dict(position_ids=torch.arange(3 * T).view(3, 1, T)), r"position ids other than")]:
+                          (dict(position_ids=torch.arange(3 * T).view(3, 1, T)), r"position ids other than"),
+                          (dict(output_router_logits=True), "output_router_logits=True")]:
         with pytest.raises(NotImplementedError, match=match):
             model(input_ids=ids, **kwargs)
+    # a mixture of experts' load-balancing loss asked for by the config (Qwen3-Next's MoE): refused too
+    moe = sp.sequence_parallel(tiny_model("qwen3_next"), LOCAL)
+    moe.config.output_router_logits = True
+    with pytest.raises(NotImplementedError, match="load-balancing loss"):
+        moe(input_ids=ids)
     with pytest.raises(NotImplementedError, match="generation is not supported"):
         model.generate(ids, max_new_tokens=2)
     assert _rel(model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits, want) <= 1e-12  # checks reset

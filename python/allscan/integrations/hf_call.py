@@ -15,12 +15,13 @@ import threading
 import torch
 
 from .common import CONTEXT_KWARG, exchange, positions_context, restarts, sp_group
+from .hf_refusals import ROUTER_LOGITS, router_logits_requested
 from .hf_shard import SequenceParallelForward
 
 __all__ = ["CallCheck", "refuse_generate"]
 
 _CACHE, _USE_CACHE, _OUTPUT_ATTENTIONS, _LABELS, _PADDING, _FLASH_KWARGS, _POSITIONS_SHAPE, _CONTEXT_GIVEN, \
-    _POSITIONS_GIVEN, _RESTARTS = (1 << i for i in range(10))
+    _ROUTER_LOGITS, _POSITIONS_GIVEN, _RESTARTS = (1 << i for i in range(11))
 _REASONS = {
     _CACHE: "a KV or recurrent cache (past_key_values / cache) is not supported: training and prefill only",
     _USE_CACHE: "use_cache=True is not supported (no cache under sequence parallelism); pass use_cache=False",
@@ -34,6 +35,7 @@ _REASONS = {
                     "in the whole row"),
     _POSITIONS_SHAPE: "position ids other than [B, T_local] (e.g. multimodal rotary positions) are not supported",
     _CONTEXT_GIVEN: f"{CONTEXT_KWARG} is made by the model's call from the position ids; do not pass it",
+    _ROUTER_LOGITS: ROUTER_LOGITS,
 }
 _PACKING_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx", "cu_seqlens")
 NAME = "sequence_parallel"
@@ -69,7 +71,7 @@ class CallCheck:
             return None
         _STATE.owner = module
         try:
-            kwargs = self._check(bound, dict(kwargs))
+            kwargs = self._check(bound, dict(kwargs), getattr(module, "config", None))
         except BaseException:
             _STATE.owner = None
             raise
@@ -80,7 +82,7 @@ class CallCheck:
             _STATE.owner = None
         return None
 
-    def _check(self, bound, kwargs):
+    def _check(self, bound, kwargs, config):
         for m in self.rewired:
             if not isinstance(m.__dict__.get("forward"), SequenceParallelForward):
                 raise RuntimeError(f"{NAME}: {type(m).__name__}'s forward was replaced after sequence_parallel() "
@@ -112,6 +114,8 @@ class CallCheck:
             flags |= _FLASH_KWARGS
         if a.get(CONTEXT_KWARG) is not None:
             flags |= _CONTEXT_GIVEN
+        if router_logits_requested(config, a.get("output_router_logits")):
+            flags |= _ROUTER_LOGITS
         positions = a.get("position_ids")
         if positions is not None:
             flags |= _POSITIONS_GIVEN

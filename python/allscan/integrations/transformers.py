@@ -57,7 +57,9 @@ Refused, with ``NotImplementedError`` naming the cause, on every rank (never a s
   model's mask, and any other argument the attention function does not know that is not None;
 - padding masks (each sequence is whole), 4-D masks, decoding with a KV cache (training and prefill only),
   ``output_attentions``, several packed rows in one batch, a packed row with an attention mask or a cache
-  (transformers would attend across its sequences then).
+  (transformers would attend across its sequences then);
+- ``output_router_logits`` (by the call or the config): a mixture of experts' load-balancing loss is a mean over
+  the whole sequence, which each rank would take over its shard alone.
 
 What no hook can catch: a module that mixes the sequence without a recognisable class (see
 ``allscan.integrations.hf_refusals``)
@@ -79,7 +81,8 @@ from .hf_options import OPTION_KWARGS, features_of, one_process_attention
 from .hf_hybrids import sequence_parallel  # noqa: F401  (the hybrids' entry, under the name issue 53 gives it)
 from .hf_mask import (FORWARDS, LOCAL_POSITIONS, UlyssesMask, batch_of, caller_mask_arguments, given_offsets,
                       mask_shape)
-from .hf_refusals import SEQUENCE_PARALLEL, config_refusal, model_refusal, registered_implementation  # noqa: F401
+from .hf_refusals import (SEQUENCE_PARALLEL, ROUTER_LOGITS, config_refusal, model_refusal,  # noqa: F401
+                          registered_implementation, router_logits_requested)
 
 __all__ = ["register", "sequence_parallel", "check_model", "shard_batch", "causal_lm_loss", "reduce_loss",
            "sync_gradients", "BatchShard", "IGNORE_INDEX", "NAME"]
@@ -127,6 +130,8 @@ def _pre_forward(module, args):
     if impl is None:
         return None
     FORWARDS.serial += 1  # a new forward: its first mask call finds its batch again
+    if router_logits_requested(cfg, None):  # (a call's own output_router_logits reaches the attention's check)
+        raise NotImplementedError(f"{impl}: {ROUTER_LOGITS}")
     if _PASSED.get(module) == impl:
         return None
     why = model_refusal(module, impl)
@@ -143,6 +148,8 @@ def _pre_forward(module, args):
 def _check_kwargs(name: str, kwargs: dict) -> None:
     """Refuse, naming it, each argument transformers passed beside q, k and v that would change the result."""
     for key, value in kwargs.items():
+        if key == "output_router_logits" and value:
+            raise NotImplementedError(f"{name}: {ROUTER_LOGITS}")
         if value is None or key in _HARMLESS or key in ("is_causal", "cu_seq_lens_q", "cu_seq_lens_k",
                                                          "max_length_q", "max_length_k"):
             continue
