@@ -140,6 +140,11 @@ def _run_pairs(rank, group):
         zeco_ssd(x, dt, A, bad_B, C, D, group, cu_seqlens=cu)
     y, _ = zeco_ssd(x, dt, A, B, C, D, group, cu_seqlens=cu)
     assert y.shape == x.shape
+    # valid on each rank, but not the same call: B and C in other groups, a skip term on one rank only
+    with pytest.raises(ValueError, match=r"groups of B and C \(G\)"):
+        zeco_ssd(x, dt, A, B[:, :, :1] if bad else B, C[:, :, :1] if bad else C, D, group)
+    with pytest.raises(ValueError, match="D given"):
+        zeco_ssd(x, dt, A, B, C, None if bad else D, group, cu_seqlens=cu)
     # the batch's context instead of group and cu_seqlens: the same result, initial states by its sequences
     from allscan import SequenceContext
 

@@ -18,6 +18,8 @@ from typing import Optional, Tuple
 
 import torch
 
+from allscan._agreement import check_across_ranks
+
 from ._launch import own_work, validated_group
 from ._shards import LOCAL
 from allscan.context import SequenceContext
@@ -143,8 +145,12 @@ def zeco_ssd(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor
 
     if spg is None:
         validate()
-    else:  # a rank whose own arguments fail tells its peers, which raise in zeco_gla's exchange
+    else:  # a rank whose own arguments fail tells its peers, which raise in the next exchange
         validated_group(spg, x, _OP, validate, every_call=packed)
+        if not torch.compiler.is_compiling():  # (no collective while tracing)
+            # what zeco_gla's signature cannot see: B and C broadcast to the heads, the skip term added here
+            check_across_ranks(spg, x.device, _OP, [("groups of B and C (G)", int(B.shape[2])),
+                                                    ("D given", int(D is not None))], every_call=packed)
     # the reshapes before zeco_gla's first exchange: a failure here (out of memory) reaches the peers too
     q, k, v, g, h0 = own_work(spg, _OP, "its inputs' broadcasts", _gla_inputs, x, dt, A, B, C, initial_state,
                               every_call=packed)
