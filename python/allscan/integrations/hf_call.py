@@ -15,7 +15,7 @@ import threading
 import torch
 
 from .common import CONTEXT_KWARG, exchange, positions_context, restarts, sp_group
-from .hf_refusals import ROUTER_LOGITS, router_logits_requested
+from .hf_moe import ROUTER_LOGITS, router_logits_requested
 from .hf_shard import SequenceParallelForward
 
 __all__ = ["CallCheck", "refuse_generate"]

@@ -14,8 +14,7 @@ import torch
 
 from .common import require_transformers
 
-__all__ = ["SEQUENCE_PARALLEL", "ROUTER_LOGITS", "config_refusal", "model_refusal", "registered_implementation",
-           "modeling_module_of", "router_logits_requested"]
+__all__ = ["SEQUENCE_PARALLEL", "config_refusal", "model_refusal", "registered_implementation", "modeling_module_of"]
 
 SEQUENCE_PARALLEL = "allscan.integrations.transformers.sequence_parallel"  # the refusals name it: it exists
 
@@ -151,23 +150,6 @@ def model_refusal(model: torch.nn.Module, where: str) -> Optional[str]:
     return _refusal_text(where, f"{type(model).__name__} has sequence mixers other than softmax attention: {listed}",
                          [c for c in mixers if " (" not in c] if all(" (" not in c for c in mixers) else None,
                          fla_model=type(model).__module__.startswith("fla."))
-
-
-ROUTER_LOGITS = ("output_router_logits=True is not supported: a mixture of experts' load-balancing loss (aux_loss) "
-                 "is a mean over the whole sequence, which each rank's model would compute on its shard alone; pass "
-                 "output_router_logits=False and set the config's to False")
-
-
-def router_logits_requested(config, passed) -> bool:
-    """Whether a call computes the routers' load-balancing loss: ``passed`` (the call's ``output_router_logits``),
-    else the config's (or its text config's), as transformers' MoE models decide."""
-    if passed is not None:
-        return bool(passed)
-    try:
-        text = config.get_text_config()
-    except Exception:  # noqa: BLE001 - not a transformers config: only its own attribute
-        text = config
-    return any(bool(getattr(c, "output_router_logits", False)) for c in (config, text) if c is not None)
 
 
 def registered_implementation(config, names) -> Optional[str]:

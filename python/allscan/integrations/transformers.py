@@ -81,8 +81,8 @@ from .hf_options import OPTION_KWARGS, features_of, one_process_attention
 from .hf_hybrids import sequence_parallel  # noqa: F401  (the hybrids' entry, under the name issue 53 gives it)
 from .hf_mask import (FORWARDS, LOCAL_POSITIONS, UlyssesMask, batch_of, caller_mask_arguments, given_offsets,
                       mask_shape)
-from .hf_refusals import (SEQUENCE_PARALLEL, ROUTER_LOGITS, config_refusal, model_refusal,  # noqa: F401
-                          registered_implementation, router_logits_requested)
+from .hf_moe import ROUTER_LOGITS, router_logits_requested
+from .hf_refusals import SEQUENCE_PARALLEL, config_refusal, model_refusal, registered_implementation  # noqa: F401
 
 __all__ = ["register", "sequence_parallel", "check_model", "shard_batch", "causal_lm_loss", "reduce_loss",
            "sync_gradients", "BatchShard", "IGNORE_INDEX", "NAME"]
