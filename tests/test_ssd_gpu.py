@@ -103,7 +103,8 @@ def _run(rank, world, dtype_name):
         sp = run(lambda *a: zeco_ssd(*a[:6], dist.group.WORLD, initial_state=a[6], output_final_state=True,
                                      cu_seqlens=cu), shard, dy[:, sl], dfin_here)
         sp_grads = list(sp[2])
-        for i in (2, 5, 6):  # A, D, initial_state: summed over the ranks
+        for i in (2, 5, 6):  # A, D, initial_state: summed over the ranks (NCCL needs contiguous tensors)
+            sp_grads[i] = sp_grads[i].contiguous()
             dist.all_reduce(sp_grads[i])
         tag = f"{dtype_name} batch {b} packed {cu_list is not None}"
         compare = {"y": (one[0], sp[0], exact[0], fla[0]),
