@@ -53,12 +53,13 @@ def select_backend(q):
 
 
 def _full_decay(g, q):
-    """g of GLA ``[B,T,H,K]``, simple GLA ``[B,T,H]`` or None -> ``[B,T,H,K]`` for the local kernels."""
+    """g of GLA ``[B,T,H,K]``, simple GLA ``[B,T,H]`` or None -> ``[B,T,H,K]`` for the local kernels; a decay per
+    head stays a broadcast view (stride 0 over K), which the fla backend sums once per head."""
     B, T, H, K = q.shape
     if g is None:
         return q.new_zeros(B, T, H, K, dtype=torch.float32)
     if g.dim() == 3:
-        return g.unsqueeze(-1).expand(B, T, H, K).contiguous()
+        return g.contiguous().unsqueeze(-1).expand(B, T, H, K)
     return g.contiguous()
 
 

@@ -79,7 +79,7 @@ class FlaGLA:
         from fla.ops.gla import chunk as gc
         from fla.ops.utils import prepare_chunk_indices
         from fla.ops.utils.constant import RCP_LN2
-        from fla.ops.utils.cumsum import chunk_local_cumsum, chunk_local_cumsum_vector
+        from fla.ops.utils.cumsum import chunk_local_cumsum, chunk_local_cumsum_scalar, chunk_local_cumsum_vector
 
         gla = SimpleNamespace(**{name: direct(getattr(gc, name)) for name in (
             "chunk_gla_fwd_intra_gk", "chunk_gla_fwd_o_gk", "chunk_gla_bwd_dA", "chunk_gla_bwd_dqk_intra",
@@ -90,7 +90,20 @@ class FlaGLA:
         cumsum = chunk_local_cumsum_vector if falls_back(chunk_local_cumsum) else chunk_local_cumsum
         return SimpleNamespace(chunk_fwd_h=direct(chunk_fwd_h), chunk_bwd_dh=direct(chunk_bwd_dh), gla=gla,
                                prepare_chunk_indices=prepare_chunk_indices, RCP_LN2=RCP_LN2,
-                               chunk_local_cumsum=cumsum)
+                               chunk_local_cumsum=cumsum, chunk_local_cumsum_scalar=chunk_local_cumsum_scalar)
+
+    @staticmethod
+    def _chunk_decays(g, BT, cu, ci):
+        """fla's chunk-local cumulative decays ``[B, T, H, K]`` (log2) of the gates ``g`` ``[B, T, H, K]``. A
+        decay per head broadcast over K (simple GLA, Mamba2's SSD: a stride-0 view) is summed once per head and
+        then broadcast: one write of the result instead of writing the broadcast gates, reading them back and
+        writing the sums (at 16K tokens and 64 heads of 128, 1 GiB less memory traffic per call)."""
+        m = FlaGLA._mods()
+        if g.stride(-1) == 0:
+            per_head = m.chunk_local_cumsum_scalar(g[..., 0].contiguous(), BT, scale=m.RCP_LN2, cu_seqlens=cu,
+                                                   chunk_indices=ci)
+            return per_head.unsqueeze(-1).expand(g.shape).contiguous()
+        return m.chunk_local_cumsum(g, BT, scale=m.RCP_LN2, cu_seqlens=cu, chunk_indices=ci)
 
     @staticmethod
     def _layout(q, bounds):
@@ -121,7 +134,7 @@ class FlaGLA:
         B, T, H, K = k.shape
         V = v.shape[-1]
         h0 = FlaGLA._stack(h0s, (1, H, K, V), q.device)
-        gcum = m.chunk_local_cumsum(g, BT, scale=m.RCP_LN2, cu_seqlens=cu, chunk_indices=ci)
+        gcum = FlaGLA._chunk_decays(g, BT, cu, ci)
         h, ht = m.chunk_fwd_h(k=k, v=v, g=None, gk=gcum, gv=None, h0=h0, output_final_state=True,
                               cu_seqlens=cu, chunk_size=BT, states_in_fp32=False)
         return SimpleNamespace(gcum=gcum, h=h, BT=BT, cu=cu, ci=ci, finals=FlaGLA._split(ht, len(bounds) - 1))
@@ -215,7 +228,7 @@ class FlaGLA:
         """The chunk-local decays and the chunk states from the segments' initial states ``h0s``."""
         m = FlaGLA._mods()
         BT, cu, ci = FlaGLA._layout(q, bounds)
-        gcum = m.chunk_local_cumsum(gf, BT, scale=m.RCP_LN2, cu_seqlens=cu, chunk_indices=ci)
+        gcum = FlaGLA._chunk_decays(gf, BT, cu, ci)
         B, T, H, K = k.shape
         h0 = FlaGLA._stack(h0s, (1, H, K, v.shape[-1]), q.device)
         h, _ = m.chunk_fwd_h(k=k, v=v, g=None, gk=gcum, gv=None, h0=h0, output_final_state=False,
