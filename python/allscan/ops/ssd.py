@@ -34,7 +34,8 @@ _OP = "zeco_ssd"
 
 
 def _shape(t) -> str:
-    return str(tuple(t.shape)) if isinstance(t, torch.Tensor) else type(t).__name__
+    """What an error says was passed: a tensor's shape and dtype, else the type."""
+    return f"{tuple(t.shape)} of {t.dtype}" if isinstance(t, torch.Tensor) else type(t).__name__
 
 
 def _check_arguments(x, dt, A, B, C, D, initial_state, cu_seqlens, method, *, rows: Optional[int] = None) -> None:
@@ -50,7 +51,7 @@ def _check_arguments(x, dt, A, B, C, D, initial_state, cu_seqlens, method, *, ro
     b, T, H, P = x.shape
     if not isinstance(dt, torch.Tensor) or tuple(dt.shape) != (b, T, H) or not dt.is_floating_point():
         raise ValueError(f"{_OP}: dt must be a floating-point tensor [batch, T_local, H] = {(b, T, H)}, "
-                         f"got {_shape(dt)}" + (f" of {dt.dtype}" if isinstance(dt, torch.Tensor) else ""))
+                         f"got {_shape(dt)}")
     if not isinstance(A, torch.Tensor) or tuple(A.shape) != (H,) or not A.is_floating_point():
         raise ValueError(f"{_OP}: A must be a floating-point tensor [H] = [{H}], got {_shape(A)}")
     if not isinstance(B, torch.Tensor) or B.dim() != 4 or tuple(B.shape[:2]) != (b, T):
