@@ -1,7 +1,8 @@
 """The depthwise causal convolution with the previous rank's halo in one autograd node
 (:func:`allscan.layers.causal_conv.conv_with_halo`): in one process it is ``nn.Conv1d``'s with the left zero
 padding, values and gradients (the shard shorter than the halo included); across ranks, the whole
-sequence's convolution (each rank's slice of it) and its gradients, the halo's sent back to its rank."""
+sequence's convolution (each rank's slice of it) and its gradients, the halo's sent back to its rank; a backward
+with ``create_graph=True`` refused on every rank."""
 from __future__ import annotations
 
 import os
@@ -70,6 +71,17 @@ def _across_ranks(rank, world):
         dist.all_reduce(g)
     torch.testing.assert_close(dw, want[1])
     torch.testing.assert_close(db, want[2])
+    # a gradient penalty: refused on every rank (the halo is a constant in the backward), also with a residual
+    # giving x another path, and the group goes on
+    out = conv_with_halo(mine, weight, bias, dist.group.WORLD.group_name)
+    try:
+        torch.autograd.grad(out + mine.transpose(1, 2), (mine, weight), dout[..., rank * T:(rank + 1) * T],
+                            create_graph=True)
+        raise AssertionError("a backward with create_graph=True through the halo exchange was not refused")
+    except RuntimeError as e:
+        assert "halo exchange: double backward" in str(e), e
+    out = conv_with_halo(mine, weight, bias, dist.group.WORLD.group_name)
+    torch.autograd.grad(out, mine, dout[..., rank * T:(rank + 1) * T])
     return True
 
 

@@ -12,6 +12,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from allscan.ops import refuse_double_backward
 from allscan.ops.halo import halo_shift
 
 __all__ = ["sequence_window_mask", "depthwise_causal_conv", "conv_with_halo"]
@@ -47,6 +48,10 @@ def depthwise_causal_conv(x: torch.Tensor, halo: Optional[torch.Tensor], weight:
     return out if bias is None else out + bias.to(x.dtype)
 
 
+_NOT_TWICE = ("its backward holds the previous rank's last tokens as constants and sends the halo's gradient back "
+              "outside autograd")
+
+
 class _ConvWithHalo(torch.autograd.Function):
     """``nn.Conv1d``'s depthwise causal convolution of ``x [B, T, C]`` with the previous rank's last ``k - 1``
     tokens before it, in one autograd node: the backward sends the halo's gradient back to its rank and adds
@@ -68,6 +73,8 @@ class _ConvWithHalo(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
+        if ctx.group_name:  # one process: the halo is zeros, and aten's convolution backward is differentiable
+            refuse_double_backward("the causal convolution's halo exchange", _NOT_TWICE)
         x, halo, weight = ctx.saved_tensors
         C, w = x.shape[2], halo.shape[1]
         seq = torch.cat([halo, x], 1).transpose(1, 2)

@@ -14,7 +14,7 @@ from .._agreement import announce_invalid
 from .._settings import settings
 
 __all__ = ["validated_group", "traced_refusal", "or_empty", "absent", "nccl_preflight", "announce_device",
-           "tell_peers_of_failure", "own_work", "raw_stream", "stream_ptr", "plan_cache", "plan_is_current",
+           "tell_peers_of_failure", "own_work", "refuse_double_backward", "raw_stream", "stream_ptr", "plan_cache", "plan_is_current",
            "forget_plans", "PlanCache", "MAX_PLANS"]
 
 
@@ -102,6 +102,17 @@ def own_work(group, op: str, step: str, work, *args, every_call: bool = False):
     except Exception as e:
         tell_peers_of_failure(group, op, step, e, every_call=every_call)
         raise
+
+
+def refuse_double_backward(op: str, why: str) -> None:
+    """Raise where a backward runs with ``create_graph=True`` (the engine runs a backward in grad mode only then):
+    ``op``'s backward is not differentiable (``why``). Refused then, not later: torch's ``once_differentiable``
+    raises only where the second backward reaches its node, and ``autograd.grad`` skips that node whenever
+    another path (a residual, a skip term) reaches the inputs, returning second-order gradients without the
+    op's terms. Every rank runs the same graph, so every rank raises, before its backward's first collective."""
+    if torch.is_grad_enabled():
+        raise RuntimeError(f"{op}: double backward (a backward with create_graph=True, e.g. for a gradient penalty) "
+                           f"is not supported: {why}. Take the gradients without create_graph=True")
 
 
 def nccl_preflight(group, x: torch.Tensor, op: str) -> bool:

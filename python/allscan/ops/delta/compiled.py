@@ -22,13 +22,13 @@ import torch
 from allscan._comm import resolve_group
 from allscan.context import LOCAL, SequenceContext
 
-from .._launch import absent, or_empty, tell_peers_of_failure
+from .._launch import absent, or_empty, refuse_double_backward, tell_peers_of_failure
 from .._shards import own_precision
 from ..hooks import check_cut_world, op_hooks
 from ..matrix_scan import OP as MATRIX_SCAN_OP
 from .chunk import DeltaInputs, compute_dtype
 from .gates import DeltaOptions
-from .shard import outputs_state_grad, reverse_scan, shard_backward, shard_forward, zero_if_absent
+from .shard import NOT_TWICE, outputs_state_grad, reverse_scan, shard_backward, shard_forward, zero_if_absent
 from .prepare import DeltaCall, prepared, select_backend, shard_cut, shard_plan
 
 _Tensors = Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, List[torch.Tensor]]
@@ -186,6 +186,7 @@ def _setup_context(ctx, inputs, keyword_only_inputs, output):
 
 
 def _backward(ctx, do, dfinal, *_):
+    refuse_double_backward(_op_name(ctx.options["per_key"]), NOT_TWICE)
     q, k, v, g, beta, A_log, dt_bias, h0, cu_seqlens, q_eff, M, S_in, *saved = ctx.saved_tensors
     do = zero_if_absent(do, v)
     # Q' is read here for the last time: a compiled backward frees it before the backward op runs

@@ -59,10 +59,9 @@ from __future__ import annotations
 from typing import Any, NamedTuple, Optional, Tuple
 
 import torch
-from torch.autograd.function import once_differentiable
 
 from .._beside import Beside
-from .._launch import tell_peers_of_failure
+from .._launch import refuse_double_backward, tell_peers_of_failure
 from ..hooks import op_hooks
 from ..matrix_scan import OP as MATRIX_SCAN_OP
 from .._shards import own_precision, world_and_rank
@@ -316,11 +315,17 @@ def _drop_saved(ctx):
         clear()
 
 
+NOT_TWICE = ("its backward holds the state entering each shard, Q' and M as constants (their dependence on the "
+             "inputs, through the other ranks too, is not in the gradients) and runs kernels that autograd cannot "
+             "differentiate")
+
+
 class ShardFunction(torch.autograd.Function):
     """:func:`shard_forward` and :func:`shard_backward` for eager calls. Differentiable once: the
     backward's gradients hold the incoming state, Q' and M as constants (their own dependence on the
-    inputs, through other ranks too, is not in them), so differentiating them again raises rather than
-    returning second-order gradients without those terms."""
+    inputs, through other ranks too, is not in them), so a backward that would make its gradients
+    differentiable (``create_graph=True``) raises rather than returning second-order gradients without
+    those terms."""
 
     @staticmethod
     def forward(ctx, q, k, v, g, beta, A_log, dt_bias, h0, run: ShardRun):
@@ -338,8 +343,8 @@ class ShardFunction(torch.autograd.Function):
         return o, final
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, do, dfinal):
+        refuse_double_backward("zeco_kda" if ctx.run.opts.per_key else "zeco_gated_delta_rule", NOT_TWICE)
         q, k, v, g, beta, h0, q_eff, M, S_in, *saved = ctx.saved_tensors
         if q is None:  # their activated form stands in (shapes and dtypes are the inputs')
             q, k = ctx.run.backend.activated_qk(saved)

@@ -30,6 +30,11 @@ METHODS = tuple(SCAN_METHOD)  # the ``method=`` values of zeco_gla
 _WARNED: list = []
 
 
+# why zeco_gla's backward is differentiable once (ZecoGLAFunction, the op's autograd)
+NOT_TWICE = ("its backward holds the state entering each shard as a constant (its dependence on the other ranks' "
+             "inputs is not in the gradients) and runs kernels that autograd cannot differentiate")
+
+
 def select_backend(q):
     """The local backend for ``q``: fla-core's kernels on CUDA when importable, the torch chunked
     implementation otherwise and for float64 (``ALLSCAN_GLA_BACKEND=fla|torch`` forces one)."""

@@ -64,13 +64,12 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-from torch.autograd.function import once_differentiable
 
-from .._launch import traced_refusal
+from .._launch import refuse_double_backward, traced_refusal
 from ..hooks import op_hooks
 from .._shards import LOCAL, inputs_need_grad, on_device, own_precision
 from ..batch_context import context_conflict, context_group
-from .body import METHODS, GLARun, backward_body, forward_body, select_backend
+from .body import METHODS, NOT_TWICE, GLARun, backward_body, forward_body, select_backend
 from .checks import checked_segments
 from .compiled import zeco_gla_op
 
@@ -80,8 +79,9 @@ __all__ = ["zeco_gla", "LOCAL", "METHODS"]
 class ZecoGLAFunction(torch.autograd.Function):
     """The autograd function of :func:`zeco_gla` in eager mode (arguments already checked).
     Differentiable once: the backward holds the incoming state as a constant (its own dependence on
-    the other ranks' inputs is not in the gradients), so differentiating the gradients again raises
-    rather than returning second-order gradients without those terms."""
+    the other ranks' inputs is not in the gradients), so a backward that would make its gradients
+    differentiable (``create_graph=True``) raises rather than returning second-order gradients without
+    those terms."""
 
     @staticmethod
     def forward(ctx, q, k, v, g, h0, scale, segs: ShardSegments, method: str, want_final: bool):
@@ -94,8 +94,8 @@ class ZecoGLAFunction(torch.autograd.Function):
         return o, final
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, do, dfinal):
+        refuse_double_backward("zeco_gla", NOT_TWICE)
         q, k, v, g, h0, S_in, *saved = ctx.saved_tensors
         with own_precision(do.device.type), on_device(do):
             grads = op_hooks.gla_body("backward body", backward_body, ctx.be, ctx.run, do, dfinal, (q, k, v, g, h0),

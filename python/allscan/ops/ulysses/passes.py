@@ -10,16 +10,15 @@ from typing import List, Optional
 import torch
 
 from ..._contract import settings
+from .._launch import refuse_double_backward
 from ..a2a import GATHER, SCATTER, a2a_multi
 from .checks import OP
 from .pipeline import chunks_checked, report_failure, run_pipeline, use_streams
 from .plan import ChunkPlan, attend_chunk, chunk_attention, expand_kv, kv_for_chunk
 
 
-DOUBLE_BACKWARD_REFUSED = (
-    f"{OP}: double backward (a backward with create_graph=True, e.g. for a gradient penalty) is not supported: "
-    "its backward (all-to-alls around each head chunk's attention backward) is not differentiable. Take the "
-    "gradients without create_graph=True, or use one-process attention where second-order gradients are needed")
+_NOT_TWICE = ("its backward (all-to-alls around each head chunk's attention backward) is not differentiable; use "
+              "one-process attention where second-order gradients are needed")
 
 
 def _graph_kept() -> bool:
@@ -165,8 +164,7 @@ def _backward_pass(plan: ChunkPlan, graphs, dout, needs, retain: bool = False):
     check = chunks_checked(group, dout)
     me = plan.me
     try:
-        if torch.is_grad_enabled():  # the engine runs a backward in grad mode only for create_graph=True
-            raise RuntimeError(DOUBLE_BACKWARD_REFUSED)
+        refuse_double_backward(OP, _NOT_TWICE)
         dout, dq, dk, dv, douts, acc_k, acc_v = _backward_buffers(plan, dout)
         # this rank's heads' share of the sinks' gradient (the others' zeros: summed over the group later)
         dsinks = None
