@@ -250,6 +250,12 @@ def test_unknown_sequence_mixer_is_named_and_nothing_changes():
     assert not sp.is_sequence_parallel(model) and model.config._attn_implementation == impl
     assert not model._forward_pre_hooks and model.config.use_cache is True
 
+    # a head that pools each row at its last token (sequence classification): each rank would pool its own
+    model = tf.Qwen3NextForSequenceClassification(tiny_model("qwen3_next").config)
+    with pytest.raises(NotImplementedError, match=r"<model> \(Qwen3NextForSequenceClassification\) pools each row"):
+        sp.sequence_parallel(model)
+    assert not sp.is_sequence_parallel(model) and not model._forward_pre_hooks
+
 
 def test_one_process_equals_original_and_call_time_refusals():
     """``LOCAL``: the rewired model (convolution, delta rule, attention all of this process) equals transformers'

@@ -194,6 +194,22 @@ def _hybrids_refused(rank, world):
     return res
 
 
+def test_sequence_classification_is_refused_at_the_first_forward():
+    """register(): a head that pools each row at its last token would pool each rank's own; refused by name
+    (check_model, and by itself at the first forward), the causal LM of the same config not."""
+    from transformers import LlamaForSequenceClassification
+
+    from allscan.integrations import transformers as sp
+
+    name = sp.register(None)
+    model = LlamaForSequenceClassification(_model(name).config)
+    with pytest.raises(NotImplementedError, match=r"\(LlamaForSequenceClassification\) pools each row at one position"):
+        sp.check_model(model)
+    with pytest.raises(NotImplementedError, match="pools each row"):
+        model(input_ids=torch.zeros(1, 8, dtype=torch.long))
+    sp.check_model(_model(name))
+
+
 def test_hybrid_models_are_refused_on_every_rank():
     results = run_distributed(_hybrids_refused, 2, timeout=600)
     assert results[0] == results[1]

@@ -9,12 +9,15 @@ per-rank facts (so that every rank raises alike), and the batch's :class:`allsca
 - :func:`exchange`: one all-gather of a few integers per rank (the facts each refusal is decided on).
 - :func:`positions_context`: the context of a batch from this rank's position ids (one exchange,
   :meth:`SequenceContext.from_position_ids`), after refusing several packed rows by name.
+- :func:`pooling_refusal`: a model whose head pools each row at one position (sequence classification), which no
+  rank's shard holds, named (both integrations refuse it).
 - :func:`agreed_offsets`: offsets a caller passed (transformers' flash kwargs ``cu_seq_lens_q`` /
   ``cu_seq_lens_k``), agreed across the group: offsets missing, unreadable or different on some rank
   raise ``ValueError`` on every rank, never a hang.
 """
 from __future__ import annotations
 
+import re
 from typing import List, Optional, Sequence, Tuple
 
 import torch
@@ -24,7 +27,7 @@ from allscan import ops as _ops
 from allscan.context import SequenceContext, SPGroup, offsets_digest, resolve_sp_group
 
 __all__ = ["CONTEXT_KWARG", "sp_group", "op_group", "comm_device", "exchange", "restarts", "positions_context",
-           "agreed_offsets", "offsets_of", "local_attention", "handed_context"]
+           "agreed_offsets", "offsets_of", "local_attention", "handed_context", "pooling_refusal"]
 
 CONTEXT_KWARG = "allscan_context"
 """The keyword under which a model-level hook hands the batch's SequenceContext to every layer (transformers
@@ -38,6 +41,26 @@ def require_transformers(who: str):
     except ImportError as e:
         raise ImportError(f"{who} needs Hugging Face transformers 5.x: pip install 'transformers>=5,<6'") from e
     return transformers
+
+
+
+
+
+# Heads that read one position of the whole sequence per row (transformers' sequence classification pools the
+# logits at each row's last non-padding token): on a shard each rank would pool its own last token.
+_POOLING_HEAD = re.compile(r"For(SequenceClassification|MultipleChoice)$")
+
+
+def pooling_refusal(model: torch.nn.Module, where: str) -> Optional[str]:
+    """Why ``model``'s head cannot run on a shard (None: it can): a head that pools each row at one position."""
+    for name, mod in model.named_modules():
+        head = next((c.__name__ for c in type(mod).__mro__ if _POOLING_HEAD.search(c.__name__)), None)
+        if head is not None:
+            return (f"{where}: {name or '<model>'} ({type(mod).__name__}) pools each row at one position (its last "
+                    f"token, as {head} does), which only one rank's shard holds: each rank would pool its own last "
+                    "token. Run its base model (per-token hidden states, sequence-parallel) and pool on the rank "
+                    "holding that position")
+    return None
 
 
 def sp_group(group, op: str) -> SPGroup:
