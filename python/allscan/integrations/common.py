@@ -43,9 +43,6 @@ def require_transformers(who: str):
     return transformers
 
 
-
-
-
 # Heads that read one position of the whole sequence per row (transformers' sequence classification pools the
 # logits at each row's last non-padding token): on a shard each rank would pool its own last token.
 _POOLING_HEAD = re.compile(r"For(SequenceClassification|MultipleChoice)$")

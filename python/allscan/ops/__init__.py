@@ -21,5 +21,5 @@ from .a2a import (GATHER, SCATTER, a2a_multi, chunk_head_ranges, gather_heads, g
                   scatter_heads, scatter_heads_multi, split_heads)
 from .scan import ScanHandle, destroy_communicators, scan, set_check_every_call
 
-__all__ = ["normalize_group", "LOCAL", "sequence_parallel_group", "own_work", "refuse_double_backward", "scan", "ScanHandle",
-           "set_check_every_call", "destroy_communicators", *a2a.__all__]
+__all__ = ["normalize_group", "LOCAL", "sequence_parallel_group", "own_work", "refuse_double_backward", "scan",
+           "ScanHandle", "set_check_every_call", "destroy_communicators", *a2a.__all__]

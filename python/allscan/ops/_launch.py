@@ -14,8 +14,8 @@ from .._agreement import announce_invalid
 from .._settings import settings
 
 __all__ = ["validated_group", "traced_refusal", "or_empty", "absent", "nccl_preflight", "announce_device",
-           "tell_peers_of_failure", "own_work", "refuse_double_backward", "raw_stream", "stream_ptr", "plan_cache", "plan_is_current",
-           "forget_plans", "PlanCache", "MAX_PLANS"]
+           "tell_peers_of_failure", "own_work", "refuse_double_backward", "raw_stream", "stream_ptr", "plan_cache",
+           "plan_is_current", "forget_plans", "PlanCache", "MAX_PLANS"]
 
 
 def validated_group(group, tensor, op: str, validate, *, every_call: bool = False):
