@@ -51,7 +51,8 @@ share: the conv across ranks, the layer-level refusals),
 
 The whole model is inspected before anything changes: a sequence-mixing module this does not know (Mamba-1
 and other SSM mixers, a convolution over the sequence, an attention of another kind, a vision tower) raises
-``NotImplementedError`` naming its class and where it is, and the model is left as it was. At call time
+``NotImplementedError`` naming its class and where it is, and the model is left as it was; so does a head that
+pools each row at one position (``*ForSequenceClassification``: each rank would pool its own last token). At call time
 (a forward pre-hook on the model's transformers models, once per outermost call, agreed on by every rank of
 the group so that all of them raise together) a KV or recurrent cache (``past_key_values``, ``use_cache=True``),
 ``output_attentions``, ``labels`` (transformers would shift them within each shard), ``output_router_logits``

@@ -1,6 +1,8 @@
 """Which transformers models ``register()`` (softmax attention on Ulysses) cannot run, and why: sequence mixers
 other than softmax attention (linear attention, SSMs, convolutions over the sequence), found in the config's
-``layer_types`` (or the older ``layers_block_type`` / ``block_types``), the model type, and the model's modules.
+``layer_types`` (or the older ``layers_block_type`` / ``block_types``), the model type, and the model's modules;
+and heads that pool each row at one position (sequence classification,
+:func:`~allscan.integrations.common.pooling_refusal`).
 The refusal's text names the mixers and points the Gated DeltaNet / KDA hybrids to
 ``allscan.integrations.transformers.sequence_parallel``. Local: the same verdict on every rank.
 """

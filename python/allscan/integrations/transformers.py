@@ -102,8 +102,9 @@ _PASSED = weakref.WeakKeyDictionary()  # model -> the attention implementation i
 def check_model(model: torch.nn.Module, name: Optional[str] = None) -> None:
     """Raise ``NotImplementedError`` naming every sequence mixer of ``model`` that register()'s attention
     does not make sequence-parallel (linear attention, SSMs, convolutions over the sequence, layer types
-    other than softmax attention). Runs by itself at the first forward of any transformers model configured
-    with a registered name; call it to check earlier. Local: the same verdict on every rank."""
+    other than softmax attention), or a head that pools each row at one position (sequence classification).
+    Runs by itself at the first forward of any transformers model configured with a registered name; call it
+    to check earlier. Local: the same verdict on every rank."""
     where = name or registered_implementation(getattr(model, "config", None), _NAMES) or NAME
     why = model_refusal(model, where)
     if why:
