@@ -634,7 +634,7 @@ def _second_order(rank, world):
     q, k, v, g, h0, do = _data(3, 1, 12 * world, "gla", 1)
     sl = slice(rank * 12, (rank + 1) * 12)
     mine = [x[:, sl].clone().requires_grad_(True) for x in (q, k, v, g)]
-    for residual in (False, True):  # a residual gives the inputs another path (module docstring)
+    for residual in (False, True):  # a residual gives the inputs another path (the test's docstring)
         o, _ = zeco_gla(*mine, dist.group.WORLD)
         out = o + mine[2] if residual else o
         with pytest.raises(RuntimeError, match="zeco_gla: double backward .*create_graph=True"):
