@@ -346,6 +346,14 @@ def _q_eff_release(rank, world):
             out = o + mine[2] if residual else o
             with pytest.raises(RuntimeError, match="zeco_gated_delta_rule: double backward .*create_graph=True"):
                 torch.autograd.grad(out, mine, do[:, sl], create_graph=True)
+        # one rank alone asks for it: it raises and tells its peers waiting in the reverse scan
+        mine, o = layer()
+        if rank == world - 1:
+            with pytest.raises(RuntimeError, match="zeco_gated_delta_rule: double backward"):
+                torch.autograd.grad(o, mine, do[:, sl], create_graph=True)
+        else:
+            with pytest.raises(ValueError, match=rf"rank\(s\) \[{world - 1}\] rejected their own arguments or failed"):
+                torch.autograd.grad(o, mine, do[:, sl])
 
         # a saved-tensor hook that unpacks into buffers it keeps and reuses (as offloading does)
         buffers, count = {}, [0]

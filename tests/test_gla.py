@@ -639,6 +639,14 @@ def _second_order(rank, world):
         out = o + mine[2] if residual else o
         with pytest.raises(RuntimeError, match="zeco_gla: double backward .*create_graph=True"):
             torch.autograd.grad(out, mine, do[:, sl], create_graph=True)
+    # one rank alone asks for it: it raises, and tells its peer waiting in the reverse scan, which raises too
+    o, _ = zeco_gla(*mine, dist.group.WORLD)
+    if rank == 1:
+        with pytest.raises(RuntimeError, match="zeco_gla: double backward"):
+            torch.autograd.grad(o, mine, do[:, sl], create_graph=True)
+    else:
+        with pytest.raises(ValueError, match=r"rank\(s\) \[1\] rejected their own arguments or failed"):
+            torch.autograd.grad(o, mine, do[:, sl])
     o, _ = zeco_gla(*mine, dist.group.WORLD)  # and every rank goes on to the next call
     return torch.autograd.grad(o, mine[0], do[:, sl])[0].shape == mine[0].shape
 

@@ -344,12 +344,12 @@ class ShardFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, do, dfinal):
-        refuse_double_backward("zeco_kda" if ctx.run.opts.per_key else "zeco_gated_delta_rule", NOT_TWICE)
         q, k, v, g, beta, h0, q_eff, M, S_in, *saved = ctx.saved_tensors
         if q is None:  # their activated form stands in (shapes and dtypes are the inputs')
             q, k = ctx.run.backend.activated_qk(saved)
         _drop_saved(ctx)
         try:
+            refuse_double_backward("zeco_kda" if ctx.run.opts.per_key else "zeco_gated_delta_rule", NOT_TWICE)
             do = zero_if_absent(do, v)
         except Exception as e:
             if ctx.run.world > 1:  # the peers are waiting in the reverse scan for this rank's part

@@ -15,7 +15,7 @@ import torch
 from allscan._settings import settings
 from allscan.context import ShardCut
 
-from .._launch import tell_peers_of_failure
+from .._launch import refuse_double_backward, tell_peers_of_failure
 from ..diagonal_scan import OP as SCAN_OP
 from ..hooks import op_hooks
 from .chunk import TorchGLA, state_dtype
@@ -30,8 +30,8 @@ METHODS = tuple(SCAN_METHOD)  # the ``method=`` values of zeco_gla
 _WARNED: list = []
 
 
-# why zeco_gla's backward is differentiable once (ZecoGLAFunction, the op's autograd)
-NOT_TWICE = ("its backward holds the state entering each shard as a constant (its dependence on the other ranks' "
+# why zeco_gla's backward is differentiable once (refused in backward_body, eager and compiled)
+_NOT_TWICE = ("its backward holds the state entering each shard as a constant (its dependence on the other ranks' "
              "inputs is not in the gradients) and runs kernels that autograd cannot differentiate")
 
 
@@ -240,6 +240,7 @@ def backward_body(be, run: GLARun, do, dfinal, inputs, S_in, gamma, saved):
     # everything before this rank's part of the reverse scan: a failure (out of memory) tells the
     # peers waiting in it, which raise too
     try:
+        refuse_double_backward("zeco_gla", _NOT_TWICE)
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         do = do.contiguous()
         gf = _full_decay(g, q)

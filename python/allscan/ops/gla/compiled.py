@@ -15,10 +15,10 @@ import torch
 from allscan._comm import resolve_group
 from allscan.context import LOCAL, SequenceContext
 
-from .._launch import absent, or_empty, refuse_double_backward
+from .._launch import absent, or_empty
 from .._shards import ShardSegments, on_device, own_precision
 from ..hooks import check_cut_world, op_hooks
-from .body import NOT_TWICE, GLARun, backward_body, forward_body, select_backend
+from .body import GLARun, backward_body, forward_body, select_backend
 from .chunk import state_dtype
 from .checks import checked_segments
 
@@ -113,7 +113,6 @@ def _op_setup_context(ctx, inputs, keyword_only_inputs, output):
 
 
 def _op_backward(ctx, do, dfinal, _dS_in, _dgamma, _dsaved):
-    refuse_double_backward("zeco_gla", NOT_TWICE)
     q, k, v, g, h0, cu_seqlens, S_in, gamma, *saved = ctx.saved_tensors
     dq, dk, dv, dg, dh0 = zeco_gla_backward_op(do, absent(dfinal), [q, k, v, g, h0], cu_seqlens, absent(S_in),
                                                absent(gamma), saved, **ctx.options)

@@ -65,11 +65,11 @@ from typing import Optional
 
 import torch
 
-from .._launch import refuse_double_backward, traced_refusal
+from .._launch import traced_refusal
 from ..hooks import op_hooks
 from .._shards import LOCAL, inputs_need_grad, on_device, own_precision
 from ..batch_context import context_conflict, context_group
-from .body import METHODS, NOT_TWICE, GLARun, backward_body, forward_body, select_backend
+from .body import METHODS, GLARun, backward_body, forward_body, select_backend
 from .checks import checked_segments
 from .compiled import zeco_gla_op
 
@@ -95,7 +95,6 @@ class ZecoGLAFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, do, dfinal):
-        refuse_double_backward("zeco_gla", NOT_TWICE)
         q, k, v, g, h0, S_in, *saved = ctx.saved_tensors
         with own_precision(do.device.type), on_device(do):
             grads = op_hooks.gla_body("backward body", backward_body, ctx.be, ctx.run, do, dfinal, (q, k, v, g, h0),
