@@ -151,13 +151,17 @@ def _mesh_case(rank, world, family):
         model = spm.fully_shard(_model(name, torch.float32), mesh)
         loss = step(model, spm.shard_batch(ids, labels, mesh, position_ids=pos))
         res["fsdp_fp32"] = _errors(spm.reduce_loss(loss, mesh).item(), want32[0], _grads(model), want32[1])
-    if family == "llama":  # a row whose batch cannot be cut: every rank raises (the other row does not wait)
+    if family == "llama":
+        # a row whose batch cannot be cut (passing labels or none): every rank raises, the other row does not
+        # wait; labels on one row only: every rank raises
         cut = T - 1 if d == 1 else T
-        try:
-            spm.shard_batch(ids[:, :cut], labels[:, :cut], mesh)
-            res["bad_row"] = "no error"
-        except ValueError as e:
-            res["bad_row"] = str(e)
+        for key, lab in (("bad_row", labels[:, :cut]), ("bad_row_unlabelled", labels[:, :cut] if d == 0 else None),
+                         ("labels_one_row", labels if d == 0 else None)):
+            try:
+                spm.shard_batch(ids[:, :cut] if key != "labels_one_row" else ids, lab, mesh)
+                res[key] = "no error"
+            except ValueError as e:
+                res[key] = str(e)
     dist.barrier()
     return res
 
@@ -174,4 +178,6 @@ def test_dp_sp_mesh_with_fsdp2_equals_one_process(family):
             assert r[key]["loss"] <= bound and r[key]["grads"] <= bound, (key, r)
         if family == "llama":
             assert r["fsdp_fp32"]["loss"] <= 1e-5 and r["fsdp_fp32"]["grads"] <= 1e-5, r["fsdp_fp32"]
-            assert "must be a multiple of the group size 2" in r["bad_row"] or "another DP row's batch" in r["bad_row"]
+            for key in ("bad_row", "bad_row_unlabelled"):
+                assert "must be a multiple of the group size 2" in r[key] or "another DP row's batch" in r[key], r
+            assert "1 of the 2 DP rows passed labels" in r["labels_one_row"], r

@@ -67,26 +67,30 @@ def shard_batch(input_ids: torch.Tensor, labels: Optional[torch.Tensor] = None, 
     try:
         shard = _shard_row(input_ids, labels, group=sp_mesh, position_ids=position_ids)
     except (ValueError, NotImplementedError):
-        if rows.size > 1 and labels is not None:  # the other rows wait in the count's all-reduce: tell them
-            _row_counts(rows, -1, input_ids)
+        if rows.size > 1:  # the other rows wait in the rows' exchange: tell them
+            _row_counts(rows, 0, labels is not None, failed=True, like=input_ids)
         raise
-    if shard.num_items is None:
-        return shard
     if rows.size > 1:
-        total = _row_counts(rows, shard.num_items, input_ids)
-        if total is None:
-            raise ValueError("shard_batch: another DP row's batch could not be cut (its ranks raised why); every row "
-                             "must pass a batch [B, T] with T a multiple of the SP size")
-        shard.num_items = total
+        # every row exchanges, labels or none, so that no row waits in it for a row that passed none
+        total, failed, labelled = _row_counts(rows, shard.num_items or 0, labels is not None, False, input_ids)
+        if failed:
+            raise ValueError("shard_batch: another DP row's batch could not be cut (its ranks raised why); every "
+                             "row must pass a batch [B, T] with T a multiple of the SP size")
+        if labelled not in (0, rows.size):
+            raise ValueError(f"shard_batch: {labelled} of the {rows.size} DP rows passed labels and the others "
+                             "none; pass labels on every rank or on none")
+        if shard.num_items is not None:
+            shard.num_items = total
     return shard
 
 
-def _row_counts(rows, count: int, like) -> Optional[int]:
-    """The sum over the DP rows of their label counts, or None when a row failed (its count -1)."""
-    t = torch.tensor([max(count, 0), int(count < 0)], dtype=torch.int64, device=comm_device(rows, like))
+def _row_counts(rows, count: int, labelled: bool, failed: bool, like) -> Tuple[int, int, int]:
+    """Summed over the DP rows: their label counts, how many rows failed to cut their batch, how many passed
+    labels (one all-reduce)."""
+    t = torch.tensor([count, int(failed), int(labelled)], dtype=torch.int64, device=comm_device(rows, like))
     dist.all_reduce(t, group=rows.process_group)
-    total, failed = t.tolist()
-    return None if failed else total
+    total, failed_rows, labelled_rows = t.tolist()
+    return total, failed_rows, labelled_rows
 
 
 def reduce_loss(loss: torch.Tensor, mesh, dp: str = "dp", sp: str = "sp") -> torch.Tensor:
