@@ -287,7 +287,9 @@ def test_one_process_equals_original_and_call_time_refusals():
                           (dict(position_ids=restart), "packed rows .* in a batch of 2 rows"),
                           (dict(cu_seq_lens_q=torch.tensor([0, T], dtype=torch.int32)), "cu_seq_lens_"),
                           (dict(position_ids=torch.arange(3 * T).view(3, 1, T)), r"position ids other than"),
-                          (dict(output_router_logits=True), "output_router_logits=True")]:
+                          (dict(output_router_logits=True), "output_router_logits=True"),
+                          (dict(logits_to_keep=1), "logits_to_keep"),
+                          (dict(logits_to_keep=torch.tensor([T - 1])), "logits_to_keep")]:
         with pytest.raises(NotImplementedError, match=match):
             model(input_ids=ids, **kwargs)
     # a mixture of experts' load-balancing loss asked for by the config (Qwen3-Next's MoE): refused too
@@ -298,3 +300,4 @@ def test_one_process_equals_original_and_call_time_refusals():
     with pytest.raises(NotImplementedError, match="generation is not supported"):
         model.generate(ids, max_new_tokens=2)
     assert _rel(model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits, want) <= 1e-12  # checks reset
+    assert _rel(model(input_ids=ids, logits_to_keep=0).logits, want) <= 1e-12  # 0: every token's logits

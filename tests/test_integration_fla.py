@@ -142,6 +142,14 @@ def _sp_equals_one_process(rank, world, kind, device="cpu", packed=False):
     ref_grads = dict(ref.named_parameters())
     res["grads"] = max(((p.grad - ref_grads[n].grad).norm() / ref_grads[n].grad.norm().clamp_min(1e-30)).item()
                        for n, p in model.named_parameters())
+    if not packed:  # what fla's model would apply per shard: refused on every rank, one rank's mistake included
+        for key, extra in (("labels", dict(labels=shard.input_ids) if rank == 1 else {}),
+                           ("logits_to_keep", dict(logits_to_keep=1))):
+            try:
+                model(input_ids=shard.input_ids, **extra)
+                res[key] = "no error"
+            except NotImplementedError as e:
+                res[key] = str(e)
     return res
 
 
@@ -154,6 +162,9 @@ def _check(results, kind, tol):
         assert abs(got - want) <= tol["loss"] * abs(want), r
         assert r["logits"] < tol["logits"], r
         assert r["grads"] < tol["grads"], r
+        if "labels" in r:
+            assert "labels are not supported" in r["labels"] and "(rank 1 of the group)" in r["labels"], r
+            assert "logits_to_keep" in r["logits_to_keep"] and "(ranks 0, 1 of the group)" in r["logits_to_keep"], r
 
 
 @pytest.mark.parametrize("kind", KINDS)

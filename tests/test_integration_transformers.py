@@ -95,6 +95,15 @@ def _sp_equals_one_process(rank, world):
         model(input_ids=shard.input_ids, position_ids=shard.position_ids, attention_mask=mask, use_cache=False)
     except NotImplementedError as e:
         res["padding"] = str(e)
+    # what the causal-LM head would apply per shard (labels on rank 1 only; the last token's logits on every
+    # rank): refused on every rank
+    for key, extra in (("labels", dict(labels=shard.input_ids) if rank == 1 else {}),
+                       ("logits_to_keep", dict(logits_to_keep=1))):
+        try:
+            model(input_ids=shard.input_ids, position_ids=shard.position_ids, use_cache=False, **extra)
+            res[key] = "no error"
+        except NotImplementedError as e:
+            res[key] = str(e)
     # a parameter with a gradient on some ranks only (an expert this rank's tokens never reached) counts as
     # zeros there: every rank gets the sum, none waits in a collective its peers skip
     torch.manual_seed(0)
@@ -115,6 +124,8 @@ def test_tiny_llama_sequence_parallel_equals_one_process():
         _assert_close(r)
         assert "T = 23 must be a multiple of the group size 2" in r["bad_T"], r
         assert "padding attention masks are not supported" in r.get("padding", ""), r
+        assert "labels are not supported" in r["labels"] and "(rank 1 of the group)" in r["labels"], r
+        assert "logits_to_keep" in r["logits_to_keep"] and "(ranks 0, 1 of the group)" in r["logits_to_keep"], r
     grads = [r["sparse_grads"] for r in results]
     # a.weight, a.bias, b.weight, b.bias (rank 0's alone, on both ranks), unused.weight, unused.bias (None)
     assert grads[0] == grads[1] and grads[0][4] is None and grads[0][5] is None, grads

@@ -65,6 +65,23 @@ def sp_group(group, op: str) -> SPGroup:
     return resolve_sp_group(group, op)
 
 
+LABELS = ("labels are not supported: the model would shift them within each shard and average over the shard; "
+          "pass no labels and use causal_lm_loss(logits, shard_batch(input_ids, labels, ...))")
+LOGITS_TO_KEEP = ("logits_to_keep (the logits of the last k tokens, or of given indices) is not supported: each rank "
+                  "would keep those of its own shard; pass none and take the logits you need from the rank that "
+                  "holds their tokens")
+
+
+def of_ranks(ranks: Sequence[int]) -> str:
+    """``(rank 1 of the group)`` / ``(ranks 0, 1 of the group)``: which ranks a refusal is for."""
+    return f"(rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))} of the group)"
+
+
+def keeps_some_logits(value) -> bool:
+    """Whether a model's ``logits_to_keep`` argument asks for less than every token's logits (0 or None: all)."""
+    return value is not None and not (isinstance(value, int) and value == 0)
+
+
 def op_group(sp: SPGroup):
     """The group as allscan's ops take it: the process group, or ``allscan.ops.LOCAL`` for one process."""
     return _ops.LOCAL if sp.process_group is None else sp.process_group

@@ -25,16 +25,19 @@ parameters as they are (their projections and norms are re-initialised as fla's 
 these models is per token. A model that holds any other fla sequence-mixing layer (DeltaNet, ...) raises
 ``NotImplementedError`` naming it, before anything is swapped: run on a shard, it would silently compute
 something else. Caching is turned off (``config.use_cache``):
-sequence parallelism is for training and prefill.
+sequence parallelism is for training and prefill. A call of the model with ``labels`` (fla would shift them
+within each shard) or ``logits_to_keep`` (each shard's last tokens) raises NotImplementedError on every rank.
 """
 from __future__ import annotations
 
+import inspect
 from typing import Dict
 
 import torch
 import torch.nn as nn
 
 from .batch import IGNORE_INDEX, BatchShard, causal_lm_loss, reduce_loss, shard_batch, sync_gradients  # noqa: F401
+from .common import LABELS, LOGITS_TO_KEEP, exchange, keeps_some_logits, of_ranks, sp_group
 
 __all__ = ["sequence_parallel", "shard_batch", "causal_lm_loss", "reduce_loss", "sync_gradients", "BatchShard",
            "IGNORE_INDEX"]
@@ -132,6 +135,37 @@ def _adopt_parameters(new: nn.Module, old: nn.Module) -> None:
                            f"{left}; is fla 0.6.x installed?")
 
 
+_REFUSED_ARGUMENTS = (
+    ("labels", lambda v: v is not None, LABELS),
+    ("logits_to_keep", keeps_some_logits, LOGITS_TO_KEEP))
+
+
+class _CallCheck:
+    """Forward pre-hook (with kwargs) of a model made sequence-parallel: refuses, by name and on every rank alike
+    (one exchange of a few integers per call), the arguments that fla's model would apply to each shard as if it
+    were the whole sequence."""
+
+    def __init__(self, group, signature: inspect.Signature):
+        self.group, self.signature = group, signature
+
+    def __call__(self, module, args, kwargs):
+        try:
+            given = self.signature.bind_partial(*args, **kwargs).arguments
+        except TypeError:
+            return None  # the forward raises on its own
+        flags = [int(refused(given.get(name))) for name, refused, _ in _REFUSED_ARGUMENTS]
+        if torch.compiler.is_compiling():  # no collective while tracing: this rank's own arguments
+            rows = [flags]
+        else:
+            like = next((v for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor)), None)
+            rows = exchange(sp_group(self.group, "sequence_parallel"), flags, like)
+        why = [(text, [r for r, row in enumerate(rows) if row[i]]) for i, (_, _, text) in enumerate(_REFUSED_ARGUMENTS)]
+        why = [f"{text} {of_ranks(ranks)}" for text, ranks in why if ranks]
+        if why:
+            raise NotImplementedError("sequence_parallel: " + "; ".join(why))
+        return None
+
+
 def sequence_parallel(model: nn.Module, group=None, *, method: str = "zeco") -> nn.Module:
     """Swap ``model``'s fla GLA, Gated DeltaNet, KDA, Mamba2 and softmax attention layers (in place) for allscan's,
     sequence-parallel over ``group`` (None: the default process group, resolved at each call); the linear
@@ -183,4 +217,7 @@ def sequence_parallel(model: nn.Module, group=None, *, method: str = "zeco") -> 
     config = getattr(model, "config", None)
     if config is not None and hasattr(config, "use_cache"):
         config.use_cache = False
+    signature = inspect.signature(model.forward)
+    if any(name in signature.parameters for name, _, _ in _REFUSED_ARGUMENTS):
+        model.register_forward_pre_hook(_CallCheck(group, signature), with_kwargs=True)
     return model

@@ -14,20 +14,20 @@ import threading
 
 import torch
 
-from .common import CONTEXT_KWARG, exchange, positions_context, restarts, sp_group
+from .common import (CONTEXT_KWARG, LABELS, LOGITS_TO_KEEP, exchange, keeps_some_logits, of_ranks, positions_context,
+                     restarts, sp_group)
 from .hf_moe import ROUTER_LOGITS, router_logits_requested
 from .hf_shard import SequenceParallelForward
 
 __all__ = ["CallCheck", "refuse_generate"]
 
 _CACHE, _USE_CACHE, _OUTPUT_ATTENTIONS, _LABELS, _PADDING, _FLASH_KWARGS, _POSITIONS_SHAPE, _CONTEXT_GIVEN, \
-    _ROUTER_LOGITS, _POSITIONS_GIVEN, _RESTARTS = (1 << i for i in range(11))
+    _ROUTER_LOGITS, _LOGITS_TO_KEEP, _POSITIONS_GIVEN, _RESTARTS = (1 << i for i in range(12))
 _REASONS = {
     _CACHE: "a KV or recurrent cache (past_key_values / cache) is not supported: training and prefill only",
     _USE_CACHE: "use_cache=True is not supported (no cache under sequence parallelism); pass use_cache=False",
     _OUTPUT_ATTENTIONS: "output_attentions=True is not supported (Ulysses returns no attention weights)",
-    _LABELS: ("labels are not supported: transformers would shift them within each shard and average over the "
-              "shard; pass no labels and use causal_lm_loss(logits, shard_batch(input_ids, labels, ...))"),
+    _LABELS: LABELS,
     _PADDING: ("an attention_mask with padding (or a custom mask) is not supported: every sequence is whole "
                "(pack or trim the batch)"),
     _FLASH_KWARGS: ("cu_seq_lens_* / max_length_* / seq_idx are not taken from the caller: pack sequences into one "
@@ -36,6 +36,7 @@ _REASONS = {
     _POSITIONS_SHAPE: "position ids other than [B, T_local] (e.g. multimodal rotary positions) are not supported",
     _CONTEXT_GIVEN: f"{CONTEXT_KWARG} is made by the model's call from the position ids; do not pass it",
     _ROUTER_LOGITS: ROUTER_LOGITS,
+    _LOGITS_TO_KEEP: LOGITS_TO_KEEP,
 }
 _PACKING_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx", "cu_seqlens")
 NAME = "sequence_parallel"
@@ -116,6 +117,8 @@ class CallCheck:
             flags |= _CONTEXT_GIVEN
         if router_logits_requested(config, a.get("output_router_logits")):
             flags |= _ROUTER_LOGITS
+        if keeps_some_logits(a.get("logits_to_keep")):
+            flags |= _LOGITS_TO_KEEP
         positions = a.get("position_ids")
         if positions is not None:
             flags |= _POSITIONS_GIVEN
@@ -132,9 +135,7 @@ class CallCheck:
         refused = [(bit, ranks) for bit, ranks in refused if ranks]
         if refused:
             raise NotImplementedError(f"{NAME}: " + "; ".join(
-                _REASONS[bit] + ("" if sp.size == 1 else f" (rank{'s' if len(ranks) > 1 else ''} "
-                                                         f"{', '.join(map(str, ranks))} of the group)")
-                for bit, ranks in refused))
+                _REASONS[bit] + ("" if sp.size == 1 else " " + of_ranks(ranks)) for bit, ranks in refused))
         given = [bool(r[2] & _POSITIONS_GIVEN) for r in rows]
         if any(given) and not all(given):
             raise ValueError(f"{NAME}: some ranks passed position_ids and others none")

@@ -55,7 +55,8 @@ and other SSM mixers, a convolution over the sequence, an attention of another k
 pools each row at one position (``*ForSequenceClassification``: each rank would pool its own last token). At call time
 (a forward pre-hook on the model's transformers models, once per outermost call, agreed on by every rank of
 the group so that all of them raise together) a KV or recurrent cache (``past_key_values``, ``use_cache=True``),
-``output_attentions``, ``labels`` (transformers would shift them within each shard), ``output_router_logits``
+``output_attentions``, ``labels`` (transformers would shift them within each shard), ``logits_to_keep`` (each
+rank would keep its own shard's last tokens), ``output_router_logits``
 (a mixture of experts' load-balancing loss is a mean over the whole sequence), padding masks, several
 packed rows in one batch and flash-attention kwargs from the caller (``cu_seq_lens_*``: the bounds come from the
 position ids) are refused by name; position ids that do not count 0, 1, 2, ... restarting at 0 raise

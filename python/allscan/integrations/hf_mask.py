@@ -11,10 +11,11 @@ from typing import Optional, Tuple
 
 import torch
 
-from .common import agreed_offsets, exchange, positions_context, restarts
+from .common import (LABELS, LOGITS_TO_KEEP, agreed_offsets, exchange, keeps_some_logits, of_ranks, positions_context,
+                     restarts)
 
 __all__ = ["ForwardBatch", "Forwards", "FORWARDS", "UlyssesMask", "mask_shape", "caller_mask_arguments",
-           "LOCAL_POSITIONS", "batch_of", "given_offsets"]
+           "caller_head_arguments", "LOCAL_POSITIONS", "batch_of", "given_offsets"]
 
 
 class ForwardBatch:
@@ -134,6 +135,25 @@ def caller_mask_arguments():
     return None, None  # not called by create_*_mask: transformers would look for no packed rows either
 
 
+def caller_head_arguments() -> Tuple[bool, bool]:
+    """Whether the transformers model forward that called the mask function (the nearest enclosing one with a
+    ``labels`` or ``logits_to_keep`` parameter: a head's, e.g. ``*ForCausalLM``) got labels, and whether it keeps
+    only some tokens' logits. register()'s hooks see no call arguments, so they are read from that frame; (False,
+    False) where there is none (a bare model, or a call the stack does not show, as under torch.compile)."""
+    tf = sys.modules.get("transformers")
+    f = sys._getframe(2)
+    for _ in range(32):
+        if f is None or tf is None:
+            break
+        names = f.f_code.co_varnames
+        if f.f_code.co_name == "forward" and ("labels" in names or "logits_to_keep" in names) \
+                and isinstance(f.f_locals.get("self"), tf.PreTrainedModel):
+            loc = f.f_locals
+            return loc.get("labels") is not None, keeps_some_logits(loc.get("logits_to_keep"))
+        f = f.f_back
+    return False, False
+
+
 LOCAL_POSITIONS = (
     "{name}: every rank's position ids are 0 .. S_local - 1, so each rank's slice would be a sequence of its "
     "own: the model was most likely called without the shard's global position ids; pass "
@@ -157,11 +177,15 @@ def batch_of(sp, name: str, B: int, Sq: int, kv: int, position_ids, attention_ma
     padded = int(isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2
                  and not bool(attention_mask.all()))
     local = int(pos is not None and bool((pos == torch.arange(Sq, device=device)).all()))
+    labels, keeps_some = caller_head_arguments()
     rows = exchange(sp, [B, Sq, kv, padded, odd_pos, int(pos is not None), local,
                          int(pos is not None and restarts(pos, sp.rank)), int(attention_mask is not None),
-                         int(cache is not None)], like)
+                         int(cache is not None), int(labels), int(keeps_some)], like)
     if any(r[:3] != rows[0][:3] for r in rows):
         raise ValueError(f"{name}: the ranks passed different batch / query / key lengths: {[r[:3] for r in rows]}")
+    for i, why in ((10, LABELS), (11, LOGITS_TO_KEEP)):
+        if any(r[i] for r in rows):
+            raise NotImplementedError(f"{name}: {why} {of_ranks([k for k, r in enumerate(rows) if r[i]])}")
     if any(r[3] for r in rows):
         raise NotImplementedError(f"{name}: padding attention masks are not supported (every sequence is whole "
                                   "and causal; pack or trim the batch); a rank of the group got one")

@@ -59,7 +59,9 @@ Refused, with ``NotImplementedError`` naming the cause, on every rank (never a s
   ``output_attentions``, several packed rows in one batch, a packed row with an attention mask or a cache
   (transformers would attend across its sequences then);
 - ``output_router_logits`` (by the call or the config): a mixture of experts' load-balancing loss is a mean over
-  the whole sequence, which each rank would take over its shard alone.
+  the whole sequence, which each rank would take over its shard alone;
+- ``labels`` or ``logits_to_keep`` given to the causal-LM head (transformers would shift the labels and keep the
+  last tokens within each shard), read from the head's forward on the stack by the forward's first mask call.
 
 What no hook can catch: a module that mixes the sequence without a recognisable class (see
 ``allscan.integrations.hf_refusals``)
