@@ -200,6 +200,20 @@ def _sp_equals_one_process(rank, world, kind):
                 r["layer_differ"] = "no error"
             except ValueError as e:
                 r["layer_differ"] = str(e)
+            # every rank's ids 0 .. T_local - 1 (each rank made its own): refused; confirmed by the caller's
+            # offsets (one sequence per rank): each rank's slice is a sequence alone
+            local = torch.arange(Tl).unsqueeze(0)
+            try:
+                model(input_ids=shard.input_ids, position_ids=local.expand(2, Tl))
+                r["local_positions"] = "no error"
+            except ValueError as e:
+                r["local_positions"] = str(e)
+            mine = shard.input_ids[:1]
+            with torch.no_grad():
+                alone = tiny_model(kind)(input_ids=mine, use_cache=False).logits
+                got = model(input_ids=mine, position_ids=local,
+                            cu_seq_lens_q=torch.arange(0, T + 1, Tl, dtype=torch.int32)).logits
+            r["one_sequence_a_rank"] = _rel(got, alone)
         # a cache asked for at call time: refused on every rank, by name
         try:
             model(input_ids=shard.input_ids, position_ids=shard.position_ids, use_cache=True)
@@ -218,6 +232,8 @@ def _check(results, kind):
             assert "use_cache=True is not supported" in r["cache"], (rank, P, r)
             if kind == "qwen3_5" and P == (3, "rows"):
                 assert "the ranks passed different cu_seq_lens_q / cu_seq_lens_k (rank 1 differ" in r["layer_differ"], r
+                assert "every rank's position ids are 0 .. S_local - 1" in r["local_positions"], r
+                assert r["one_sequence_a_rank"] <= 1e-6, r
     assert len(results[0]) == 4 and sorted(results[2]) == [(3, "packed"), (3, "rows")]
 
 
@@ -285,7 +301,7 @@ def test_one_process_equals_original_and_call_time_refusals():
                           (dict(labels=ids), "labels are not supported"),
                           (dict(attention_mask=torch.ones_like(ids).index_fill_(1, torch.tensor([0]), 0)), "padding"),
                           (dict(position_ids=restart), "packed rows .* in a batch of 2 rows"),
-                          (dict(cu_seq_lens_q=torch.tensor([0, T], dtype=torch.int32)), "cu_seq_lens_"),
+                          (dict(seq_idx=torch.zeros(2, T, dtype=torch.int32)), "seq_idx"),
                           (dict(position_ids=torch.arange(3 * T).view(3, 1, T)), r"position ids other than"),
                           (dict(output_router_logits=True), "output_router_logits=True"),
                           (dict(logits_to_keep=1), "logits_to_keep"),
@@ -301,3 +317,9 @@ def test_one_process_equals_original_and_call_time_refusals():
         model.generate(ids, max_new_tokens=2)
     assert _rel(model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits, want) <= 1e-12  # checks reset
     assert _rel(model(input_ids=ids, logits_to_keep=0).logits, want) <= 1e-12  # 0: every token's logits
+    # the caller's packed offsets: taken where they match the position ids (and dropped), else refused
+    offsets = torch.tensor(BOUNDS, dtype=torch.int32)
+    assert _rel(model(input_ids=row, position_ids=_packed_positions(), cu_seq_lens_q=offsets).logits,
+                want_packed) <= 1e-12
+    with pytest.raises(ValueError, match=r"cu_seq_lens_q/k \[0, 5, 16, 24\] do not match .*\(\[0, 24\]"):
+        model(input_ids=row, cu_seq_lens_q=offsets)

@@ -14,15 +14,17 @@ import threading
 
 import torch
 
-from .common import (CONTEXT_KWARG, LABELS, LOGITS_TO_KEEP, exchange, keeps_some_logits, of_ranks, positions_context,
-                     restarts, sp_group)
+from .common import (CONTEXT_KWARG, LABELS, LOGITS_TO_KEEP, agreed_offsets, exchange, keeps_some_logits, of_ranks,
+                     positions_context, restarts, sp_group)
+from .hf_mask import LOCAL_POSITIONS
 from .hf_moe import ROUTER_LOGITS, router_logits_requested
 from .hf_shard import SequenceParallelForward
 
 __all__ = ["CallCheck", "refuse_generate"]
 
 _CACHE, _USE_CACHE, _OUTPUT_ATTENTIONS, _LABELS, _PADDING, _FLASH_KWARGS, _POSITIONS_SHAPE, _CONTEXT_GIVEN, \
-    _ROUTER_LOGITS, _LOGITS_TO_KEEP, _POSITIONS_GIVEN, _RESTARTS = (1 << i for i in range(12))
+    _ROUTER_LOGITS, _LOGITS_TO_KEEP, _POSITIONS_GIVEN, _RESTARTS, _LOCAL_POSITIONS, _OFFSETS_GIVEN = \
+    (1 << i for i in range(14))
 _REASONS = {
     _CACHE: "a KV or recurrent cache (past_key_values / cache) is not supported: training and prefill only",
     _USE_CACHE: "use_cache=True is not supported (no cache under sequence parallelism); pass use_cache=False",
@@ -30,7 +32,7 @@ _REASONS = {
     _LABELS: LABELS,
     _PADDING: ("an attention_mask with padding (or a custom mask) is not supported: every sequence is whole "
                "(pack or trim the batch)"),
-    _FLASH_KWARGS: ("cu_seq_lens_* / max_length_* / seq_idx are not taken from the caller: pack sequences into one "
+    _FLASH_KWARGS: ("max_length_* / seq_idx / cu_seqlens are not taken from the caller: pack sequences into one "
                     "row marked by position ids that restart (shard_batch(..., position_ids=)); the bounds are found "
                     "in the whole row"),
     _POSITIONS_SHAPE: "position ids other than [B, T_local] (e.g. multimodal rotary positions) are not supported",
@@ -38,7 +40,8 @@ _REASONS = {
     _ROUTER_LOGITS: ROUTER_LOGITS,
     _LOGITS_TO_KEEP: LOGITS_TO_KEEP,
 }
-_PACKING_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx", "cu_seqlens")
+_PACKING_KWARGS = ("max_length_q", "max_length_k", "seq_idx", "cu_seqlens")
+_OFFSETS_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k")  # taken where they match the position ids, then dropped
 NAME = "sequence_parallel"
 
 _STATE = threading.local()  # the module whose call is being checked (nested transformers models skip)
@@ -113,6 +116,8 @@ class CallCheck:
             flags |= _PADDING
         if any(a.get(k) is not None for k in _PACKING_KWARGS):
             flags |= _FLASH_KWARGS
+        if any(a.get(k) is not None for k in _OFFSETS_KWARGS):
+            flags |= _OFFSETS_GIVEN
         if a.get(CONTEXT_KWARG) is not None:
             flags |= _CONTEXT_GIVEN
         if router_logits_requested(config, a.get("output_router_logits")):
@@ -125,8 +130,11 @@ class CallCheck:
             if not isinstance(positions, torch.Tensor) or positions.dim() != 2 or positions.shape[-1] != T \
                     or positions.shape[0] not in (1, B):
                 flags |= _POSITIONS_SHAPE
-            elif restarts(positions, sp.rank):
-                flags |= _RESTARTS
+            else:
+                if restarts(positions, sp.rank):
+                    flags |= _RESTARTS
+                if bool((positions == torch.arange(T, device=positions.device)).all()):
+                    flags |= _LOCAL_POSITIONS
         rows = exchange(sp, [B, T, flags], x)
         if any(r[:2] != rows[0][:2] for r in rows):
             raise ValueError(f"{NAME}: the ranks passed different batch sizes / local lengths [B, T_local]: "
@@ -139,12 +147,27 @@ class CallCheck:
         given = [bool(r[2] & _POSITIONS_GIVEN) for r in rows]
         if any(given) and not all(given):
             raise ValueError(f"{NAME}: some ranks passed position_ids and others none")
+        # The caller's packed offsets, agreed across the group (one more exchange, only where some rank passed
+        # them): they may confirm what the position ids mark, and go no further
+        given = agreed_offsets(sp, a.get("cu_seq_lens_q"), a.get("cu_seq_lens_k"), NAME, x) \
+            if any(r[2] & _OFFSETS_GIVEN for r in rows) else None
+        for k in _OFFSETS_KWARGS:
+            kwargs.pop(k, None)
+        # Every rank's ids 0 .. T_local - 1: most likely each rank made its own (as the model does), rarely a row
+        # packing one sequence per rank, which the caller's offsets must then confirm (as under register())
+        if sp.size > 1 and all(r[2] & _LOCAL_POSITIONS for r in rows) and given is None:
+            raise ValueError(LOCAL_POSITIONS.format(name=NAME))
         if positions is None:
             # the global positions one process would use (the model's own default is 0 .. T_local-1 on every rank)
             kwargs["position_ids"] = (torch.arange(T, device=x.device) + sp.rank * T).unsqueeze(0).expand(B, T)
         # The batch's context, once for the whole model: packed rows (position ids restarting at 0) found in the
         # whole row (the same cut on every rank, malformed ids refused on every rank); whole sequences without an
         # exchange where no position ids were given
-        kwargs[CONTEXT_KWARG] = positions_context(positions.expand(B, T) if positions is not None else None, sp, NAME,
-                                                  B, any(r[2] & _RESTARTS for r in rows))
+        context = positions_context(positions.expand(B, T) if positions is not None else None, sp, NAME, B,
+                                    any(r[2] & _RESTARTS for r in rows))
+        if given is not None and given != (context.cu_seqlens or (0, sp.size * T)):
+            raise ValueError(f"{NAME}: cu_seq_lens_q/k {list(given)} do not match the packed sequences the position "
+                             f"ids mark ({list(context.cu_seqlens or (0, sp.size * T))}, global offsets in the whole "
+                             f"row of {sp.size * T} tokens)")
+        kwargs[CONTEXT_KWARG] = context
         return kwargs

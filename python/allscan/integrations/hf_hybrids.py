@@ -58,9 +58,12 @@ the group so that all of them raise together) a KV or recurrent cache (``past_ke
 ``output_attentions``, ``labels`` (transformers would shift them within each shard), ``logits_to_keep`` (each
 rank would keep its own shard's last tokens), ``output_router_logits``
 (a mixture of experts' load-balancing loss is a mean over the whole sequence), padding masks, several
-packed rows in one batch and flash-attention kwargs from the caller (``cu_seq_lens_*``: the bounds come from the
-position ids) are refused by name; position ids that do not count 0, 1, 2, ... restarting at 0 raise
-``ValueError``; ``generate`` raises. Position ids default to the global ones (``rank * T_local +
+packed rows in one batch and flash-attention kwargs from the caller (``max_length_*``, ``seq_idx``: the bounds
+come from the position ids) are refused by name; position ids that do not count 0, 1, 2, ... restarting at 0
+raise ``ValueError``, and so do ids 0 .. T_local - 1 on every rank (each rank made its own, as the model does
+by default) unless ``cu_seq_lens_q=shard.cu_seqlens`` confirms that the row packs one sequence per rank
+(``cu_seq_lens_q`` / ``_k``, agreed across the group, must match the bounds the position ids mark; they go no
+further); ``generate`` raises. Position ids default to the global ones (``rank * T_local +
 arange(T_local)``), as one process would make them. Caching is turned off
 (``config.use_cache``): sequence parallelism is for training and prefill.
 """
