@@ -149,13 +149,13 @@ class CallCheck:
             raise ValueError(f"{NAME}: some ranks passed position_ids and others none")
         # The caller's packed offsets, agreed across the group (one more exchange, only where some rank passed
         # them): they may confirm what the position ids mark, and go no further
-        given = agreed_offsets(sp, a.get("cu_seq_lens_q"), a.get("cu_seq_lens_k"), NAME, x) \
+        offsets = agreed_offsets(sp, a.get("cu_seq_lens_q"), a.get("cu_seq_lens_k"), NAME, x) \
             if any(r[2] & _OFFSETS_GIVEN for r in rows) else None
         for k in _OFFSETS_KWARGS:
             kwargs.pop(k, None)
         # Every rank's ids 0 .. T_local - 1: most likely each rank made its own (as the model does), rarely a row
         # packing one sequence per rank, which the caller's offsets must then confirm (as under register())
-        if sp.size > 1 and all(r[2] & _LOCAL_POSITIONS for r in rows) and given is None:
+        if sp.size > 1 and all(r[2] & _LOCAL_POSITIONS for r in rows) and offsets is None:
             raise ValueError(LOCAL_POSITIONS.format(name=NAME))
         if positions is None:
             # the global positions one process would use (the model's own default is 0 .. T_local-1 on every rank)
@@ -165,9 +165,9 @@ class CallCheck:
         # exchange where no position ids were given
         context = positions_context(positions.expand(B, T) if positions is not None else None, sp, NAME, B,
                                     any(r[2] & _RESTARTS for r in rows))
-        if given is not None and given != (context.cu_seqlens or (0, sp.size * T)):
-            raise ValueError(f"{NAME}: cu_seq_lens_q/k {list(given)} do not match the packed sequences the position "
-                             f"ids mark ({list(context.cu_seqlens or (0, sp.size * T))}, global offsets in the whole "
-                             f"row of {sp.size * T} tokens)")
+        marked = context.cu_seqlens or (0, sp.size * T)
+        if offsets is not None and offsets != marked:
+            raise ValueError(f"{NAME}: cu_seq_lens_q/k {list(offsets)} do not match the packed sequences the position "
+                             f"ids mark ({list(marked)}, global offsets in the whole row of {sp.size * T} tokens)")
         kwargs[CONTEXT_KWARG] = context
         return kwargs

@@ -72,7 +72,8 @@ def shard_batch(input_ids: torch.Tensor, labels: Optional[torch.Tensor] = None, 
         raise
     if rows.size > 1:
         # every row exchanges, labels or none, so that no row waits in it for a row that passed none
-        total, failed, labelled = _row_counts(rows, shard.num_items or 0, labels is not None, False, input_ids)
+        total, failed, labelled = _row_counts(rows, shard.num_items or 0, labels is not None, failed=False,
+                                                like=input_ids)
         if failed:
             raise ValueError("shard_batch: another DP row's batch could not be cut (its ranks raised why); every "
                              "row must pass a batch [B, T] with T a multiple of the SP size")
