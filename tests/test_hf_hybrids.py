@@ -245,6 +245,42 @@ def test_family_sequence_parallel_equals_one_process(kind):
     _check(results, kind)
 
 
+def _compiled(rank, world):
+    from allscan.integrations import hf_hybrids as sp
+
+    fp64_delta_rule("qwen3_5")
+    ids, _ = _batch()
+    with torch.no_grad():
+        want = tiny_model("qwen3_5")(input_ids=ids, use_cache=False).logits
+    model = torch.compile(sp.sequence_parallel(tiny_model("qwen3_5")), backend="eager")
+    shard = sp.shard_batch(ids)
+    Tl = T // world
+    res = {}
+    with torch.no_grad():
+        res["rows"] = _rel(model(input_ids=shard.input_ids, position_ids=shard.position_ids).logits,
+                           want[:, rank * Tl:(rank + 1) * Tl])
+        packed = sp.shard_batch(ids[:1], position_ids=_packed_positions())
+        for key, kwargs in (("packed", dict(input_ids=packed.input_ids, position_ids=packed.position_ids)),
+                            ("labels", dict(input_ids=shard.input_ids, position_ids=shard.position_ids,
+                                            labels=shard.input_ids))):
+            try:
+                model(**kwargs)
+                res[key] = "no error"
+            except NotImplementedError as e:
+                res[key] = str(e)
+    return res
+
+
+def test_compiled_model_checks_its_call_and_refuses_packed_rows():
+    """Under torch.compile the call's checks run beside the trace (a graph break before the forward), so what is
+    refused eagerly is refused compiled; the batch's context cannot enter the trace, so packed rows are refused
+    (they came out wrong there, no error: the layers took whole sequences) and whole rows equal one process."""
+    for r in run_distributed(_compiled, 2, timeout=600):
+        assert r["rows"] <= 1e-6, r
+        assert "packed rows (position ids that restart) are not supported under torch.compile" in r["packed"], r
+        assert "labels are not supported" in r["labels"], r
+
+
 def test_unknown_sequence_mixer_is_named_and_nothing_changes():
     from allscan.integrations import hf_hybrids as sp
 

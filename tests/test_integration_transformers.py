@@ -205,6 +205,16 @@ def _hybrids_refused(rank, world):
     return res
 
 
+def test_compiled_model_is_refused_by_name():
+    """register(): torch.compile of the model raises by name (its mask and attention exchange across the ranks,
+    which a trace cannot; without the refusal dynamo failed inside torch.distributed)."""
+    from allscan.integrations import transformers as sp
+
+    model = torch.compile(_model(sp.register(None)), backend="eager")
+    with pytest.raises(NotImplementedError, match="torch.compile of a model set to register"):
+        model(input_ids=torch.zeros(1, 8, dtype=torch.long), use_cache=False)
+
+
 def test_sequence_classification_is_refused_at_the_first_forward():
     """register(): a head that pools each row at its last token would pool each rank's own; refused by name
     (check_model, and by itself at the first forward), the causal LM of the same config not."""

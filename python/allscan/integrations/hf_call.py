@@ -52,6 +52,22 @@ def refuse_generate(*args, **kwargs):
                               "(training and prefill only)")
 
 
+@torch.compiler.disable
+def _check_beside_the_trace(check: "CallCheck", bound, kwargs, config) -> None:
+    """Under torch.compile: the call's checks and exchanges, run eagerly (a graph break before the model's
+    forward), everything refused as in an eager call. The context cannot enter the trace, so the layers take
+    whole sequences there: packed rows are refused. The model's default position ids would be each shard's
+    own, so the global ones must be given."""
+    if bound.arguments.get("position_ids") is None and "position_ids" not in kwargs:
+        raise NotImplementedError(f"{NAME}: under torch.compile pass position_ids (the global ones: "
+                                  "shard_batch(...).position_ids)")
+    context = check._check(bound, dict(kwargs), config).get(CONTEXT_KWARG)
+    if context is not None and context.packed:
+        raise NotImplementedError(f"{NAME}: packed rows (position ids that restart) are not supported under "
+                                  "torch.compile: the batch's context cannot enter the trace; call the model "
+                                  "eagerly for packed rows (the layers' ops themselves compile)")
+
+
 class CallCheck:
     """Forward pre-hook (:meth:`pre`, with kwargs) and its closing forward hook (:meth:`post`) of a transformers
     model made sequence-parallel over ``group``; ``rewired``: its linear-attention modules."""
@@ -67,11 +83,7 @@ class CallCheck:
         except TypeError:
             return None  # the forward raises on its own
         if torch.compiler.is_compiling():
-            # no collective while tracing (the eager call before compiling checked the rest): the model's
-            # default position ids would be each shard's own, so they must be given
-            if bound.arguments.get("position_ids") is None and "position_ids" not in kwargs:
-                raise NotImplementedError("sequence_parallel: under torch.compile pass position_ids (the global "
-                                          "ones: shard_batch(...).position_ids)")
+            _check_beside_the_trace(self, bound, kwargs, getattr(module, "config", None))
             return None
         _STATE.owner = module
         try:

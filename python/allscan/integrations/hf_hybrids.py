@@ -64,7 +64,9 @@ raise ``ValueError``, and so do ids 0 .. T_local - 1 on every rank (each rank ma
 by default) unless ``cu_seq_lens_q=shard.cu_seqlens`` confirms that the row packs one sequence per rank
 (``cu_seq_lens_q`` / ``_k``, agreed across the group, must match the bounds the position ids mark; they go no
 further); ``generate`` raises. Position ids default to the global ones (``rank * T_local +
-arange(T_local)``), as one process would make them. Caching is turned off
+arange(T_local)``), as one process would make them. Under ``torch.compile`` the same checks run beside the
+trace (a graph break before the forward) and position ids must be given; the batch's context cannot enter the
+trace, so packed rows are refused there. Caching is turned off
 (``config.use_cache``): sequence parallelism is for training and prefill.
 """
 from __future__ import annotations

@@ -61,13 +61,13 @@ Refused, with ``NotImplementedError`` naming the cause, on every rank (never a s
 - ``output_router_logits`` (by the call or the config): a mixture of experts' load-balancing loss is a mean over
   the whole sequence, which each rank would take over its shard alone;
 - ``labels`` or ``logits_to_keep`` given to the causal-LM head (transformers would shift the labels and keep the
-  last tokens within each shard), read from the head's forward on the stack by the forward's first mask call.
+  last tokens within each shard), read from the head's forward on the stack by the forward's first mask call;
+- ``torch.compile`` of the model (its mask and attention exchange across the ranks, which a trace cannot): the
+  pre-hook raises beside the trace.
 
 What no hook can catch: a module that mixes the sequence without a recognisable class (see
-``allscan.integrations.hf_refusals``)
-or Conv1d, in a model whose config declares no non-attention ``layer_types``; a model run under
-``torch.compile`` without one eager forward first (the pre-hook is skipped while compiling; the mask and
-attention checks still run).
+``allscan.integrations.hf_refusals``) or Conv1d, in a model whose config declares no non-attention
+``layer_types``.
 """
 from __future__ import annotations
 
@@ -96,6 +96,8 @@ NAME = "allscan_ulysses"
 _HARMLESS = frozenset({"position_ids", "use_cache", "cache_position", "output_router_logits", "output_hidden_states",
                        "num_items_in_batch", "deterministic", "seq_idx", "layer_idx", "return_dict"})
 
+_NOT_COMPILED = ("{name}: torch.compile of a model set to register()'s attention is not supported (its mask and "
+                 "attention agree on the batch across the ranks, which a trace cannot); call the model eagerly")
 _NAMES = {}  # name -> group, of every register() in this process
 _HOOK = None
 _PASSED = weakref.WeakKeyDictionary()  # model -> the attention implementation it passed check_model with
@@ -113,11 +115,16 @@ def check_model(model: torch.nn.Module, name: Optional[str] = None) -> None:
         raise NotImplementedError(why)
 
 
+@torch.compiler.disable
+def _refuse_compiled(name: str) -> None:
+    """Raised beside the trace (a graph break): raised inside it, dynamo would run the frame again eagerly and
+    trace the frames it calls one by one, where the checks cannot see that they are compiled."""
+    raise NotImplementedError(_NOT_COMPILED.format(name=name))
+
+
 def _pre_forward(module, args):
     """Global forward pre-hook: the first forward of a transformers model set to a registered name checks
     the whole model (models that never call attention, e.g. Mamba2, are caught here only)."""
-    if torch.compiler.is_compiling():
-        return None
     cfg = module.__dict__.get("config")
     if cfg is None:
         inner = module.__dict__.get("_modules", {}).get("_orig_mod")  # torch.compile's wrapper
@@ -132,6 +139,8 @@ def _pre_forward(module, args):
     impl = registered_implementation(cfg, _NAMES)
     if impl is None:
         return None
+    if torch.compiler.is_compiling():
+        _refuse_compiled(impl)
     FORWARDS.serial += 1  # a new forward: its first mask call finds its batch again
     if router_logits_requested(cfg, None):  # (a call's own output_router_logits reaches the attention's check)
         raise NotImplementedError(f"{impl}: {ROUTER_LOGITS}")
