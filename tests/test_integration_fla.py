@@ -150,6 +150,15 @@ def _sp_equals_one_process(rank, world, kind, device="cpu", packed=False):
                 res[key] = "no error"
             except NotImplementedError as e:
                 res[key] = str(e)
+        if kind == "gla":  # compiled: the check runs beside the trace, so one rank's labels still reach every rank
+            compiled = torch.compile(model, backend="eager")
+            with torch.no_grad():
+                res["compiled"] = ((compiled(input_ids=shard.input_ids).logits - logits).abs().max()).item()
+            try:
+                compiled(input_ids=shard.input_ids, **(dict(labels=shard.input_ids) if rank == 1 else {}))
+                res["compiled_labels"] = "no error"
+            except NotImplementedError as e:
+                res["compiled_labels"] = str(e)
     return res
 
 
@@ -165,6 +174,8 @@ def _check(results, kind, tol):
         if "labels" in r:
             assert "labels are not supported" in r["labels"] and "(rank 1 of the group)" in r["labels"], r
             assert "logits_to_keep" in r["logits_to_keep"] and "(ranks 0, 1 of the group)" in r["logits_to_keep"], r
+        if "compiled" in r:
+            assert r["compiled"] <= 1e-5 and "labels are not supported" in r["compiled_labels"], r
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -148,17 +148,17 @@ class _CallCheck:
     def __init__(self, group, signature: inspect.Signature):
         self.group, self.signature = group, signature
 
+    # Under torch.compile too, beside the trace (a graph break before the forward): raised inside it on one rank,
+    # dynamo would run the hook again eagerly on that rank alone, whose exchange then met its peers' next collective
+    @torch.compiler.disable
     def __call__(self, module, args, kwargs):
         try:
             given = self.signature.bind_partial(*args, **kwargs).arguments
         except TypeError:
             return None  # the forward raises on its own
         flags = [int(refused(given.get(name))) for name, refused, _ in _REFUSED_ARGUMENTS]
-        if torch.compiler.is_compiling():  # no collective while tracing: this rank's own arguments
-            rows = [flags]
-        else:
-            like = next((v for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor)), None)
-            rows = exchange(sp_group(self.group, "sequence_parallel"), flags, like)
+        like = next((v for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor)), None)
+        rows = exchange(sp_group(self.group, "sequence_parallel"), flags, like)
         why = [(text, [r for r, row in enumerate(rows) if row[i]]) for i, (_, _, text) in enumerate(_REFUSED_ARGUMENTS)]
         why = [f"{text} {of_ranks(ranks)}" for text, ranks in why if ranks]
         if why:

@@ -66,7 +66,8 @@ by default) unless ``cu_seq_lens_q=shard.cu_seqlens`` confirms that the row pack
 further); ``generate`` raises. Position ids default to the global ones (``rank * T_local +
 arange(T_local)``), as one process would make them. Under ``torch.compile`` the same checks run beside the
 trace (a graph break before the forward) and position ids must be given; the batch's context cannot enter the
-trace, so packed rows are refused there. Caching is turned off
+trace, so packed rows are refused there. Compiling ``model.forward`` instead leaves the hooks outside the trace:
+packed rows run. Caching is turned off
 (``config.use_cache``): sequence parallelism is for training and prefill.
 """
 from __future__ import annotations
