@@ -61,7 +61,8 @@ def shard_batch(input_ids: torch.Tensor, labels: Optional[torch.Tensor] = None, 
     """This rank's slice of its DP row's batch ``[B, T]`` (the same on the row's SP ranks; each row its own),
     cut along ``mesh[sp]`` as :func:`allscan.integrations.batch.shard_batch` cuts it, with ``num_items`` the label
     count of the whole GLOBAL batch (summed over ``mesh[dp]``: one small all-reduce), so that
-    ``causal_lm_loss(logits, shard)`` is this rank's share of the global batch's mean loss."""
+    ``causal_lm_loss(logits, shard)`` is this rank's share of the global batch's mean loss. Labels go on every
+    row or on none; a row that passes them alone, or whose batch cannot be cut, raises ValueError on every rank."""
     dp_mesh, sp_mesh = mesh_dims(mesh, dp, sp)
     rows = sp_group(dp_mesh, "shard_batch")
     try:
