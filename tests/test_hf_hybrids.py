@@ -265,11 +265,13 @@ def _compiled(rank, world):
         packed = sp.shard_batch(ids[:1], position_ids=_packed_positions())
         for key, kwargs in (("packed", dict(input_ids=packed.input_ids, position_ids=packed.position_ids)),
                             ("labels", dict(input_ids=shard.input_ids, position_ids=shard.position_ids,
-                                            labels=shard.input_ids))):
+                                            labels=shard.input_ids)),
+                            ("positions_on_one_rank", dict(input_ids=shard.input_ids,
+                                                           position_ids=shard.position_ids if rank else None))):
             try:
                 model(**kwargs)
                 res[key] = "no error"
-            except NotImplementedError as e:
+            except (NotImplementedError, ValueError) as e:
                 res[key] = str(e)
         # transformers' own recipe, the forward compiled: the hooks stay eager and hand the context in
         inner = sp.sequence_parallel(tiny_model("qwen3_5"))
@@ -288,6 +290,7 @@ def test_compiled_model_checks_its_call_and_refuses_packed_rows():
         assert r["rows"] <= 1e-6 and r["forward_packed"] <= 1e-6, r
         assert "packed rows (position ids that restart) are not supported under torch.compile" in r["packed"], r
         assert "labels are not supported" in r["labels"], r
+        assert "some ranks passed position_ids and others none" in r["positions_on_one_rank"], r
 
 
 def test_unknown_sequence_mixer_is_named_and_nothing_changes():

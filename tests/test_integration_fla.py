@@ -159,11 +159,17 @@ def _sp_equals_one_process(rank, world, kind, device="cpu", packed=False):
                 res["compiled_labels"] = "no error"
             except NotImplementedError as e:
                 res["compiled_labels"] = str(e)
+            # arguments the forward cannot take, on rank 1 alone: its own TypeError there, the peers told
+            try:
+                model(shard.input_ids, *([None] * (40 if rank == 1 else 0)))
+                res["unbound"] = "no error"
+            except (TypeError, ValueError) as e:
+                res["unbound"] = f"{type(e).__name__}: {e}"
     return res
 
 
 def _check(results, kind, tol):
-    for r in results:
+    for rank, r in enumerate(results):
         assert r["same_objects"] and r["same_names"], r
         assert r["layers"] == [f"allscan.layers.{name}" for name in LAYERS[kind]], r
         assert r["use_cache"] is False, r
@@ -176,6 +182,8 @@ def _check(results, kind, tol):
             assert "logits_to_keep" in r["logits_to_keep"] and "(ranks 0, 1 of the group)" in r["logits_to_keep"], r
         if "compiled" in r:
             assert r["compiled"] <= 1e-5 and "labels are not supported" in r["compiled_labels"], r
+            assert r["unbound"].startswith("TypeError") if rank == 1 else \
+                "arguments its forward does not take (rank 1 of the group)" in r["unbound"], r
 
 
 @pytest.mark.parametrize("kind", KINDS)

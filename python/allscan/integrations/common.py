@@ -159,10 +159,9 @@ def agreed_offsets(sp: SPGroup, cu_q, cu_k, name: str,
     mine = [int(q is not None), int(k is not None), int(bool(problem)), len(cu or ()),
             offsets_digest(cu) if cu is not None else 0]
     rows = exchange(sp, mine, like)
-    where = "" if sp.size == 1 else " (rank{} {} of the group)"
 
     def ranks(rs):
-        return where.format("s" if len(rs) > 1 else "", ", ".join(map(str, rs)))
+        return "" if sp.size == 1 else " " + of_ranks(rs)
 
     bad = [r for r, row in enumerate(rows) if row[2]]
     if bad:

@@ -153,16 +153,22 @@ class _CallCheck:
     @torch.compiler.disable
     def __call__(self, module, args, kwargs):
         try:
-            given = self.signature.bind_partial(*args, **kwargs).arguments
-        except TypeError:
-            return None  # the forward raises on its own
-        flags = [int(refused(given.get(name))) for name, refused, _ in _REFUSED_ARGUMENTS]
+            given, unbound = self.signature.bind_partial(*args, **kwargs).arguments, 0
+        except TypeError:  # the forward raises on its own, after the exchange tells the peers
+            given, unbound = {}, 1
+        flags = [int(refused(given.get(name))) for name, refused, _ in _REFUSED_ARGUMENTS] + [unbound]
         like = next((v for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor)), None)
         rows = exchange(sp_group(self.group, "sequence_parallel"), flags, like)
+        if unbound:
+            return None
         why = [(text, [r for r, row in enumerate(rows) if row[i]]) for i, (_, _, text) in enumerate(_REFUSED_ARGUMENTS)]
         why = [f"{text} {of_ranks(ranks)}" for text, ranks in why if ranks]
         if why:
             raise NotImplementedError("sequence_parallel: " + "; ".join(why))
+        others = [r for r, row in enumerate(rows) if row[-1]]
+        if others:
+            raise ValueError(f"sequence_parallel: the model was called with arguments its forward does not take "
+                             f"{of_ranks(others)}")
         return None
 
 

@@ -58,10 +58,11 @@ def _check_beside_the_trace(check: "CallCheck", bound, kwargs, config) -> None:
     forward), everything refused as in an eager call. The context cannot enter the trace, so the layers take
     whole sequences there: packed rows are refused. The model's default position ids would be each shard's
     own, so the global ones must be given."""
-    if bound.arguments.get("position_ids") is None and "position_ids" not in kwargs:
+    context = check._check(bound, dict(kwargs), config).get(CONTEXT_KWARG)  # raises on every rank alike
+    # after the exchange, which refused position ids given on some ranks only: the same verdict on every rank
+    if bound.arguments.get("position_ids") is None and kwargs.get("position_ids") is None:
         raise NotImplementedError(f"{NAME}: under torch.compile pass position_ids (the global ones: "
                                   "shard_batch(...).position_ids)")
-    context = check._check(bound, dict(kwargs), config).get(CONTEXT_KWARG)
     if context is not None and context.packed:
         raise NotImplementedError(f"{NAME}: packed rows (position ids that restart) are not supported under "
                                   "torch.compile: the batch's context cannot enter the trace; call the model "
