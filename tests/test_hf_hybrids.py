@@ -214,6 +214,14 @@ def _sp_equals_one_process(rank, world, kind):
                 got = model(input_ids=mine, position_ids=local,
                             cu_seq_lens_q=torch.arange(0, T + 1, Tl, dtype=torch.int32)).logits
             r["one_sequence_a_rank"] = _rel(got, alone)
+            # one rank calls with a keyword no forward takes: that rank's forward raises its TypeError, its peers
+            # hear of it in the call's exchange (they waited in the first layer's collective before)
+            try:
+                model(shard.input_ids, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13) if rank == 1 else model(
+                    input_ids=shard.input_ids, position_ids=shard.position_ids)
+                r["unbound"] = "no error"
+            except (TypeError, ValueError) as e:
+                r["unbound"] = f"{type(e).__name__}: {e}"
         # a cache asked for at call time: refused on every rank, by name
         try:
             model(input_ids=shard.input_ids, position_ids=shard.position_ids, use_cache=True)
@@ -234,6 +242,8 @@ def _check(results, kind):
                 assert "the ranks passed different cu_seq_lens_q / cu_seq_lens_k (rank 1 differ" in r["layer_differ"], r
                 assert "every rank's position ids are 0 .. S_local - 1" in r["local_positions"], r
                 assert r["one_sequence_a_rank"] <= 1e-6, r
+                assert r["unbound"].startswith("TypeError") if rank == 1 else \
+                    "arguments its forward does not take, or without input_ids" in r["unbound"], r
     assert len(results[0]) == 4 and sorted(results[2]) == [(3, "packed"), (3, "rows")]
 
 

@@ -23,8 +23,8 @@ from .hf_shard import SequenceParallelForward
 __all__ = ["CallCheck", "refuse_generate"]
 
 _CACHE, _USE_CACHE, _OUTPUT_ATTENTIONS, _LABELS, _PADDING, _FLASH_KWARGS, _POSITIONS_SHAPE, _CONTEXT_GIVEN, \
-    _ROUTER_LOGITS, _LOGITS_TO_KEEP, _POSITIONS_GIVEN, _RESTARTS, _LOCAL_POSITIONS, _OFFSETS_GIVEN = \
-    (1 << i for i in range(14))
+    _ROUTER_LOGITS, _LOGITS_TO_KEEP, _POSITIONS_GIVEN, _RESTARTS, _LOCAL_POSITIONS, _OFFSETS_GIVEN, _UNCHECKABLE = \
+    (1 << i for i in range(15))
 _REASONS = {
     _CACHE: "a KV or recurrent cache (past_key_values / cache) is not supported: training and prefill only",
     _USE_CACHE: "use_cache=True is not supported (no cache under sequence parallelism); pass use_cache=False",
@@ -59,6 +59,8 @@ def _check_beside_the_trace(check: "CallCheck", bound, kwargs, config) -> None:
     whole sequences there: packed rows are refused. The model's default position ids would be each shard's
     own, so the global ones must be given."""
     context = check._check(bound, dict(kwargs), config).get(CONTEXT_KWARG)  # raises on every rank alike
+    if bound is None:
+        return  # the forward raises on its own
     # after the exchange, which refused position ids given on some ranks only: the same verdict on every rank
     if bound.arguments.get("position_ids") is None and kwargs.get("position_ids") is None:
         raise NotImplementedError(f"{NAME}: under torch.compile pass position_ids (the global ones: "
@@ -82,7 +84,7 @@ class CallCheck:
         try:
             bound = inspect.signature(module.forward).bind_partial(*args, **kwargs)
         except TypeError:
-            return None  # the forward raises on its own
+            bound = None  # the forward raises on its own, after the check's exchange tells the peers
         if torch.compiler.is_compiling():
             _check_beside_the_trace(self, bound, kwargs, getattr(module, "config", None))
             return None
@@ -99,22 +101,26 @@ class CallCheck:
             _STATE.owner = None
         return None
 
-    def _check(self, bound, kwargs, config):
+    def _check(self, bound: "inspect.BoundArguments | None", kwargs, config):
         for m in self.rewired:
             if not isinstance(m.__dict__.get("forward"), SequenceParallelForward):
                 raise RuntimeError(f"{NAME}: {type(m).__name__}'s forward was replaced after sequence_parallel() "
                                    "(kernelize? another wrapper?); call sequence_parallel() last")
-        a = dict(bound.arguments)
-        for p in bound.signature.parameters.values():
+        a = dict(bound.arguments) if bound is not None else {}
+        for p in bound.signature.parameters.values() if bound is not None else ():
             if p.kind is p.VAR_KEYWORD:
                 a.update(a.pop(p.name, {}) or {})
         x = a.get("input_ids")
         if x is None:
             x = a.get("inputs_embeds")
-        if not isinstance(x, torch.Tensor) or x.dim() < 2:
-            return kwargs  # the forward raises on its own
-        B, T = int(x.shape[0]), int(x.shape[1])
         sp = sp_group(self.group, NAME)
+        if not isinstance(x, torch.Tensor) or x.dim() < 2:
+            # arguments the forward does not take, or no input [B, T_local]: the forward raises on its own on this
+            # rank, once the exchange has told its peers (which would otherwise wait in their first collective)
+            like = next((v for v in a.values() if isinstance(v, torch.Tensor)), None)
+            exchange(sp, [-1, -1, _UNCHECKABLE], like)
+            return kwargs
+        B, T = int(x.shape[0]), int(x.shape[1])
         flags = 0
         if any(a.get(k) is not None for k in ("past_key_values", "cache", "cache_params")):
             flags |= _CACHE
@@ -149,6 +155,10 @@ class CallCheck:
                 if bool((positions == torch.arange(T, device=positions.device)).all()):
                     flags |= _LOCAL_POSITIONS
         rows = exchange(sp, [B, T, flags], x)
+        unchecked = [i for i, r in enumerate(rows) if r[2] & _UNCHECKABLE]
+        if unchecked:
+            raise ValueError(f"{NAME}: the model was called with arguments its forward does not take, or without "
+                             f"input_ids / inputs_embeds of shape [B, T_local] {of_ranks(unchecked)}")
         if any(r[:2] != rows[0][:2] for r in rows):
             raise ValueError(f"{NAME}: the ranks passed different batch sizes / local lengths [B, T_local]: "
                              f"{[r[:2] for r in rows]} (every rank holds an equal contiguous shard)")
