@@ -283,6 +283,12 @@ def _compiled(rank, world):
                 res[key] = "no error"
             except (NotImplementedError, ValueError) as e:
                 res[key] = str(e)
+        # rank 0 compiled, rank 1 eager: the packed row is refused on both (the eager rank alone went on)
+        try:
+            (model if rank == 0 else model._orig_mod)(input_ids=packed.input_ids, position_ids=packed.position_ids)
+            res["packed_mixed"] = "no error"
+        except NotImplementedError as e:
+            res["packed_mixed"] = str(e)
         # transformers' own recipe, the forward compiled: the hooks stay eager and hand the context in
         inner = sp.sequence_parallel(tiny_model("qwen3_5"))
         inner.forward = torch.compile(inner.forward, backend="eager")
@@ -301,6 +307,8 @@ def test_compiled_model_checks_its_call_and_refuses_packed_rows():
         assert "packed rows (position ids that restart) are not supported under torch.compile" in r["packed"], r
         assert "labels are not supported" in r["labels"], r
         assert "some ranks passed position_ids and others none" in r["positions_on_one_rank"], r
+        mixed = r["packed_mixed"]
+        assert "not supported under torch.compile" in mixed and "(rank 0 of the group)" in mixed, r
 
 
 def test_unknown_sequence_mixer_is_named_and_nothing_changes():

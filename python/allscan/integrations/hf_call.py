@@ -23,8 +23,8 @@ from .hf_shard import SequenceParallelForward
 __all__ = ["CallCheck", "refuse_generate"]
 
 _CACHE, _USE_CACHE, _OUTPUT_ATTENTIONS, _LABELS, _PADDING, _FLASH_KWARGS, _POSITIONS_SHAPE, _CONTEXT_GIVEN, \
-    _ROUTER_LOGITS, _LOGITS_TO_KEEP, _POSITIONS_GIVEN, _RESTARTS, _LOCAL_POSITIONS, _OFFSETS_GIVEN, _UNCHECKABLE = \
-    (1 << i for i in range(15))
+    _ROUTER_LOGITS, _LOGITS_TO_KEEP, _POSITIONS_GIVEN, _RESTARTS, _LOCAL_POSITIONS, _OFFSETS_GIVEN, _UNCHECKABLE, \
+    _COMPILING = (1 << i for i in range(16))
 _REASONS = {
     _CACHE: "a KV or recurrent cache (past_key_values / cache) is not supported: training and prefill only",
     _USE_CACHE: "use_cache=True is not supported (no cache under sequence parallelism); pass use_cache=False",
@@ -55,20 +55,10 @@ def refuse_generate(*args, **kwargs):
 @torch.compiler.disable
 def _check_beside_the_trace(check: "CallCheck", bound, kwargs, config) -> None:
     """Under torch.compile: the call's checks and exchanges, run eagerly (a graph break before the model's
-    forward), everything refused as in an eager call. The context cannot enter the trace, so the layers take
-    whole sequences there: packed rows are refused. The model's default position ids would be each shard's
-    own, so the global ones must be given."""
-    context = check._check(bound, dict(kwargs), config).get(CONTEXT_KWARG)  # raises on every rank alike
-    if bound is None:
-        return  # the forward raises on its own
-    # after the exchange, which refused position ids given on some ranks only: the same verdict on every rank
-    if bound.arguments.get("position_ids") is None and kwargs.get("position_ids") is None:
-        raise NotImplementedError(f"{NAME}: under torch.compile pass position_ids (the global ones: "
-                                  "shard_batch(...).position_ids)")
-    if context is not None and context.packed:
-        raise NotImplementedError(f"{NAME}: packed rows (position ids that restart) are not supported under "
-                                  "torch.compile: the batch's context cannot enter the trace; call the model "
-                                  "eagerly for packed rows (the layers' ops themselves compile)")
+    forward), everything refused as in an eager call, on every rank alike (also where a peer runs eagerly). The
+    context cannot enter the trace, so the layers take whole sequences there: packed rows are refused; and the
+    model's default position ids would be each shard's own, so the global ones must be given."""
+    check._check(bound, dict(kwargs), config, compiling=True)
 
 
 class CallCheck:
@@ -101,7 +91,7 @@ class CallCheck:
             _STATE.owner = None
         return None
 
-    def _check(self, bound: "inspect.BoundArguments | None", kwargs, config):
+    def _check(self, bound: "inspect.BoundArguments | None", kwargs, config, compiling: bool = False):
         for m in self.rewired:
             if not isinstance(m.__dict__.get("forward"), SequenceParallelForward):
                 raise RuntimeError(f"{NAME}: {type(m).__name__}'s forward was replaced after sequence_parallel() "
@@ -121,7 +111,7 @@ class CallCheck:
             exchange(sp, [-1, -1, _UNCHECKABLE], like)
             return kwargs
         B, T = int(x.shape[0]), int(x.shape[1])
-        flags = 0
+        flags = _COMPILING if compiling else 0
         if any(a.get(k) is not None for k in ("past_key_values", "cache", "cache_params")):
             flags |= _CACHE
         if a.get("use_cache"):
@@ -170,6 +160,11 @@ class CallCheck:
         given = [bool(r[2] & _POSITIONS_GIVEN) for r in rows]
         if any(given) and not all(given):
             raise ValueError(f"{NAME}: some ranks passed position_ids and others none")
+        compiled = [i for i, r in enumerate(rows) if r[2] & _COMPILING]
+        under_compile = "" if sp.size == 1 else " " + of_ranks(compiled)
+        if compiled and not any(given):
+            raise NotImplementedError(f"{NAME}: under torch.compile pass position_ids (the global ones: "
+                                      f"shard_batch(...).position_ids){under_compile}")
         # The caller's packed offsets, agreed across the group (one more exchange, only where some rank passed
         # them): they may confirm what the position ids mark, and go no further
         offsets = agreed_offsets(sp, a.get("cu_seq_lens_q"), a.get("cu_seq_lens_k"), NAME, x) \
@@ -192,5 +187,9 @@ class CallCheck:
         if offsets is not None and offsets != marked:
             raise ValueError(f"{NAME}: cu_seq_lens_q/k {list(offsets)} do not match the packed sequences the position "
                              f"ids mark ({list(marked)}, global offsets in the whole row of {sp.size * T} tokens)")
+        if compiled and context.packed:
+            raise NotImplementedError(f"{NAME}: packed rows (position ids that restart) are not supported under "
+                                      "torch.compile: the batch's context cannot enter the trace; call the model "
+                                      f"eagerly for packed rows (the layers' ops themselves compile){under_compile}")
         kwargs[CONTEXT_KWARG] = context
         return kwargs
