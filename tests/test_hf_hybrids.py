@@ -381,6 +381,25 @@ def test_one_process_equals_original_and_call_time_refusals():
         moe(input_ids=ids)
     with pytest.raises(NotImplementedError, match="generation is not supported"):
         model.generate(ids, max_new_tokens=2)
+    # what undoes sequence_parallel() afterwards is refused (each rank's layer would see its shard alone)
+    ours = model.config._attn_implementation
+    model.set_attn_implementation("sdpa")
+    with pytest.raises(RuntimeError, match=r"attention implementation was changed after sequence_parallel\(\)"):
+        model(input_ids=ids)
+    model.set_attn_implementation(ours)
+    mixer = model.model.layers[0].linear_attn
+    mixer.forward = type(mixer).forward.__get__(mixer)
+    with pytest.raises(RuntimeError, match="sequence mixer's forward was replaced"):
+        model(input_ids=ids)
+    del mixer.forward
+    sp.sequence_parallel(model, LOCAL)
+    # the base model alone made sequence-parallel: its head's labels and logits_to_keep refused all the same
+    head = tiny_model(kind)
+    sp.sequence_parallel(head.model, LOCAL)
+    assert _rel(head(input_ids=ids).logits, want) <= 1e-12
+    for kwargs, match in [(dict(labels=ids), "labels are not supported"), (dict(logits_to_keep=1), "logits_to_keep")]:
+        with pytest.raises(NotImplementedError, match=match):
+            head(input_ids=ids, **kwargs)
     assert _rel(model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits, want) <= 1e-12  # checks reset
     assert _rel(model(input_ids=ids, logits_to_keep=0).logits, want) <= 1e-12  # 0: every token's logits
     # the caller's packed offsets: taken where they match the position ids (and dropped), else refused

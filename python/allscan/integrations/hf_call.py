@@ -16,7 +16,7 @@ import torch
 
 from .common import (CONTEXT_KWARG, LABELS, LOGITS_TO_KEEP, agreed_offsets, exchange, keeps_some_logits, of_ranks,
                      positions_context, restarts, sp_group)
-from .hf_mask import LOCAL_POSITIONS
+from .hf_mask import LOCAL_POSITIONS, caller_head_arguments
 from .hf_moe import ROUTER_LOGITS, router_logits_requested
 from .hf_shard import SequenceParallelForward
 
@@ -24,7 +24,7 @@ __all__ = ["CallCheck", "refuse_generate"]
 
 _CACHE, _USE_CACHE, _OUTPUT_ATTENTIONS, _LABELS, _PADDING, _FLASH_KWARGS, _POSITIONS_SHAPE, _CONTEXT_GIVEN, \
     _ROUTER_LOGITS, _LOGITS_TO_KEEP, _POSITIONS_GIVEN, _RESTARTS, _LOCAL_POSITIONS, _OFFSETS_GIVEN, _UNCHECKABLE, \
-    _COMPILING = (1 << i for i in range(16))
+    _COMPILING, _MIXER_REPLACED, _ATTENTION_CHANGED = (1 << i for i in range(18))
 _REASONS = {
     _CACHE: "a KV or recurrent cache (past_key_values / cache) is not supported: training and prefill only",
     _USE_CACHE: "use_cache=True is not supported (no cache under sequence parallelism); pass use_cache=False",
@@ -39,6 +39,13 @@ _REASONS = {
     _CONTEXT_GIVEN: f"{CONTEXT_KWARG} is made by the model's call from the position ids; do not pass it",
     _ROUTER_LOGITS: ROUTER_LOGITS,
     _LOGITS_TO_KEEP: LOGITS_TO_KEEP,
+}
+# Changes made to the model after sequence_parallel() that would undo it: each rank's layer would see its shard alone
+_UNDONE = {
+    _MIXER_REPLACED: "a rewired sequence mixer's forward was replaced after sequence_parallel() (kernelize? another "
+                     "wrapper?)",
+    _ATTENTION_CHANGED: "the attention implementation was changed after sequence_parallel() (set_attn_implementation? "
+                        "config._attn_implementation?)",
 }
 _PACKING_KWARGS = ("max_length_q", "max_length_k", "seq_idx", "cu_seqlens")
 _OFFSETS_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k")  # taken where they match the position ids, then dropped
@@ -63,10 +70,11 @@ def _check_beside_the_trace(check: "CallCheck", bound, kwargs, config) -> None:
 
 class CallCheck:
     """Forward pre-hook (:meth:`pre`, with kwargs) and its closing forward hook (:meth:`post`) of a transformers
-    model made sequence-parallel over ``group``; ``rewired``: its linear-attention modules."""
+    model made sequence-parallel over ``group``; ``rewired``: its linear-attention modules; ``attention``: the
+    configs its softmax attention reads its implementation from, with the value sequence_parallel() set."""
 
-    def __init__(self, group, rewired):
-        self.group, self.rewired = group, rewired
+    def __init__(self, group, rewired, attention):
+        self.group, self.rewired, self.attention = group, rewired, attention
 
     def pre(self, module, args, kwargs):
         if getattr(_STATE, "owner", None) is not None:
@@ -91,11 +99,16 @@ class CallCheck:
             _STATE.owner = None
         return None
 
+    def _undone(self) -> int:
+        flags = 0
+        if any(not isinstance(m.__dict__.get("forward"), SequenceParallelForward) for m in self.rewired):
+            flags |= _MIXER_REPLACED
+        if any(getattr(cfg, "_attn_implementation", None) != set_to for cfg, set_to in self.attention):
+            flags |= _ATTENTION_CHANGED
+        return flags
+
     def _check(self, bound: "inspect.BoundArguments | None", kwargs, config, compiling: bool = False):
-        for m in self.rewired:
-            if not isinstance(m.__dict__.get("forward"), SequenceParallelForward):
-                raise RuntimeError(f"{NAME}: {type(m).__name__}'s forward was replaced after sequence_parallel() "
-                                   "(kernelize? another wrapper?); call sequence_parallel() last")
+        undone = self._undone()
         a = dict(bound.arguments) if bound is not None else {}
         for p in bound.signature.parameters.values() if bound is not None else ():
             if p.kind is p.VAR_KEYWORD:
@@ -108,17 +121,19 @@ class CallCheck:
             # arguments the forward does not take, or no input [B, T_local]: the forward raises on its own on this
             # rank, once the exchange has told its peers (which would otherwise wait in their first collective)
             like = next((v for v in a.values() if isinstance(v, torch.Tensor)), None)
-            exchange(sp, [-1, -1, _UNCHECKABLE], like)
+            exchange(sp, [-1, -1, _UNCHECKABLE | undone], like)
             return kwargs
         B, T = int(x.shape[0]), int(x.shape[1])
-        flags = _COMPILING if compiling else 0
+        flags = undone | (_COMPILING if compiling else 0)
         if any(a.get(k) is not None for k in ("past_key_values", "cache", "cache_params")):
             flags |= _CACHE
         if a.get("use_cache"):
             flags |= _USE_CACHE
         if a.get("output_attentions"):
             flags |= _OUTPUT_ATTENTIONS
-        if a.get("labels") is not None:
+        # a head's labels / logits_to_keep, here or in an enclosing model's forward (this one its base model)
+        head_labels, head_keeps = caller_head_arguments()
+        if a.get("labels") is not None or head_labels:
             flags |= _LABELS
         mask = a.get("attention_mask")
         if mask is not None and (not isinstance(mask, torch.Tensor) or mask.dim() != 2 or not bool(mask.all())):
@@ -131,7 +146,7 @@ class CallCheck:
             flags |= _CONTEXT_GIVEN
         if router_logits_requested(config, a.get("output_router_logits")):
             flags |= _ROUTER_LOGITS
-        if keeps_some_logits(a.get("logits_to_keep")):
+        if keeps_some_logits(a.get("logits_to_keep")) or head_keeps:
             flags |= _LOGITS_TO_KEEP
         positions = a.get("position_ids")
         if positions is not None:
@@ -149,6 +164,11 @@ class CallCheck:
         if unchecked:
             raise ValueError(f"{NAME}: the model was called with arguments its forward does not take, or without "
                              f"input_ids / inputs_embeds of shape [B, T_local] {of_ranks(unchecked)}")
+        undone = [(bit, [i for i, r in enumerate(rows) if r[2] & bit]) for bit in _UNDONE]
+        undone = [_UNDONE[bit] + ("" if sp.size == 1 else " " + of_ranks(ranks)) for bit, ranks in undone if ranks]
+        if undone:
+            raise RuntimeError(f"{NAME}: " + "; ".join(undone) + ": each rank's layers would see its shard alone; "
+                               "call sequence_parallel() last")
         if any(r[:2] != rows[0][:2] for r in rows):
             raise ValueError(f"{NAME}: the ranks passed different batch sizes / local lengths [B, T_local]: "
                              f"{[r[:2] for r in rows]} (every rank holds an equal contiguous shard)")

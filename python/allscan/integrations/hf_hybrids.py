@@ -247,10 +247,15 @@ def sequence_parallel(model: nn.Module, group=None) -> nn.Module:
     for _, mod, model_type in linear:
         mod.forward = SequenceParallelForward(mod, model_type, group, _FORWARDS[model_type])
     rewired = [mod for _, mod, _ in linear]
+    # where the softmax attention reads its implementation: changed later, it would attend within each shard
+    configs = [getattr(mod, "config", None) for _, mod, _ in attention]
+    configs += [c for m in outermost for c in (m.config, _text_config(m.config))] if attention else []
+    watched = [(c, c._attn_implementation) for c in {id(c): c for c in configs if c is not None}.values()
+               if hasattr(c, "_attn_implementation")]
     for m in pretrained:
         for handle in _HOOKS.pop(m, ()):
             handle.remove()
-        check = CallCheck(group, rewired)
+        check = CallCheck(group, rewired, watched)
         _HOOKS[m] = (m.register_forward_pre_hook(check.pre, with_kwargs=True),
                          m.register_forward_hook(check.post, always_call=True))
         if hasattr(m, "generate"):
