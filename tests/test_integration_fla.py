@@ -165,6 +165,14 @@ def _sp_equals_one_process(rank, world, kind, device="cpu", packed=False):
                 res["unbound"] = "no error"
             except (TypeError, ValueError) as e:
                 res["unbound"] = f"{type(e).__name__}: {e}"
+            # only the base model made sequence-parallel: its head's labels (rank 1's) refused all the same
+            head = tiny_model(kind, device)
+            sp.sequence_parallel(head.model)
+            try:
+                head(input_ids=shard.input_ids, **(dict(labels=shard.input_ids) if rank == 1 else {}))
+                res["head_labels"] = "no error"
+            except NotImplementedError as e:
+                res["head_labels"] = str(e)
     return res
 
 
@@ -184,6 +192,7 @@ def _check(results, kind, tol):
             assert r["compiled"] <= 1e-5 and "labels are not supported" in r["compiled_labels"], r
             assert r["unbound"].startswith("TypeError") if rank == 1 else \
                 "arguments its forward does not take (rank 1 of the group)" in r["unbound"], r
+            assert "labels are not supported" in r["head_labels"] and "(rank 1 of the group)" in r["head_labels"], r
 
 
 @pytest.mark.parametrize("kind", KINDS)

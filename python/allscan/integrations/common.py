@@ -18,6 +18,7 @@ per-rank facts (so that every rank raises alike), and the batch's :class:`allsca
 from __future__ import annotations
 
 import re
+import sys
 from typing import List, Optional, Sequence, Tuple
 
 import torch
@@ -27,7 +28,8 @@ from allscan import ops as _ops
 from allscan.context import SequenceContext, SPGroup, offsets_digest, resolve_sp_group
 
 __all__ = ["CONTEXT_KWARG", "sp_group", "op_group", "comm_device", "exchange", "restarts", "positions_context",
-           "agreed_offsets", "offsets_of", "local_attention", "handed_context", "pooling_refusal"]
+           "agreed_offsets", "offsets_of", "local_attention", "handed_context", "pooling_refusal",
+           "caller_head_arguments"]
 
 CONTEXT_KWARG = "allscan_context"
 """The keyword under which a model-level hook hands the batch's SequenceContext to every layer (transformers
@@ -220,3 +222,23 @@ def handed_context(kwargs: dict, group, batch: int, local_len: int, name: str,
         raise ValueError(f"{name}: cu_seq_lens_q must end at the whole row's length {sp.size} * {local_len} = "
                          f"{sp.size * local_len} (global offsets), got {list(offsets)}")
     return SequenceContext(sp, cu_seqlens=list(offsets))
+
+
+def caller_head_arguments() -> Tuple[bool, bool]:
+    """Whether the transformers (or fla) model forward above the caller (the nearest enclosing one with a ``labels``
+    or ``logits_to_keep`` parameter: a head's, e.g. ``*ForCausalLM``) got labels, and whether it keeps only some
+    tokens' logits: read from that frame, for hooks that see no call arguments (register()'s mask functions) or
+    sit on the base model inside a head; (False, False) where there is none (a bare model, or a call the stack
+    does not show, as under torch.compile)."""
+    tf = sys.modules.get("transformers")
+    f = sys._getframe(2)
+    for _ in range(32):
+        if f is None or tf is None:
+            break
+        names = f.f_code.co_varnames
+        if f.f_code.co_name == "forward" and ("labels" in names or "logits_to_keep" in names) \
+                and isinstance(f.f_locals.get("self"), tf.PreTrainedModel):
+            loc = f.f_locals
+            return loc.get("labels") is not None, keeps_some_logits(loc.get("logits_to_keep"))
+        f = f.f_back
+    return False, False

@@ -37,7 +37,7 @@ import torch
 import torch.nn as nn
 
 from .batch import IGNORE_INDEX, BatchShard, causal_lm_loss, reduce_loss, shard_batch, sync_gradients  # noqa: F401
-from .common import LABELS, LOGITS_TO_KEEP, exchange, keeps_some_logits, of_ranks, sp_group
+from .common import LABELS, LOGITS_TO_KEEP, caller_head_arguments, exchange, keeps_some_logits, of_ranks, sp_group
 
 __all__ = ["sequence_parallel", "shard_batch", "causal_lm_loss", "reduce_loss", "sync_gradients", "BatchShard",
            "IGNORE_INDEX"]
@@ -156,7 +156,11 @@ class _CallCheck:
             given, unbound = self.signature.bind_partial(*args, **kwargs).arguments, 0
         except TypeError:  # the forward raises on its own, after the exchange tells the peers
             given, unbound = {}, 1
-        flags = [int(refused(given.get(name))) for name, refused, _ in _REFUSED_ARGUMENTS] + [unbound]
+        # here, or in the forward of a head around this model (only its base model made sequence-parallel)
+        head = caller_head_arguments()
+        flags = [int(refused(given.get(name)) or in_head)
+                 for (name, refused, _), in_head in zip(_REFUSED_ARGUMENTS, head)]
+        flags.append(unbound)
         like = next((v for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor)), None)
         rows = exchange(sp_group(self.group, "sequence_parallel"), flags, like)
         if unbound:
@@ -224,6 +228,9 @@ def sequence_parallel(model: nn.Module, group=None, *, method: str = "zeco") -> 
     if config is not None and hasattr(config, "use_cache"):
         config.use_cache = False
     signature = inspect.signature(model.forward)
-    if any(name in signature.parameters for name, _, _ in _REFUSED_ARGUMENTS):
+    # a head's forward takes these; a base model's head may run around it (its arguments are read on the stack)
+    from transformers import PreTrainedModel
+
+    if any(name in signature.parameters for name, _, _ in _REFUSED_ARGUMENTS) or isinstance(model, PreTrainedModel):
         model.register_forward_pre_hook(_CallCheck(group, signature), with_kwargs=True)
     return model

@@ -14,9 +14,9 @@ import threading
 
 import torch
 
-from .common import (CONTEXT_KWARG, LABELS, LOGITS_TO_KEEP, agreed_offsets, exchange, keeps_some_logits, of_ranks,
-                     positions_context, restarts, sp_group)
-from .hf_mask import LOCAL_POSITIONS, caller_head_arguments
+from .common import (CONTEXT_KWARG, LABELS, LOGITS_TO_KEEP, agreed_offsets, caller_head_arguments, exchange,
+                     keeps_some_logits, of_ranks, positions_context, restarts, sp_group)
+from .hf_mask import LOCAL_POSITIONS
 from .hf_moe import ROUTER_LOGITS, router_logits_requested
 from .hf_shard import SequenceParallelForward
 

@@ -11,11 +11,11 @@ from typing import Optional, Tuple
 
 import torch
 
-from .common import (LABELS, LOGITS_TO_KEEP, agreed_offsets, exchange, keeps_some_logits, of_ranks, positions_context,
-                     restarts)
+from .common import (LABELS, LOGITS_TO_KEEP, agreed_offsets, caller_head_arguments, exchange, of_ranks,
+                     positions_context, restarts)
 
 __all__ = ["ForwardBatch", "Forwards", "FORWARDS", "UlyssesMask", "mask_shape", "caller_mask_arguments",
-           "caller_head_arguments", "LOCAL_POSITIONS", "batch_of", "given_offsets"]
+           "LOCAL_POSITIONS", "batch_of", "given_offsets"]
 
 
 class ForwardBatch:
@@ -133,25 +133,6 @@ def caller_mask_arguments():
             return loc.get("position_ids"), loc.get("cache", loc.get("past_key_values"))
         f = f.f_back
     return None, None  # not called by create_*_mask: transformers would look for no packed rows either
-
-
-def caller_head_arguments() -> Tuple[bool, bool]:
-    """Whether the transformers model forward that called the mask function (the nearest enclosing one with a
-    ``labels`` or ``logits_to_keep`` parameter: a head's, e.g. ``*ForCausalLM``) got labels, and whether it keeps
-    only some tokens' logits. register()'s hooks see no call arguments, so they are read from that frame; (False,
-    False) where there is none (a bare model, or a call the stack does not show, as under torch.compile)."""
-    tf = sys.modules.get("transformers")
-    f = sys._getframe(2)
-    for _ in range(32):
-        if f is None or tf is None:
-            break
-        names = f.f_code.co_varnames
-        if f.f_code.co_name == "forward" and ("labels" in names or "logits_to_keep" in names) \
-                and isinstance(f.f_locals.get("self"), tf.PreTrainedModel):
-            loc = f.f_locals
-            return loc.get("labels") is not None, keeps_some_logits(loc.get("logits_to_keep"))
-        f = f.f_back
-    return False, False
 
 
 LOCAL_POSITIONS = (
