@@ -222,6 +222,20 @@ def _sp_equals_one_process(rank, world, kind):
                 r["unbound"] = "no error"
             except (TypeError, ValueError) as e:
                 r["unbound"] = f"{type(e).__name__}: {e}"
+            # rank 1's own work in a mixer (a projection) fails before the halo exchange: its peers are told there
+            proj = model.model.layers[0].linear_attn.in_proj_qkv
+
+            def fail(*_):
+                raise RuntimeError("injected")
+
+            handle = proj.register_forward_pre_hook(fail) if rank == 1 else None
+            try:
+                model(input_ids=shard.input_ids, position_ids=shard.position_ids)
+                r["own_work"] = "no error"
+            except (RuntimeError, ValueError) as e:
+                r["own_work"] = f"{type(e).__name__}: {e}"
+            if handle is not None:
+                handle.remove()
         # a cache asked for at call time: refused on every rank, by name
         try:
             model(input_ids=shard.input_ids, position_ids=shard.position_ids, use_cache=True)
@@ -244,6 +258,9 @@ def _check(results, kind):
                 assert r["one_sequence_a_rank"] <= 1e-6, r
                 assert r["unbound"].startswith("TypeError") if rank == 1 else \
                     "arguments its forward does not take, or without input_ids" in r["unbound"], r
+                assert r["own_work"] == "RuntimeError: injected" if rank == 1 else (
+                    r["own_work"].startswith("ValueError") and "rank(s) [1]" in r["own_work"]
+                    and "failed before this call" in r["own_work"]), r
     assert len(results[0]) == 4 and sorted(results[2]) == [(3, "packed"), (3, "rows")]
 
 

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from allscan.context import SequenceContext
 
-from .hf_shard import causal_conv, layer_call
+from .hf_shard import causal_conv, collective_begins, layer_call
 
 __all__ = ["FORWARDS"]
 
@@ -29,6 +29,7 @@ def _gated_delta_rule(q, k, v, g, beta, ctx: SequenceContext):
     """What the module asks of ``chunk_gated_delta_rule`` (no state in, none out), on the whole sequence."""
     from allscan.ops.delta import zeco_gated_delta_rule
 
+    collective_begins()
     o, _ = zeco_gated_delta_rule(q, k, v, g, beta, use_qk_l2norm_in_kernel=True, context=ctx)
     return o
 
@@ -37,6 +38,7 @@ def _kda(q, k, v, g, beta, ctx: SequenceContext):
     """What the module asks of ``chunk_kda`` (no state in, none out), on the whole sequence."""
     from allscan.ops.delta import zeco_kda
 
+    collective_begins()
     o, _ = zeco_kda(q, k, v, g, beta, use_qk_l2norm_in_kernel=True, context=ctx)
     return o
 

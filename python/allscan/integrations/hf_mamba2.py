@@ -34,7 +34,7 @@ import torch.nn.functional as F
 
 from allscan.context import SequenceContext
 
-from .hf_shard import causal_conv, layer_call
+from .hf_shard import causal_conv, collective_begins, layer_call
 
 __all__ = ["FORWARDS", "helpers_digest", "CHECKED_HELPERS"]
 
@@ -77,6 +77,7 @@ def _ssd(mod, hidden_states, B, C, dt, ctx: SequenceContext) -> torch.Tensor:
     x = hidden_states.reshape(b, T, mod.num_heads, mod.head_dim)
     B = B.reshape(b, T, mod.n_groups, mod.ssm_state_size)
     C = C.reshape(b, T, mod.n_groups, mod.ssm_state_size)
+    collective_begins()
     y, _ = zeco_ssd(x, dt, A, B, C, mod.D, context=ctx)
     y = y.reshape(b, T, mod.intermediate_size)
     return y.to(torch.promote_types(y.dtype, torch.float32))

@@ -12,6 +12,7 @@ Gated DeltaNet / KDA, :mod:`~allscan.integrations.hf_mamba2`'s Mamba2 mixers):
 from __future__ import annotations
 
 import copy
+import threading
 import weakref
 
 import torch
@@ -20,11 +21,16 @@ import torch.nn.functional as F
 
 from allscan.context import SequenceContext
 from allscan.layers.causal_conv import conv_with_halo, sequence_window_mask
+from allscan.ops import tell_peers_of_failure
 from allscan.ops.halo import halo_exchange
 
 from .common import handed_context, op_group
 
-__all__ = ["SequenceParallelForward", "layer_call", "causal_conv", "conv_mask"]
+__all__ = ["SequenceParallelForward", "layer_call", "collective_begins", "causal_conv", "conv_mask"]
+
+# The rewired mixer's call in progress on this thread: its context once its checks passed, and whether its first
+# collective began (a failure before it is told to the peers waiting there)
+_PROGRESS = threading.local()
 
 
 def layer_call(mod, group, hidden_states, cache, attention_mask, kwargs) -> SequenceContext:
@@ -42,7 +48,14 @@ def layer_call(mod, group, hidden_states, cache, attention_mask, kwargs) -> Sequ
         raise NotImplementedError(f"{name} under sequence parallelism: seq_idx / cu_seqlens are not supported (packed "
                                   "sequences come as position ids restarting at 0, or cu_seq_lens_q: global offsets "
                                   "in the whole row)")
-    return handed_context(kwargs, group, hidden_states.shape[0], hidden_states.shape[1], name, hidden_states)
+    ctx = handed_context(kwargs, group, hidden_states.shape[0], hidden_states.shape[1], name, hidden_states)
+    _PROGRESS.ctx, _PROGRESS.communicating = ctx, False
+    return ctx
+
+
+def collective_begins() -> None:
+    """Called by the rewired mixers at their first collective (the convolution's halo exchange, or the scan)."""
+    _PROGRESS.communicating = True
 
 
 _CONV_MASKS: "weakref.WeakKeyDictionary[SequenceContext, dict]" = weakref.WeakKeyDictionary()
@@ -67,6 +80,7 @@ def causal_conv(mod, x_local: torch.Tensor, ctx: SequenceContext) -> torch.Tenso
     (zeros on rank 0: the module's own left padding). With packed sequences (``ctx.packed``, B = 1) no window
     reads before its token's sequence start: each sequence is convolved as if alone (zero-padded). Returns
     ``[B, T_local, C]`` in ``x_local``'s dtype."""
+    collective_begins()
     conv = mod.conv1d
     width = conv.kernel_size[0]
     weight = conv.weight  # [C, 1, width], as transformers' weight.squeeze(1).unsqueeze(1)
@@ -110,7 +124,19 @@ class SequenceParallelForward:
         self.module, self.model_type, self.group, self.forward = module, model_type, group, forward
 
     def __call__(self, hidden_states, cache=None, attention_mask=None, **kwargs):
-        return self.forward(self.module, self.group, hidden_states, cache, attention_mask, kwargs)
+        _PROGRESS.ctx = None
+        try:
+            return self.forward(self.module, self.group, hidden_states, cache, attention_mask, kwargs)
+        except Exception as e:
+            # this rank's own work (its projections) failed before the first collective: the peers waiting in it
+            # are told, as allscan's own layers tell them (ops.own_work), instead of waiting until the timeout
+            ctx = _PROGRESS.ctx
+            if ctx is not None and not _PROGRESS.communicating and ctx.group.size > 1 \
+                    and not torch.compiler.is_compiling():
+                tell_peers_of_failure(ctx.group.process_group, type(self.module).__name__, "its projections", e)
+            raise
+        finally:
+            _PROGRESS.ctx = None
 
     def __deepcopy__(self, memo):  # the module is copied, the process group is not
         return SequenceParallelForward(copy.deepcopy(self.module, memo), self.model_type, self.group, self.forward)
