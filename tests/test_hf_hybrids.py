@@ -236,6 +236,19 @@ def _sp_equals_one_process(rank, world, kind):
                 r["own_work"] = f"{type(e).__name__}: {e}"
             if handle is not None:
                 handle.remove()
+            # attention dropout on rank 0 alone (left in train mode): refused there, its peers told in Ulysses
+            drops = [m for m in model.modules() if hasattr(m, "attention_dropout")]
+            for m in drops:
+                m.attention_dropout = 0.1
+            model.train(rank == 0)
+            try:
+                model(input_ids=shard.input_ids, position_ids=shard.position_ids)
+                r["dropout_one_rank"] = "no error"
+            except (NotImplementedError, ValueError) as e:
+                r["dropout_one_rank"] = f"{type(e).__name__}: {e}"
+            for m in drops:
+                m.attention_dropout = 0.0
+            model.train()
         # a cache asked for at call time: refused on every rank, by name
         try:
             model(input_ids=shard.input_ids, position_ids=shard.position_ids, use_cache=True)
@@ -261,6 +274,8 @@ def _check(results, kind):
                 assert r["own_work"] == "RuntimeError: injected" if rank == 1 else (
                     r["own_work"].startswith("ValueError") and "rank(s) [1]" in r["own_work"]
                     and "failed before this call" in r["own_work"]), r
+                assert "attention dropout is not supported" in r["dropout_one_rank"] if rank == 0 else (
+                    "rank(s) [0]" in r["dropout_one_rank"] and "failed before this call" in r["dropout_one_rank"]), r
     assert len(results[0]) == 4 and sorted(results[2]) == [(3, "packed"), (3, "rows")]
 
 

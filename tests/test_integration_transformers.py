@@ -65,7 +65,7 @@ def _raises(exc, fn, *args, **kwargs):
         fn(*args, **kwargs)
     except exc as e:
         return str(e)
-    raise AssertionError(f"{getattr(fn, '__name__', fn)} did not raise {exc.__name__}")
+    raise AssertionError(f"{getattr(fn, '__name__', fn)} did not raise {exc}")
 
 
 def _sp_equals_one_process(rank, world):
@@ -231,6 +231,38 @@ def test_sequence_classification_is_refused_at_the_first_forward():
     sp.check_model(_model(name))
 
 
+def test_options_reading_the_shards_positions_are_refused():
+    """A rope whose frequencies follow the call's largest position id (dynamic, longrope) and Llama 4's attention
+    temperature tuning (scales from the cache positions) would read each rank's shard as the whole sequence: each
+    rank picked its own frequencies (losses off by 1e-2, logits by 0.4 at SP 2, no error). Refused by name at
+    check_model and the first forward; a static scaling (yarn) runs."""
+    from transformers import Llama4ForCausalLM, Llama4TextConfig, Phi3Config, Phi3ForCausalLM
+
+    from allscan.integrations import transformers as sp
+
+    name = sp.register(None)
+    ids = torch.zeros(1, 8, dtype=torch.long)
+    dynamic = _model(name, rope_scaling={"rope_type": "dynamic", "factor": 2.0})
+    with pytest.raises(NotImplementedError, match=r"rope_type 'dynamic' \(its frequencies follow the call's largest"):
+        sp.check_model(dynamic)
+    with pytest.raises(NotImplementedError, match="rope_type 'dynamic'"):
+        dynamic(input_ids=ids, use_cache=False)
+    sp.check_model(_model(name, rope_scaling={"rope_type": "yarn", "factor": 2.0,
+                                             "original_max_position_embeddings": 32}))
+    longrope = Phi3ForCausalLM(Phi3Config(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+        max_position_embeddings=64, original_max_position_embeddings=16, pad_token_id=0, attn_implementation=name,
+        rope_scaling={"rope_type": "longrope", "short_factor": [1.0] * 4, "long_factor": [2.0] * 4}))
+    with pytest.raises(NotImplementedError, match="rope_type 'longrope'"):
+        sp.check_model(longrope)
+    llama4 = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, intermediate_size_mlp=64,
+                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_local_experts=2,
+                  no_rope_layers=[0, 1], attn_implementation=name)
+    with pytest.raises(NotImplementedError, match="attn_temperature_tuning=True"):
+        sp.check_model(Llama4ForCausalLM(Llama4TextConfig(**llama4)))
+    sp.check_model(Llama4ForCausalLM(Llama4TextConfig(**llama4, attn_temperature_tuning=False)))
+
+
 def test_hybrid_models_are_refused_on_every_rank():
     results = run_distributed(_hybrids_refused, 2, timeout=600)
     assert results[0] == results[1]
@@ -294,6 +326,9 @@ def _arguments(rank, world):
     # tests/test_hf_attention_features.py)
     res["dropout"] = _raises(NotImplementedError, run, _model(name, attention_dropout=0.1).train())
     res["unknown"] = _raises(NotImplementedError, run, _model(name), attention_bias_of_mine=torch.ones(1))
+    # dropout on rank 0 alone (its model left in train mode): its refusal reaches rank 1, waiting in Ulysses
+    res["dropout_one_rank"] = _raises((NotImplementedError, ValueError), run,
+                                      _model(name, attention_dropout=0.1).train(rank == 0))
     # a mixture of experts' load-balancing loss (a mean over the whole sequence), asked for by the call or the config
     res["router_call"] = _raises(NotImplementedError, run, _auto("qwen2_moe", name), output_router_logits=True)
     moe = _auto("qwen2_moe", name)
@@ -337,6 +372,9 @@ def test_attention_arguments_that_change_the_result_are_refused_by_name():
         _assert_close(r["mistral_24"])
         _assert_close(r["qwen2_moe_7"])
         assert r["mistral_24_contexts"] == 1 and r["qwen2_moe_7_contexts"] == 1, r
+    assert "attention dropout is not supported" in results[0]["dropout_one_rank"], results[0]
+    told = results[1]["dropout_one_rank"]
+    assert "rank(s) [0]" in told and "failed before this call" in told, told
 
 
 # ------------------------------------------------------------------------------------------------

@@ -29,7 +29,7 @@ from allscan.context import SequenceContext, SPGroup, offsets_digest, resolve_sp
 
 __all__ = ["CONTEXT_KWARG", "sp_group", "op_group", "comm_device", "exchange", "restarts", "positions_context",
            "agreed_offsets", "offsets_of", "local_attention", "handed_context", "pooling_refusal",
-           "caller_head_arguments"]
+           "caller_head_arguments", "positions_refusal"]
 
 CONTEXT_KWARG = "allscan_context"
 """The keyword under which a model-level hook hands the batch's SequenceContext to every layer (transformers
@@ -60,6 +60,34 @@ def pooling_refusal(model: torch.nn.Module, where: str) -> Optional[str]:
                     "token. Run its base model (per-token hidden states, sequence-parallel) and pool on the rank "
                     "holding that position")
     return None
+
+
+def positions_refusal(config, where: str) -> Optional[str]:
+    """Why a model with this config cannot run on a shard (None: it can): options whose arithmetic reads the
+    call's positions as if they were the whole sequence's: a rope whose frequencies follow the largest position id
+    of the call (transformers' ``dynamic`` and ``longrope``: each rank would see its own shard's), Llama 4's
+    attention temperature tuning (scales from the cache positions, 0 .. T_local - 1 on every rank)."""
+    if config is None:
+        return None
+    try:
+        text = config.get_text_config()
+    except Exception:  # noqa: BLE001 - not a transformers config: only its own attributes
+        text = config
+    found = []
+    for cfg in {id(c): c for c in (config, text)}.values():
+        rope = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None)
+        per_kind = isinstance(rope, dict) and rope and all(isinstance(v, dict) for v in rope.values())
+        for params in (rope.values() if per_kind else [rope]):
+            kind = str((params.get("rope_type") or params.get("type") or "")) if isinstance(params, dict) else ""
+            if "dynamic" in kind or kind == "longrope":
+                found.append(f"rope_type {kind!r} (its frequencies follow the call's largest position id, which each "
+                             "rank sees for its own shard; one process sees the whole sequence's)")
+        if getattr(cfg, "attn_temperature_tuning", False) and not all(getattr(cfg, "no_rope_layers", None) or [1]):
+            found.append("attn_temperature_tuning=True (the NoPE layers' attention scales follow the cache "
+                         "positions, 0 .. T_local - 1 on every rank); set it to False")
+    if not found:
+        return None
+    return f"{where}: " + "; ".join(sorted(set(found))) + " is not supported under sequence parallelism"
 
 
 def sp_group(group, op: str) -> SPGroup:

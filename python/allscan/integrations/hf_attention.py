@@ -14,6 +14,8 @@ from typing import List, Tuple
 import torch
 import torch.nn.functional as F
 
+from allscan.ops import own_work
+
 from .common import CONTEXT_KWARG, handed_context, require_transformers, sp_group
 from .hf_options import OPTION_KWARGS, features_of, one_process_attention
 
@@ -50,40 +52,48 @@ def _short(value) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
+def _refuse_unsupported(name, module, query, key, attention_mask, dropout, kwargs) -> None:
+    """What the attention function cannot run, refused by name (this rank's own checks)."""
+    if attention_mask is not None and not isinstance(attention_mask, WindowMask):
+        raise NotImplementedError(f"{name}: an attention mask ({_short(attention_mask)}: padding or a custom "
+                                  "mask) is not supported; every sequence is whole")
+    if dropout:
+        raise NotImplementedError(f"{name}: attention dropout is not supported (got {dropout})")
+    if query.shape[2] != key.shape[2]:
+        raise NotImplementedError(f"{name}: a KV cache (query length {query.shape[2]}, key length {key.shape[2]}) "
+                                  "is not supported; call the model with use_cache=False")
+    for arg, val in kwargs.items():
+        if val is None or arg in _HARMLESS or arg in OPTION_KWARGS:
+            continue
+        if arg == "output_attentions":
+            if val:
+                raise NotImplementedError(f"{name}: output_attentions=True is not supported (Ulysses returns no "
+                                          "attention weights)")
+        elif arg == "is_causal":
+            if not val:
+                raise NotImplementedError(f"{name}: bidirectional attention (is_causal=False) is not supported")
+        elif arg in _PACKING_KWARGS:
+            raise NotImplementedError(f"{name}: {arg} is not supported (packed sequences come as position ids "
+                                      "restarting at 0, or cu_seq_lens_q / cu_seq_lens_k: global offsets in the "
+                                      "whole row)")
+        else:
+            raise NotImplementedError(f"{name}: the attention function got an argument it does not know, "
+                                      f"{arg}={_short(val)}; it might change the result, so it is refused")
+    if not getattr(module, "is_causal", True):
+        raise NotImplementedError(f"{name}: {type(module).__name__} is not causal; only causal attention is "
+                                  "supported")
+
+
 def _make_attention(group, name):
     def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-        marked = isinstance(attention_mask, WindowMask)
-        if attention_mask is not None and not marked:
-            raise NotImplementedError(f"{name}: an attention mask ({_short(attention_mask)}: padding or a custom "
-                                      "mask) is not supported; every sequence is whole")
-        if dropout:
-            raise NotImplementedError(f"{name}: attention dropout is not supported (got {dropout})")
-        if query.shape[2] != key.shape[2]:
-            raise NotImplementedError(f"{name}: a KV cache (query length {query.shape[2]}, key length {key.shape[2]}) "
-                                      "is not supported; call the model with use_cache=False")
         # the batch's context: handed down by the model-level hook (a layer called alone: the caller's offsets,
         # agreed across the group)
         ctx = handed_context(kwargs, group, query.shape[0], query.shape[2], name, query)
-        for arg, val in kwargs.items():
-            if val is None or arg in _HARMLESS or arg in OPTION_KWARGS:
-                continue
-            if arg == "output_attentions":
-                if val:
-                    raise NotImplementedError(f"{name}: output_attentions=True is not supported (Ulysses returns no "
-                                              "attention weights)")
-            elif arg == "is_causal":
-                if not val:
-                    raise NotImplementedError(f"{name}: bidirectional attention (is_causal=False) is not supported")
-            elif arg in _PACKING_KWARGS:
-                raise NotImplementedError(f"{name}: {arg} is not supported (packed sequences come as position ids "
-                                          "restarting at 0, or cu_seq_lens_q / cu_seq_lens_k: global offsets in the "
-                                          "whole row)")
-            else:
-                raise NotImplementedError(f"{name}: the attention function got an argument it does not know, "
-                                          f"{arg}={_short(val)}; it might change the result, so it is refused")
-        if not getattr(module, "is_causal", True):
-            raise NotImplementedError(f"{name}: {type(module).__name__} is not causal; only causal attention is "
-                                      "supported")
+        # this rank's own checks, before Ulysses' first collective: a refusal on one rank alone (a module left in
+        # train mode with dropout, say) is told to the peers waiting there
+        own_work(None if ctx.group.size == 1 else ctx.group.process_group, name, "its checks", _refuse_unsupported,
+                 name, module, query, key, attention_mask, dropout, kwargs)
+        marked = isinstance(attention_mask, WindowMask)
         # transformers passes [B, heads, S_local, D]; Ulysses takes [B, S_local, heads, D], one head dim for q, k
         # and v: MLA's value heads (narrower than its query/key heads) are padded with zeros and cut back
         q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)

@@ -83,7 +83,7 @@ import torch.nn as nn
 
 from .batch import IGNORE_INDEX, BatchShard, causal_lm_loss, reduce_loss, shard_batch, sync_gradients  # noqa: F401
 from .hf_attention import attention_implementation
-from .common import pooling_refusal, require_transformers
+from .common import pooling_refusal, positions_refusal, require_transformers
 from .hf_call import CallCheck, refuse_generate
 from .hf_linear import FORWARDS as LINEAR_FORWARDS
 from .hf_mamba2 import CHECKED_HELPERS, helpers_digest
@@ -221,10 +221,11 @@ def sequence_parallel(model: nn.Module, group=None) -> nn.Module:
         raise NotImplementedError("sequence_parallel: these sequence-mixing modules have no sequence-parallel form "
                                   "here (run on a shard they would compute something else): " + ", ".join(refused)
                                   + f". Supported: {supported}")
-    pooling = pooling_refusal(model, "sequence_parallel")
-    if pooling:
-        raise NotImplementedError(pooling)
     pretrained = [m for n, m in model.named_modules() if isinstance(m, tf.PreTrainedModel)]
+    why = pooling_refusal(model, "sequence_parallel") or next(
+        (w for w in (positions_refusal(m.config, "sequence_parallel") for m in pretrained) if w), None)
+    if why:
+        raise NotImplementedError(why)
     outermost = [m for m in pretrained if not any(o is not m and any(s is m for s in o.modules()) for o in pretrained)]
     if attention and not outermost:
         raise NotImplementedError("sequence_parallel: softmax attention modules outside a transformers model (their "

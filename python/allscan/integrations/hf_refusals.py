@@ -14,7 +14,7 @@ from typing import List, Optional, Tuple
 
 import torch
 
-from .common import pooling_refusal, require_transformers
+from .common import pooling_refusal, positions_refusal, require_transformers
 
 __all__ = ["SEQUENCE_PARALLEL", "config_refusal", "model_refusal", "registered_implementation", "modeling_module_of"]
 
@@ -146,7 +146,7 @@ def model_refusal(model: torch.nn.Module, where: str) -> Optional[str]:
     config = getattr(model, "config", None)
     from_config = config_refusal(config, where, modeling_module_of(config) if config is not None else None)
     if not mixers:
-        return from_config or pooling_refusal(model, where)
+        return from_config or pooling_refusal(model, where) or positions_refusal(config, where)
     listed = "; ".join(f"{cls} at {', '.join(names[:3])}{', ...' if len(names) > 3 else ''}"
                        for cls, names in sorted(mixers.items()))
     return _refusal_text(where, f"{type(model).__name__} has sequence mixers other than softmax attention: {listed}",

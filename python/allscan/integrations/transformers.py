@@ -77,6 +77,8 @@ from typing import Optional
 
 import torch
 
+from allscan.ops import own_work
+
 from .batch import IGNORE_INDEX, BatchShard, causal_lm_loss, reduce_loss, shard_batch, sync_gradients  # noqa: F401
 from .common import offsets_of, require_transformers, sp_group
 from .hf_options import OPTION_KWARGS, features_of, one_process_attention
@@ -106,7 +108,9 @@ _PASSED = weakref.WeakKeyDictionary()  # model -> the attention implementation i
 def check_model(model: torch.nn.Module, name: Optional[str] = None) -> None:
     """Raise ``NotImplementedError`` naming every sequence mixer of ``model`` that register()'s attention
     does not make sequence-parallel (linear attention, SSMs, convolutions over the sequence, layer types
-    other than softmax attention), or a head that pools each row at one position (sequence classification).
+    other than softmax attention), a head that pools each row at one position (sequence classification), or an
+    option that reads the shard's positions as the whole sequence's (a ``dynamic`` or ``longrope`` rope, Llama 4's
+    attention temperature tuning).
     Runs by itself at the first forward of any transformers model configured with a registered name; call it
     to check earlier. Local: the same verdict on every rank."""
     where = name or registered_implementation(getattr(model, "config", None), _NAMES) or NAME
@@ -212,16 +216,24 @@ def register(group=None, *, name: str = NAME, num_chunks="auto") -> str:
         sp = resolved()
         B, S = query.shape[0], query.shape[2] * sp.size
         mask = attention_mask if isinstance(attention_mask, UlyssesMask) else None
-        if attention_mask is not None and mask is None:
-            raise NotImplementedError(f"{name}: an attention mask tensor ({_short(attention_mask)}: padding or a "
-                                      "custom 4-D mask) is not supported; every sequence is whole (pack or trim "
-                                      "the batch)")
-        if dropout:
-            raise NotImplementedError(f"{name}: attention dropout is not supported (got {dropout})")
-        if query.shape[2] != key.shape[2]:
-            raise NotImplementedError(f"{name}: a KV cache (query length {query.shape[2]}, key length "
-                                      f"{key.shape[2]}) is not supported; call the model with use_cache=False")
-        _check_kwargs(name, kwargs)
+
+        def own_checks():
+            if attention_mask is not None and mask is None:
+                raise NotImplementedError(f"{name}: an attention mask tensor ({_short(attention_mask)}: padding or a "
+                                          "custom 4-D mask) is not supported; every sequence is whole (pack or trim "
+                                          "the batch)")
+            if dropout:
+                raise NotImplementedError(f"{name}: attention dropout is not supported (got {dropout})")
+            if query.shape[2] != key.shape[2]:
+                raise NotImplementedError(f"{name}: a KV cache (query length {query.shape[2]}, key length "
+                                          f"{key.shape[2]}) is not supported; call the model with use_cache=False")
+            _check_kwargs(name, kwargs)
+
+        # The caller's packed offsets, agreed first (an exchange at the forward's first attention call); then this
+        # rank's own checks, whose refusal on one rank alone (a module left in train mode with dropout, say) is
+        # told to the peers waiting in Ulysses
+        given = given_offsets(mask.forward if mask is not None else None, sp, kwargs, name, query)
+        own_work(sp.process_group if sp.size > 1 else None, name, "its checks", own_checks)
         causal = kwargs.get("is_causal")
         causal = bool(getattr(module, "is_causal", True) if causal is None else causal)
         bounds = None
@@ -242,9 +254,8 @@ def register(group=None, *, name: str = NAME, num_chunks="auto") -> str:
         if features.window is not None and not causal:
             raise NotImplementedError(f"{name}: a sliding window over bidirectional attention is not supported")
         # Everything above is the same on every rank (the config, the model's code, the agreed batch); the
-        # caller's packed offsets are agreed before they are judged, so a rank whose offsets differ raises on
+        # caller's packed offsets were agreed before they are judged, so a rank whose offsets differ raises on
         # every rank.
-        given = given_offsets(mask.forward if mask is not None else None, sp, kwargs, name, query)
         if mask is not None and mask.local_only and given is None:
             raise ValueError(LOCAL_POSITIONS.format(name=name))
         if given is not None:
