@@ -49,13 +49,15 @@ def layer_call(mod, group, hidden_states, cache, attention_mask, kwargs) -> Sequ
                                   "sequences come as position ids restarting at 0, or cu_seq_lens_q: global offsets "
                                   "in the whole row)")
     ctx = handed_context(kwargs, group, hidden_states.shape[0], hidden_states.shape[1], name, hidden_states)
-    _PROGRESS.ctx, _PROGRESS.communicating = ctx, False
+    if not torch.compiler.is_compiling():
+        _PROGRESS.ctx, _PROGRESS.communicating = ctx, False
     return ctx
 
 
 def collective_begins() -> None:
     """Called by the rewired mixers at their first collective (the convolution's halo exchange, or the scan)."""
-    _PROGRESS.communicating = True
+    if not torch.compiler.is_compiling():
+        _PROGRESS.communicating = True
 
 
 _CONV_MASKS: "weakref.WeakKeyDictionary[SequenceContext, dict]" = weakref.WeakKeyDictionary()
@@ -124,6 +126,8 @@ class SequenceParallelForward:
         self.module, self.model_type, self.group, self.forward = module, model_type, group, forward
 
     def __call__(self, hidden_states, cache=None, attention_mask=None, **kwargs):
+        if torch.compiler.is_compiling():  # traced: no collective runs, and no graph break for the bookkeeping
+            return self.forward(self.module, self.group, hidden_states, cache, attention_mask, kwargs)
         _PROGRESS.ctx = None
         try:
             return self.forward(self.module, self.group, hidden_states, cache, attention_mask, kwargs)
@@ -131,8 +135,7 @@ class SequenceParallelForward:
             # this rank's own work (its projections) failed before the first collective: the peers waiting in it
             # are told, as allscan's own layers tell them (ops.own_work), instead of waiting until the timeout
             ctx = _PROGRESS.ctx
-            if ctx is not None and not _PROGRESS.communicating and ctx.group.size > 1 \
-                    and not torch.compiler.is_compiling():
+            if ctx is not None and not _PROGRESS.communicating and ctx.group.size > 1:
                 tell_peers_of_failure(ctx.group.process_group, type(self.module).__name__, "its projections", e)
             raise
         finally:
