@@ -432,6 +432,20 @@ def test_one_process_equals_original_and_call_time_refusals():
     for kwargs, match in [(dict(labels=ids), "labels are not supported"), (dict(logits_to_keep=1), "logits_to_keep")]:
         with pytest.raises(NotImplementedError, match=match):
             head(input_ids=ids, **kwargs)
+
+    # a head made sequence-parallel, called without labels by a model of the user's that takes labels (a custom
+    # loss): runs, the outer labels are not the head's
+    class CustomLoss(transformers.PreTrainedModel):
+        config_class = transformers.PretrainedConfig
+
+        def __init__(self, inner):
+            super().__init__(transformers.PretrainedConfig())
+            self.inner = inner
+
+        def forward(self, input_ids, labels=None):
+            return self.inner(input_ids=input_ids).logits
+
+    assert _rel(CustomLoss(model)(ids, labels=ids), want) <= 1e-12
     assert _rel(model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits, want) <= 1e-12  # checks reset
     assert _rel(model(input_ids=ids, logits_to_keep=0).logits, want) <= 1e-12  # 0: every token's logits
     # the caller's packed offsets: taken where they match the position ids (and dropped), else refused

@@ -173,6 +173,23 @@ def _sp_equals_one_process(rank, world, kind, device="cpu", packed=False):
                 res["head_labels"] = "no error"
             except NotImplementedError as e:
                 res["head_labels"] = str(e)
+            # the head itself made sequence-parallel, called without labels by a model that takes labels (a
+            # custom loss): runs, the outer labels are not the head's
+            import transformers
+
+            class CustomLoss(transformers.PreTrainedModel):
+                config_class = transformers.PretrainedConfig
+
+                def __init__(self, inner):
+                    super().__init__(transformers.PretrainedConfig())
+                    self.inner = inner
+
+                def forward(self, input_ids, labels=None):
+                    return self.inner(input_ids=input_ids).logits
+
+            with torch.no_grad():
+                outer = CustomLoss(model)(shard.input_ids, labels=shard.input_ids)
+            res["custom_loss"] = (outer - logits).abs().max().item()
     return res
 
 
@@ -193,6 +210,7 @@ def _check(results, kind, tol):
             assert r["unbound"].startswith("TypeError") if rank == 1 else \
                 "arguments its forward does not take (rank 1 of the group)" in r["unbound"], r
             assert "labels are not supported" in r["head_labels"] and "(rank 1 of the group)" in r["head_labels"], r
+            assert r["custom_loss"] <= 1e-5, r
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -80,14 +80,14 @@ def positions_refusal(config, where: str) -> Optional[str]:
         for params in (rope.values() if per_kind else [rope]):
             kind = str((params.get("rope_type") or params.get("type") or "")) if isinstance(params, dict) else ""
             if "dynamic" in kind or kind == "longrope":
-                found.append(f"rope_type {kind!r} (its frequencies follow the call's largest position id, which each "
-                             "rank sees for its own shard; one process sees the whole sequence's)")
+                found.append(f"rope_type {kind!r} is not supported under sequence parallelism: its frequencies follow "
+                             "the call's largest position id, which each rank sees for its own shard (one process "
+                             "sees the whole sequence's)")
         if getattr(cfg, "attn_temperature_tuning", False) and not all(getattr(cfg, "no_rope_layers", None) or [1]):
-            found.append("attn_temperature_tuning=True (the NoPE layers' attention scales follow the cache "
-                         "positions, 0 .. T_local - 1 on every rank); set it to False")
-    if not found:
-        return None
-    return f"{where}: " + "; ".join(sorted(set(found))) + " is not supported under sequence parallelism"
+            found.append("attn_temperature_tuning=True is not supported under sequence parallelism: the NoPE layers' "
+                         "attention scales follow the cache positions, 0 .. T_local - 1 on every rank (they leave 1 "
+                         "past floor_scale tokens; turning the tuning off changes the model there)")
+    return f"{where}: " + "; ".join(sorted(set(found))) if found else None
 
 
 def sp_group(group, op: str) -> SPGroup:

@@ -156,17 +156,19 @@ class _CallCheck:
             given, unbound = self.signature.bind_partial(*args, **kwargs).arguments, 0
         except TypeError:  # the forward raises on its own, after the exchange tells the peers
             given, unbound = {}, 1
-        # here, or in the forward of a head around this model (only its base model made sequence-parallel)
-        head = caller_head_arguments()
+        # here, or where this is a base model (no such parameters of its own), in the forward of the head around it
+        own = any(name in self.signature.parameters for name, _, _ in _REFUSED_ARGUMENTS)
+        head = (False, False) if own else caller_head_arguments()
         flags = [int(refused(given.get(name)) or in_head)
                  for (name, refused, _), in_head in zip(_REFUSED_ARGUMENTS, head)]
         flags.append(unbound)
         like = next((v for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor)), None)
-        rows = exchange(sp_group(self.group, "sequence_parallel"), flags, like)
+        sp = sp_group(self.group, "sequence_parallel")
+        rows = exchange(sp, flags, like)
         if unbound:
             return None
         why = [(text, [r for r, row in enumerate(rows) if row[i]]) for i, (_, _, text) in enumerate(_REFUSED_ARGUMENTS)]
-        why = [f"{text} {of_ranks(ranks)}" for text, ranks in why if ranks]
+        why = [text + ("" if sp.size == 1 else f" {of_ranks(ranks)}") for text, ranks in why if ranks]
         if why:
             raise NotImplementedError("sequence_parallel: " + "; ".join(why))
         others = [r for r, row in enumerate(rows) if row[-1]]

@@ -45,7 +45,8 @@ _UNDONE = {
     _MIXER_REPLACED: "a rewired sequence mixer's forward was replaced after sequence_parallel() (kernelize? another "
                      "wrapper?)",
     _ATTENTION_CHANGED: "the attention implementation was changed after sequence_parallel() (set_attn_implementation? "
-                        "config._attn_implementation?)",
+                        "config._attn_implementation? sequence_parallel() again on a part of the model, over another "
+                        "group?)",
 }
 _PACKING_KWARGS = ("max_length_q", "max_length_k", "seq_idx", "cu_seqlens")
 _OFFSETS_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k")  # taken where they match the position ids, then dropped
@@ -131,8 +132,10 @@ class CallCheck:
             flags |= _USE_CACHE
         if a.get("output_attentions"):
             flags |= _OUTPUT_ATTENTIONS
-        # a head's labels / logits_to_keep, here or in an enclosing model's forward (this one its base model)
-        head_labels, head_keeps = caller_head_arguments()
+        # a head's labels / logits_to_keep: here, or where this is a base model (no such parameters of its own), in
+        # the forward of the head around it
+        own = bound is not None and any(k in bound.signature.parameters for k in ("labels", "logits_to_keep"))
+        head_labels, head_keeps = (False, False) if own else caller_head_arguments()
         if a.get("labels") is not None or head_labels:
             flags |= _LABELS
         mask = a.get("attention_mask")
