@@ -435,15 +435,7 @@ def test_one_process_equals_original_and_call_time_refusals():
 
     # a head made sequence-parallel, called without labels by a model of the user's that takes labels (a custom
     # loss): runs, the outer labels are not the head's
-    class CustomLoss(transformers.PreTrainedModel):
-        config_class = transformers.PretrainedConfig
-
-        def __init__(self, inner):
-            super().__init__(transformers.PretrainedConfig())
-            self.inner = inner
-
-        def forward(self, input_ids, labels=None):
-            return self.inner(input_ids=input_ids).logits
+    from custom_loss import CustomLoss
 
     assert _rel(CustomLoss(model)(ids, labels=ids), want) <= 1e-12
     assert _rel(model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits, want) <= 1e-12  # checks reset

@@ -175,17 +175,7 @@ def _sp_equals_one_process(rank, world, kind, device="cpu", packed=False):
                 res["head_labels"] = str(e)
             # the head itself made sequence-parallel, called without labels by a model that takes labels (a
             # custom loss): runs, the outer labels are not the head's
-            import transformers
-
-            class CustomLoss(transformers.PreTrainedModel):
-                config_class = transformers.PretrainedConfig
-
-                def __init__(self, inner):
-                    super().__init__(transformers.PretrainedConfig())
-                    self.inner = inner
-
-                def forward(self, input_ids, labels=None):
-                    return self.inner(input_ids=input_ids).logits
+            from custom_loss import CustomLoss
 
             with torch.no_grad():
                 outer = CustomLoss(model)(shard.input_ids, labels=shard.input_ids)
