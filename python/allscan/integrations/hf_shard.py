@@ -82,9 +82,10 @@ def causal_conv(mod, x_local: torch.Tensor, ctx: SequenceContext) -> torch.Tenso
     (zeros on rank 0: the module's own left padding). With packed sequences (``ctx.packed``, B = 1) no window
     reads before its token's sequence start: each sequence is convolved as if alone (zero-padded). Returns
     ``[B, T_local, C]`` in ``x_local``'s dtype."""
-    collective_begins()
     conv = mod.conv1d
     width = conv.kernel_size[0]
+    if width > 1:  # the halo exchange (a kernel of 1 reads no other token: the scan is the first collective)
+        collective_begins()
     weight = conv.weight  # [C, 1, width], as transformers' weight.squeeze(1).unsqueeze(1)
     if not ctx.packed and not torch.compiler.is_compiling():  # one autograd node, halo included
         out = conv_with_halo(x_local.to(weight.dtype), weight, conv.bias, ctx.group.name if ctx.group.size > 1 else "")
