@@ -149,13 +149,19 @@ def _compare(rank, sp, model, ref_model, ref_logits, ref_loss, shard):
             "grads_present": all(p.grad is not None for p in model.parameters())}
 
 
-def _case(rank, sp, name, model_type, ref_attn, dtype, over, off, ids, labels, pos=None):
+def _case(rank, sp, name, model_type, ref_attn, dtype, over, off, ids, labels, pos=None, alone=False):
     """One model at SP = 2 against one process, and how far the one-process logits move with the feature off
-    (``off``: the config overrides that turn it off), so that a path dropping it would fail."""
+    (``off``: the config overrides that turn it off), so that a path dropping it would fail. ``alone``: the
+    one-process logits are each packed sequence's run alone (for a model whose masks ignore position ids)."""
     from allscan.context import LOCAL
 
     ref = _auto(model_type, ref_attn, dtype, **over)
-    logits = ref(input_ids=ids, position_ids=pos, use_cache=False).logits
+    if alone:
+        starts = (pos[0] == 0).nonzero().flatten().tolist() + [pos.shape[1]]
+        logits = torch.cat([ref(input_ids=ids[:, a:b], use_cache=False).logits
+                            for a, b in zip(starts[:-1], starts[1:])], dim=1)
+    else:
+        logits = ref(input_ids=ids, position_ids=pos, use_cache=False).logits
     loss = sp.causal_lm_loss(logits, sp.shard_batch(ids, labels, group=LOCAL, position_ids=pos))
     loss.backward()
     with torch.no_grad():
@@ -199,6 +205,11 @@ def _models(rank, world):
     # grouped matmul takes no fp64)
     res["gpt_oss"] = _case(rank, sp, name, "gpt_oss", "eager", torch.float32, dict(sliding_window=4),
                            dict(sliding_window=64), ids, labels)
+    # ... whose masks are built without the position ids (transformers' eager attention would attend across the
+    # packed sequences): a packed row attends each sequence alone, as the packing asks
+    res["gpt_oss_packed"] = _case(rank, sp, name, "gpt_oss", "eager", torch.float32, dict(sliding_window=4),
+                                  dict(sliding_window=64), batch["input_ids"], batch["labels"],
+                                  batch["position_ids"], alone=True)
     dist.barrier()
     return res
 
@@ -210,7 +221,8 @@ def test_windows_softcaps_sinks_at_sp2_equal_one_process():
         assert "a sliding window needs causal=True" in r["op_bidirectional"], r
         assert r["hybrid"] < 1e-12, r
         assert "sliding_window=5 but the model's mask has a window of 3" in r["hybrid_ambiguous"], r
-        for key, tol in (("mistral", 1e-10), ("mistral_packed", 1e-10), ("gemma2", 2e-4), ("gpt_oss", 2e-4)):
+        for key, tol in (("mistral", 1e-10), ("mistral_packed", 1e-10), ("gemma2", 2e-4), ("gpt_oss", 2e-4),
+                         ("gpt_oss_packed", 2e-4)):
             c = r[key]
             assert c["grads_present"], (key, c)
             assert c["loss"] < tol and c["logits"] < tol and c["grads"] < tol, (key, c)

@@ -123,14 +123,26 @@ def mask_shape(fn, name: str, out: dict) -> None:
 
 def caller_mask_arguments():
     """``position_ids`` and the cache that transformers' create_*_mask (the mask function's caller) got:
-    transformers detects packed rows from them (not passed to the mask function itself)."""
+    transformers detects packed rows from them (not passed to the mask function itself). A model that builds its
+    masks without its position ids (GPT-OSS, AFMoE, ...: transformers' eager and sdpa attention would then attend
+    across packed sequences, its flash attention would not) gets those of the model's forward that called
+    create_*_mask: packed rows are each attended alone, as the packing asks."""
     f = sys._getframe(2)
     for _ in range(4):
         if f is None:
             break
         if f.f_code.co_name.startswith("create_") and f.f_code.co_filename.endswith("masking_utils.py"):
             loc = f.f_locals
-            return loc.get("position_ids"), loc.get("cache", loc.get("past_key_values"))
+            positions = loc.get("position_ids")
+            if positions is None:  # the model forward's own, past transformers' decorators' wrappers
+                up = f.f_back
+                for _ in range(3):
+                    if up is None or up.f_code.co_name == "forward":
+                        break
+                    up = up.f_back
+                if up is not None and up.f_code.co_name == "forward":
+                    positions = up.f_locals.get("position_ids")
+            return positions, loc.get("cache", loc.get("past_key_values"))
         f = f.f_back
     return None, None  # not called by create_*_mask: transformers would look for no packed rows either
 
