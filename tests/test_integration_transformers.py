@@ -330,11 +330,6 @@ def _arguments(rank, world):
     # dropout on rank 0 alone (its model left in train mode): its refusal reaches rank 1, waiting in Ulysses
     res["dropout_one_rank"] = _raises((NotImplementedError, ValueError), run,
                                       _model(name, attention_dropout=0.1).train(rank == 0))
-    # a mixture of experts' load-balancing loss (a mean over the whole sequence), asked for by the call or the config
-    res["router_call"] = _raises(NotImplementedError, run, _auto("qwen2_moe", name), output_router_logits=True)
-    moe = _auto("qwen2_moe", name)
-    moe.config.output_router_logits = True
-    res["router_config"] = _raises(NotImplementedError, run, moe)
     # a window at least as long as the whole sequence changes nothing; a window only in the mask (Qwen2-MoE passes
     # no sliding_window argument): honoured, equal to one process; the batch's context is made once per forward,
     # shared by its sliding and full masks (Qwen2-MoE builds both)
@@ -368,8 +363,6 @@ def test_attention_arguments_that_change_the_result_are_refused_by_name():
     for r in results:
         assert "attention dropout" in r["dropout"], r["dropout"]
         assert "attention_bias_of_mine=<tensor (1,)" in r["unknown"], r["unknown"]
-        assert "output_router_logits=True is not supported" in r["router_call"], r["router_call"]
-        assert "load-balancing loss" in r["router_config"], r["router_config"]
         _assert_close(r["mistral_24"])
         _assert_close(r["qwen2_moe_7"])
         assert r["mistral_24_contexts"] == 1 and r["qwen2_moe_7_contexts"] == 1, r

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import re
 import sys
-from typing import List, Optional, Sequence, Tuple
+from typing import List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -29,7 +29,7 @@ from allscan.context import SequenceContext, SPGroup, offsets_digest, resolve_sp
 
 __all__ = ["CONTEXT_KWARG", "sp_group", "op_group", "comm_device", "exchange", "restarts", "positions_context",
            "agreed_offsets", "offsets_of", "local_attention", "handed_context", "pooling_refusal",
-           "caller_head_arguments", "positions_refusal"]
+           "caller_head_arguments", "HeadArguments", "positions_refusal"]
 
 CONTEXT_KWARG = "allscan_context"
 """The keyword under which a model-level hook hands the batch's SequenceContext to every layer (transformers
@@ -252,12 +252,20 @@ def handed_context(kwargs: dict, group, batch: int, local_len: int, name: str,
     return SequenceContext(sp, cu_seqlens=list(offsets))
 
 
-def caller_head_arguments() -> Tuple[bool, bool]:
-    """Whether the transformers (or fla) model forward above the caller (the nearest enclosing one with a ``labels``
-    or ``logits_to_keep`` parameter: a head's, e.g. ``*ForCausalLM``) got labels, and whether it keeps only some
-    tokens' logits: read from that frame, for hooks that see no call arguments (register()'s mask functions) or
-    sit on the base model inside a head; (False, False) where there is none (a bare model, or a call the stack
-    does not show, as under torch.compile)."""
+class HeadArguments(NamedTuple):
+    """What the forward of the head above a hook got (:func:`caller_head_arguments`)."""
+
+    labels: bool = False       # labels given
+    keeps_some: bool = False   # logits_to_keep keeps only some tokens' logits
+    router_logits: Optional[bool] = None  # its output_router_logits (None: not given, the config's then)
+    head: Optional[object] = None  # the head (a transformers PreTrainedModel); None where none is on the stack
+
+
+def caller_head_arguments() -> HeadArguments:
+    """What the transformers (or fla) model forward above the caller (the nearest enclosing one with a ``labels``
+    or ``logits_to_keep`` parameter: a head's, e.g. ``*ForCausalLM``) got: read from that frame, for hooks that see
+    no call arguments (register()'s mask functions) or sit on the base model inside a head; all unset where there
+    is none (a bare model, or a call the stack does not show, as under torch.compile)."""
     tf = sys.modules.get("transformers")
     f = sys._getframe(2)
     for _ in range(32):
@@ -267,6 +275,8 @@ def caller_head_arguments() -> Tuple[bool, bool]:
         if f.f_code.co_name == "forward" and ("labels" in names or "logits_to_keep" in names) \
                 and isinstance(f.f_locals.get("self"), tf.PreTrainedModel):
             loc = f.f_locals
-            return loc.get("labels") is not None, keeps_some_logits(loc.get("logits_to_keep"))
+            router = loc.get("output_router_logits")
+            return HeadArguments(loc.get("labels") is not None, keeps_some_logits(loc.get("logits_to_keep")),
+                                 None if router is None else bool(router), loc["self"])
         f = f.f_back
-    return False, False
+    return HeadArguments()

@@ -158,7 +158,7 @@ class _CallCheck:
             given, unbound = {}, 1
         # here, or where this is a base model (no such parameters of its own), in the forward of the head around it
         own = any(name in self.signature.parameters for name, _, _ in _REFUSED_ARGUMENTS)
-        head = (False, False) if own else caller_head_arguments()
+        head = (False, False) if own else caller_head_arguments()[:2]
         flags = [int(refused(given.get(name)) or in_head)
                  for (name, refused, _), in_head in zip(_REFUSED_ARGUMENTS, head)]
         flags.append(unbound)

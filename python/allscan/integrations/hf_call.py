@@ -14,17 +14,17 @@ import threading
 
 import torch
 
-from .common import (CONTEXT_KWARG, LABELS, LOGITS_TO_KEEP, agreed_offsets, caller_head_arguments, exchange,
-                     keeps_some_logits, of_ranks, positions_context, restarts, sp_group)
+from .common import (CONTEXT_KWARG, LABELS, LOGITS_TO_KEEP, HeadArguments, agreed_offsets, caller_head_arguments,
+                     exchange, keeps_some_logits, of_ranks, positions_context, restarts, sp_group)
 from .hf_mask import LOCAL_POSITIONS
-from .hf_moe import ROUTER_LOGITS, router_logits_requested
+from .hf_moe import AUX_LOSS_BASE_ALONE, computes_aux_loss, replace_aux_loss, router_logits_requested
 from .hf_shard import SequenceParallelForward
 
 __all__ = ["CallCheck", "refuse_generate"]
 
 _CACHE, _USE_CACHE, _OUTPUT_ATTENTIONS, _LABELS, _PADDING, _FLASH_KWARGS, _POSITIONS_SHAPE, _CONTEXT_GIVEN, \
-    _ROUTER_LOGITS, _LOGITS_TO_KEEP, _POSITIONS_GIVEN, _RESTARTS, _LOCAL_POSITIONS, _OFFSETS_GIVEN, _UNCHECKABLE, \
-    _COMPILING, _MIXER_REPLACED, _ATTENTION_CHANGED = (1 << i for i in range(18))
+    _AUX_BASE_ALONE, _LOGITS_TO_KEEP, _POSITIONS_GIVEN, _RESTARTS, _LOCAL_POSITIONS, _OFFSETS_GIVEN, _UNCHECKABLE, \
+    _COMPILING, _MIXER_REPLACED, _ATTENTION_CHANGED, _AUX_LOSS = (1 << i for i in range(19))
 _REASONS = {
     _CACHE: "a KV or recurrent cache (past_key_values / cache) is not supported: training and prefill only",
     _USE_CACHE: "use_cache=True is not supported (no cache under sequence parallelism); pass use_cache=False",
@@ -37,7 +37,7 @@ _REASONS = {
                     "in the whole row"),
     _POSITIONS_SHAPE: "position ids other than [B, T_local] (e.g. multimodal rotary positions) are not supported",
     _CONTEXT_GIVEN: f"{CONTEXT_KWARG} is made by the model's call from the position ids; do not pass it",
-    _ROUTER_LOGITS: ROUTER_LOGITS,
+    _AUX_BASE_ALONE: AUX_LOSS_BASE_ALONE,
     _LOGITS_TO_KEEP: LOGITS_TO_KEEP,
 }
 # Changes made to the model after sequence_parallel() that would undo it: each rank's layer would see its shard alone
@@ -52,7 +52,9 @@ _PACKING_KWARGS = ("max_length_q", "max_length_k", "seq_idx", "cu_seqlens")
 _OFFSETS_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k")  # taken where they match the position ids, then dropped
 NAME = "sequence_parallel"
 
-_STATE = threading.local()  # the module whose call is being checked (nested transformers models skip)
+# the module whose call is being checked (nested transformers models skip), and whether its routers' load-balancing
+# loss is to be made the whole sequence's (hf_moe) after it
+_STATE = threading.local()
 
 
 def refuse_generate(*args, **kwargs):
@@ -61,12 +63,12 @@ def refuse_generate(*args, **kwargs):
 
 
 @torch.compiler.disable
-def _check_beside_the_trace(check: "CallCheck", bound, kwargs, config) -> None:
+def _check_beside_the_trace(check: "CallCheck", module, bound, kwargs) -> None:
     """Under torch.compile: the call's checks and exchanges, run eagerly (a graph break before the model's
     forward), everything refused as in an eager call, on every rank alike (also where a peer runs eagerly). The
     context cannot enter the trace, so the layers take whole sequences there: packed rows are refused; and the
     model's default position ids would be each shard's own, so the global ones must be given."""
-    check._check(bound, dict(kwargs), config, compiling=True)
+    check._check(module, bound, dict(kwargs), compiling=True)
 
 
 class CallCheck:
@@ -85,19 +87,22 @@ class CallCheck:
         except TypeError:
             bound = None  # the forward raises on its own, after the check's exchange tells the peers
         if torch.compiler.is_compiling():
-            _check_beside_the_trace(self, bound, kwargs, getattr(module, "config", None))
+            _check_beside_the_trace(self, module, bound, kwargs)
             return None
-        _STATE.owner = module
+        _STATE.owner, _STATE.aux_loss = module, False
         try:
-            kwargs = self._check(bound, dict(kwargs), getattr(module, "config", None))
+            kwargs = self._check(module, bound, dict(kwargs))
         except BaseException:
             _STATE.owner = None
             raise
         return args, kwargs
 
     def post(self, module, args, output):
-        if getattr(_STATE, "owner", None) is module:
-            _STATE.owner = None
+        if getattr(_STATE, "owner", None) is not module:
+            return None
+        _STATE.owner, aux_loss = None, _STATE.aux_loss
+        if aux_loss and output is not None:  # (None: the forward raised)
+            return replace_aux_loss(module, output, None, sp_group(self.group, NAME), NAME)
         return None
 
     def _undone(self) -> int:
@@ -108,7 +113,8 @@ class CallCheck:
             flags |= _ATTENTION_CHANGED
         return flags
 
-    def _check(self, bound: "inspect.BoundArguments | None", kwargs, config, compiling: bool = False):
+    def _check(self, module, bound: "inspect.BoundArguments | None", kwargs, compiling: bool = False):
+        config = getattr(module, "config", None)
         undone = self._undone()
         a = dict(bound.arguments) if bound is not None else {}
         for p in bound.signature.parameters.values() if bound is not None else ():
@@ -135,8 +141,8 @@ class CallCheck:
         # a head's labels / logits_to_keep: here, or where this is a base model (no such parameters of its own), in
         # the forward of the head around it
         own = bound is not None and any(k in bound.signature.parameters for k in ("labels", "logits_to_keep"))
-        head_labels, head_keeps = (False, False) if own else caller_head_arguments()
-        if a.get("labels") is not None or head_labels:
+        head = HeadArguments() if own else caller_head_arguments()
+        if a.get("labels") is not None or head.labels:
             flags |= _LABELS
         mask = a.get("attention_mask")
         if mask is not None and (not isinstance(mask, torch.Tensor) or mask.dim() != 2 or not bool(mask.all())):
@@ -147,9 +153,14 @@ class CallCheck:
             flags |= _OFFSETS_GIVEN
         if a.get(CONTEXT_KWARG) is not None:
             flags |= _CONTEXT_GIVEN
-        if router_logits_requested(config, a.get("output_router_logits")):
-            flags |= _ROUTER_LOGITS
-        if keeps_some_logits(a.get("logits_to_keep")) or head_keeps:
+        # the routers' load-balancing loss: made the whole sequence's by this head's forward hook (hf_moe); a head
+        # around a base model made sequence-parallel alone would take its shard's
+        if own and router_logits_requested(config, a.get("output_router_logits")) and computes_aux_loss(module):
+            flags |= _AUX_LOSS
+        if head.head is not None and router_logits_requested(head.head.config, head.router_logits) \
+                and computes_aux_loss(head.head):
+            flags |= _AUX_BASE_ALONE
+        if keeps_some_logits(a.get("logits_to_keep")) or head.keeps_some:
             flags |= _LOGITS_TO_KEEP
         positions = a.get("position_ids")
         if positions is not None:
@@ -180,11 +191,19 @@ class CallCheck:
         if refused:
             raise NotImplementedError(f"{NAME}: " + "; ".join(
                 _REASONS[bit] + ("" if sp.size == 1 else " " + of_ranks(ranks)) for bit, ranks in refused))
+        aux = [bool(r[2] & _AUX_LOSS) for r in rows]
+        if any(aux) and not all(aux):
+            raise ValueError(f"{NAME}: some ranks asked for the routers' load-balancing loss (output_router_logits) "
+                             f"and others not {of_ranks([i for i, x in enumerate(aux) if x])}")
         given = [bool(r[2] & _POSITIONS_GIVEN) for r in rows]
         if any(given) and not all(given):
             raise ValueError(f"{NAME}: some ranks passed position_ids and others none")
         compiled = [i for i, r in enumerate(rows) if r[2] & _COMPILING]
         under_compile = "" if sp.size == 1 else " " + of_ranks(compiled)
+        if compiled and any(aux):
+            raise NotImplementedError(f"{NAME}: output_router_logits under torch.compile(model) is not supported (the "
+                                      "whole sequence's load-balancing loss is made after the model's call, which a "
+                                      "trace does not run); compile model.forward instead{under_compile}")
         if compiled and not any(given):
             raise NotImplementedError(f"{NAME}: under torch.compile pass position_ids (the global ones: "
                                       f"shard_batch(...).position_ids){under_compile}")
@@ -215,4 +234,5 @@ class CallCheck:
                                       "torch.compile: the batch's context cannot enter the trace; call the model "
                                       f"eagerly for packed rows (the layers' ops themselves compile){under_compile}")
         kwargs[CONTEXT_KWARG] = context
+        _STATE.aux_loss = any(aux)
         return kwargs

@@ -56,8 +56,7 @@ pools each row at one position (``*ForSequenceClassification``: each rank would 
 (a forward pre-hook on the model's transformers models, once per outermost call, agreed on by every rank of
 the group so that all of them raise together) a KV or recurrent cache (``past_key_values``, ``use_cache=True``),
 ``output_attentions``, ``labels`` (transformers would shift them within each shard), ``logits_to_keep`` (each
-rank would keep its own shard's last tokens), ``output_router_logits``
-(a mixture of experts' load-balancing loss is a mean over the whole sequence), padding masks, several
+rank would keep its own shard's last tokens), padding masks, several
 packed rows in one batch and flash-attention kwargs from the caller (``max_length_*``, ``seq_idx``: the bounds
 come from the position ids) are refused by name; position ids that do not count 0, 1, 2, ... restarting at 0
 raise ``ValueError``, and so do ids 0 .. T_local - 1 on every rank (each rank made its own, as the model does
@@ -67,7 +66,9 @@ further); ``generate`` raises. Position ids default to the global ones (``rank *
 arange(T_local)``), as one process would make them. Under ``torch.compile`` the same checks run beside the
 trace (a graph break before the forward) and position ids must be given; the batch's context cannot enter the
 trace, so packed rows are refused there. Compiling ``model.forward`` instead leaves the hooks outside the trace:
-packed rows run. Caching is turned off
+packed rows run. A mixture of experts' load-balancing loss (``output_router_logits``) is made the whole
+sequence's by the head's forward hook: ``aux_loss`` is this rank's share (:mod:`allscan.integrations.hf_moe`);
+under ``torch.compile(model)`` it is refused (the hook runs after the call), compiling ``model.forward`` runs it. Caching is turned off
 (``config.use_cache``): sequence parallelism is for training and prefill.
 """
 from __future__ import annotations

@@ -13,6 +13,7 @@ import torch
 
 from .common import (LABELS, LOGITS_TO_KEEP, agreed_offsets, caller_head_arguments, exchange, of_ranks,
                      positions_context, restarts)
+from .hf_moe import computes_aux_loss, router_logits_requested
 
 __all__ = ["ForwardBatch", "Forwards", "FORWARDS", "UlyssesMask", "mask_shape", "caller_mask_arguments",
            "LOCAL_POSITIONS", "batch_of", "given_offsets"]
@@ -23,12 +24,13 @@ class ForwardBatch:
     full layers) and every attention call: its :class:`~allscan.context.SequenceContext` (the packed cut, made
     and agreed once), whether every rank numbered its slice from 0, and the caller's packed offsets once agreed.
     Reused only within one forward (the model-level pre-hook counts forwards) and for the very same inputs, so
-    every rank reuses it alike."""
+    every rank reuses it alike. ``aux_head``: the head whose routers' load-balancing loss this forward computes
+    (agreed on every rank; its forward hook makes the loss the whole sequence's, once), else None."""
 
-    __slots__ = ("key", "refs", "context", "local_only", "given", "given_offsets")
+    __slots__ = ("key", "refs", "context", "local_only", "given", "given_offsets", "aux_head")
 
-    def __init__(self, key, objs, context, local_only):
-        self.key, self.context, self.local_only = key, context, local_only
+    def __init__(self, key, objs, context, local_only, aux_head=None):
+        self.key, self.context, self.local_only, self.aux_head = key, context, local_only, aux_head
         try:
             self.refs = tuple(None if o is None else weakref.ref(o) for o in objs)
         except TypeError:  # an input that takes no weak reference: never reused
@@ -170,12 +172,17 @@ def batch_of(sp, name: str, B: int, Sq: int, kv: int, position_ids, attention_ma
     padded = int(isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2
                  and not bool(attention_mask.all()))
     local = int(pos is not None and bool((pos == torch.arange(Sq, device=device)).all()))
-    labels, keeps_some = caller_head_arguments()
+    head = caller_head_arguments()
+    aux = head.head is not None and router_logits_requested(head.head.config, head.router_logits) \
+        and computes_aux_loss(head.head)
     rows = exchange(sp, [B, Sq, kv, padded, odd_pos, int(pos is not None), local,
                          int(pos is not None and restarts(pos, sp.rank)), int(attention_mask is not None),
-                         int(cache is not None), int(labels), int(keeps_some)], like)
+                         int(cache is not None), int(head.labels), int(head.keeps_some), int(aux)], like)
     if any(r[:3] != rows[0][:3] for r in rows):
         raise ValueError(f"{name}: the ranks passed different batch / query / key lengths: {[r[:3] for r in rows]}")
+    if any(r[12] != rows[0][12] for r in rows):
+        raise ValueError(f"{name}: some ranks asked for the routers' load-balancing loss (output_router_logits) and "
+                         f"others not {of_ranks([k for k, r in enumerate(rows) if r[12]])}")
     for i, why in ((10, LABELS), (11, LOGITS_TO_KEEP)):
         if any(r[i] for r in rows):
             raise NotImplementedError(f"{name}: {why} {of_ranks([k for k, r in enumerate(rows) if r[i]])}")
@@ -202,7 +209,7 @@ def batch_of(sp, name: str, B: int, Sq: int, kv: int, position_ids, attention_ma
             f"{name}: a packed row (position ids that restart) with "
             f"{'an attention mask' if any(r[8] for r in rows) else 'a KV cache'}: transformers then attends "
             "across the sequences; pass no attention mask and use_cache=False")
-    return ForwardBatch(key, (position_ids, attention_mask, cache), context, local_only)
+    return ForwardBatch(key, (position_ids, attention_mask, cache), context, local_only, head.head if aux else None)
 
 
 def given_offsets(forward: Optional[ForwardBatch], sp, kwargs: dict, name: str, like) -> Optional[Tuple[int, ...]]:

@@ -42,6 +42,10 @@ must match the position ids. Position ids 0 .. S_local - 1 on every rank (what t
 is called without the shard's position ids) raise ``ValueError``, unless ``cu_seq_lens_q=shard.cu_seqlens``
 confirms that the row really packs one sequence per rank.
 
+A mixture of experts' load-balancing loss (``output_router_logits``, by the call or the config) is made the whole
+sequence's: the head's ``aux_loss`` becomes this rank's share (:mod:`allscan.integrations.hf_moe`; the forward's
+first mask call agrees across the ranks that it is asked for).
+
 Refused, with ``NotImplementedError`` naming the cause, on every rank (never a silently wrong result):
 
 - a model with a sequence mixer other than softmax attention (linear attention, an SSM, a convolution
@@ -58,8 +62,6 @@ Refused, with ``NotImplementedError`` naming the cause, on every rank (never a s
 - padding masks (each sequence is whole), 4-D masks, decoding with a KV cache (training and prefill only),
   ``output_attentions``, several packed rows in one batch, a packed row with an attention mask or a cache
   (transformers would attend across its sequences then);
-- ``output_router_logits`` (by the call or the config): a mixture of experts' load-balancing loss is a mean over
-  the whole sequence, which each rank would take over its shard alone;
 - ``labels`` or ``logits_to_keep`` given to the causal-LM head (transformers would shift the labels and keep the
   last tokens within each shard), read from the head's forward on the stack by the forward's first mask call;
 - ``torch.compile`` of the model (its mask and attention exchange across the ranks, which a trace cannot): the
@@ -85,7 +87,7 @@ from .hf_options import OPTION_KWARGS, features_of, one_process_attention
 from .hf_hybrids import sequence_parallel  # noqa: F401  (the hybrids' entry, under the name issue 53 gives it)
 from .hf_mask import (FORWARDS, LOCAL_POSITIONS, UlyssesMask, batch_of, caller_mask_arguments, given_offsets,
                       mask_shape)
-from .hf_moe import ROUTER_LOGITS, router_logits_requested
+from .hf_moe import computes_aux_loss, replace_aux_loss
 from .hf_refusals import SEQUENCE_PARALLEL, config_refusal, model_refusal, registered_implementation  # noqa: F401
 
 __all__ = ["register", "sequence_parallel", "check_model", "shard_batch", "causal_lm_loss", "reduce_loss",
@@ -103,6 +105,7 @@ _NOT_COMPILED = ("{name}: torch.compile of a model set to register()'s attention
 _NAMES = {}  # name -> group, of every register() in this process
 _HOOK = None
 _PASSED = weakref.WeakKeyDictionary()  # model -> the attention implementation it passed check_model with
+_AUX_HOOKS = weakref.WeakKeyDictionary()  # MoE head -> its forward hook (hf_moe: the whole sequence's aux_loss)
 
 
 def check_model(model: torch.nn.Module, name: Optional[str] = None) -> None:
@@ -146,15 +149,26 @@ def _pre_forward(module, args):
     if torch.compiler.is_compiling():
         _refuse_compiled(impl)
     FORWARDS.serial += 1  # a new forward: its first mask call finds its batch again
-    if router_logits_requested(cfg, None):  # (a call's own output_router_logits reaches the attention's check)
-        raise NotImplementedError(f"{impl}: {ROUTER_LOGITS}")
     if _PASSED.get(module) == impl:
         return None
     why = model_refusal(module, impl)
     if why:
         raise NotImplementedError(why)
     _PASSED[module] = impl
+    if computes_aux_loss(module) and module not in _AUX_HOOKS:
+        _AUX_HOOKS[module] = module.register_forward_hook(_whole_aux_loss, with_kwargs=True)
     return None
+
+
+def _whole_aux_loss(module, args, kwargs, output):
+    """A MoE head's forward hook: where this forward's routers' load-balancing loss was asked for (agreed on every
+    rank by the forward's first mask call), this rank's share of the whole sequence's replaces the shard's."""
+    forward = FORWARDS.last
+    if forward is None or forward.aux_head is not module:
+        return None
+    forward.aux_head = None  # once
+    impl = registered_implementation(module.config, _NAMES)
+    return replace_aux_loss(module, output, kwargs, sp_group(_NAMES[impl], impl), impl)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -164,8 +178,6 @@ def _pre_forward(module, args):
 def _check_kwargs(name: str, kwargs: dict) -> None:
     """Refuse, naming it, each argument transformers passed beside q, k and v that would change the result."""
     for key, value in kwargs.items():
-        if key == "output_router_logits" and value:
-            raise NotImplementedError(f"{name}: {ROUTER_LOGITS}")
         if value is None or key in _HARMLESS or key in ("is_causal", "cu_seq_lens_q", "cu_seq_lens_k",
                                                          "max_length_q", "max_length_k"):
             continue
