@@ -200,3 +200,37 @@ def test_registered_aux_loss_is_the_whole_sequences():
         assert r["without"], r
         assert "return_dict=False is not supported" in r["tuple"], r
         assert r["one_rank_asks"].startswith("ValueError") and "(rank 0 of the group)" in r["one_rank_asks"], r
+
+
+def _on_nccl(rank, world):
+    from allscan.integrations import transformers as sp
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    name = sp.register(None)
+    ids, labels = (t.cuda() for t in _batch(2))
+    ref = _mixtral("sdpa").float().cuda()
+    out = ref(input_ids=ids, use_cache=False, output_router_logits=True)
+    out.aux_loss.backward()
+    model = _mixtral(name).float().cuda()
+    shard = sp.shard_batch(ids, labels)
+    got = model(input_ids=shard.input_ids, position_ids=shard.position_ids, use_cache=False,
+                output_router_logits=True).aux_loss
+    got.backward()
+    sp.sync_gradients(model)
+    gates = [n for n, _ in model.named_parameters() if n.endswith("gate.weight")]
+    want = dict(ref.named_parameters())
+    grads = dict(model.named_parameters())
+    return {"aux": abs(sp.reduce_loss(got).item() - out.aux_loss.item()) / out.aux_loss.item(),
+            "gates": max(_rel(grads[n].grad, want[n].grad) for n in gates), "device": str(got.device)}
+
+
+@pytest.mark.gpu
+def test_aux_loss_on_nccl():
+    """Two NCCL ranks (they may share one GPU), fp32, Mixtral under register(): the shares add up to transformers'
+    aux_loss on the whole sequence, and the routers' gradients of aux_loss alone agree (the all-reduce of the
+    counts runs on the GPU)."""
+    from distributed import skip_unless_nccl_ranks
+
+    skip_unless_nccl_ranks(2)
+    for r in run_distributed(_on_nccl, 2, backend="nccl", timeout=300):
+        assert r["device"].startswith("cuda") and r["aux"] <= 1e-5 and r["gates"] <= 1e-4, r
