@@ -3,8 +3,8 @@ fp64, CPU, gloo, SP = 2 (``allscan.integrations.hf_moe``).
 
 Checked against transformers' model on one process and the whole sequence: the ranks' ``aux_loss`` shares add up to
 its ``aux_loss``, and the gradients of ``cross-entropy + coef * aux_loss`` (summed over the group) equal its every
-parameter gradient, for a hybrid made sequence-parallel (Qwen3-Next: B = 2 rows, and one packed row against each
-sequence run alone) and a softmax-attention MoE under ``register()`` (Mixtral). Refused by name on every rank: a
+parameter gradient, for a hybrid made sequence-parallel (Qwen3-Next: B = 2 rows, one packed row against each
+sequence run alone, and under FSDP2 on a 1 x 2 mesh) and a softmax-attention MoE under ``register()`` (Mixtral). Refused by name on every rank: a
 model whose loss is not the one mirrored (transformers' function changed), ``return_dict=False``, the base model
 made sequence-parallel alone under a head that asks for the loss; ranks that disagree on asking raise ValueError.
 """
@@ -128,8 +128,31 @@ def _hybrid(rank, world):
         res["rows" if bounds is None else "packed"] = _compare(ref, _sharded(model, ids, labels, bounds, sp,
                                                                              output_router_logits=True))
     ids, labels = _batch(2)
+    # FSDP2 over a 1 x 2 DP x SP mesh (its class for the model is torch's, the transformers class one of its bases)
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from allscan.integrations import mesh as spm
+
+    mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("dp", "sp"))
+    fsdp = spm.fully_shard(sp.sequence_parallel(hy.tiny_model("qwen3_next"), mesh["sp"]), mesh)
+    shard = spm.shard_batch(ids, labels, mesh)
+    out = fsdp(input_ids=shard.input_ids, position_ids=shard.position_ids, output_router_logits=True)
+    (sp.causal_lm_loss(out.logits, shard) + COEF * out.aux_loss).backward()
+    grads = {n: p.grad.full_tensor() if p.grad is not None else torch.zeros(p.shape, dtype=p.dtype)
+             for n, p in fsdp.named_parameters()}
+    res["fsdp"] = _compare(_reference(hy.tiny_model("qwen3_next"), ids, labels, None, sp),
+                           (spm.reduce_loss(out.aux_loss, mesh).item(), grads))
     shard = sp.shard_batch(ids, labels)
     call = dict(input_ids=shard.input_ids, position_ids=shard.position_ids)
+    # a NaN reaching the routers on one rank (an overflow upstream): the loss is NaN, as one process's, not refused
+    spoil = model.model.embed_tokens.register_forward_hook(
+        lambda m, a, o: o.index_fill(1, torch.tensor([0]), float("nan")) if rank == 0 else None)
+    try:
+        with torch.no_grad():
+            res["nan"] = repr(sp.reduce_loss(model(**call, output_router_logits=True).aux_loss).item())
+    except (NotImplementedError, ValueError) as e:
+        res["nan"] = str(e)
+    spoil.remove()
     # the config's output_router_logits counts as the call's
     model.config.output_router_logits = True
     res["by_config"] = model(**call).aux_loss is not None
@@ -184,6 +207,8 @@ def test_hybrid_aux_loss_is_the_whole_sequences():
     for rank, r in enumerate(results):
         _check_parity(r["rows"])
         _check_parity(r["packed"])
+        _check_parity(r["fsdp"])
+        assert r["nan"] == "nan", r
         assert r["by_config"], r
         assert "return_dict=False is not supported" in r["tuple"], r
         assert r["one_rank_asks"].startswith("ValueError") and "(rank 1 of the group)" in r["one_rank_asks"], r

@@ -203,7 +203,7 @@ class CallCheck:
         if compiled and any(aux):
             raise NotImplementedError(f"{NAME}: output_router_logits under torch.compile(model) is not supported (the "
                                       "whole sequence's load-balancing loss is made after the model's call, which a "
-                                      "trace does not run); compile model.forward instead{under_compile}")
+                                      f"trace does not run); compile model.forward instead{under_compile}")
         if compiled and not any(given):
             raise NotImplementedError(f"{NAME}: under torch.compile pass position_ids (the global ones: "
                                       f"shard_batch(...).position_ids){under_compile}")

@@ -45,14 +45,16 @@ def router_logits_requested(config, passed) -> bool:
 def computes_aux_loss(model) -> bool:
     """Whether ``model`` is a head that computes the load-balancing loss: its forward takes ``labels`` and its
     modeling module defines ``load_balancing_loss_func`` (Kimi Linear's and Nemotron-H's record router logits but
-    compute no loss). The same on every rank."""
-    module = sys.modules.get(type(model).__module__)
-    if module is None or not hasattr(module, "load_balancing_loss_func"):
-        return False
-    try:
-        return "labels" in inspect.signature(type(model).forward).parameters
-    except (TypeError, ValueError):
-        return False
+    compute no loss). The same on every rank. The model's transformers class is found in its class's bases: FSDP2
+    (``fully_shard``) and ``replicate`` give the model a class of their own, defined in torch."""
+    for cls in type(model).__mro__:
+        module = sys.modules.get(cls.__module__)
+        if module is not None and hasattr(module, "load_balancing_loss_func"):
+            try:
+                return "labels" in inspect.signature(cls.forward).parameters
+            except (TypeError, ValueError):
+                return False
+    return False
 
 
 def _configs(config):
@@ -133,6 +135,7 @@ def replace_aux_loss(model, output, kwargs: Optional[dict], sp, where: str):
         for k in reversed(ks):  # the first candidate whose shard value is the model's
             matches = (E * (picks[k] / rows * (prob_sum.detach().double() / rows)).sum() - own).abs() \
                 <= _TOO_FAR * own.abs().clamp_min(1e-12)
+            matches = matches | ~torch.isfinite(own)  # a NaN or inf router logit: the share is NaN, as one process's
             counts = torch.where(matches, picks[k], counts)
             matched = matched | matches
         mismatch = (~matched).to(torch.float64)
