@@ -32,6 +32,7 @@ FAMILIES = ["qwen3_next", "qwen3_5", "olmo_hybrid", "kimi_linear"]
 BOUNDS = [0, 5, 16, T]
 # the delta rule each family's linear layer calls, as a name in its modeling module
 DELTA_RULE = {"qwen3_next": "torch_chunk_gated_delta_rule", "qwen3_5": "torch_chunk_gated_delta_rule",
+              "qwen3_5_moe": "torch_chunk_gated_delta_rule",
               "olmo_hybrid": "torch_chunk_gated_delta_rule", "kimi_linear": "chunk_kimi_delta_attention"}
 LINEAR = {"qwen3_next": "Qwen3NextGatedDeltaNet", "qwen3_5": "Qwen3_5GatedDeltaNet",
           "olmo_hybrid": "OlmoHybridGatedDeltaNet", "kimi_linear": "KimiLinearDeltaAttention"}
@@ -97,6 +98,10 @@ def tiny_model(kind, seed=0, width=1):
             shared_expert_intermediate_size=16 * w, **gdn, **common))
     elif kind == "qwen3_5":
         model = tf.Qwen3_5ForCausalLM(tf.Qwen3_5TextConfig(head_dim=8 * w, **gdn, **common))
+    elif kind == "qwen3_5_moe":  # (its MoE's load-balancing loss: tests/test_hf_moe_aux.py)
+        model = tf.Qwen3_5MoeForCausalLM(tf.Qwen3_5MoeTextConfig(
+            head_dim=8 * w, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16 * w,
+            shared_expert_intermediate_size=16 * w, **gdn, **common))
     elif kind == "olmo_hybrid":
         model = tf.OlmoHybridForCausalLM(tf.OlmoHybridConfig(**gdn, **common))
     elif kind == "kimi_linear":

@@ -3,8 +3,8 @@ fp64, CPU, gloo, SP = 2 (``allscan.integrations.hf_moe``).
 
 Checked against transformers' model on one process and the whole sequence: the ranks' ``aux_loss`` shares add up to
 its ``aux_loss``, and the gradients of ``cross-entropy + coef * aux_loss`` (summed over the group) equal its every
-parameter gradient, for a hybrid made sequence-parallel (Qwen3-Next: B = 2 rows, one packed row against each
-sequence run alone, and under FSDP2 on a 1 x 2 mesh) and a softmax-attention MoE under ``register()`` (Mixtral). Refused by name on every rank: a
+parameter gradient, for the hybrids made sequence-parallel (Qwen3.5-MoE and Qwen3-Next: B = 2 rows and one packed
+row against each sequence run alone; Qwen3-Next under FSDP2 on a 1 x 2 mesh) and a softmax-attention MoE under ``register()`` (Mixtral). Refused by name on every rank: a
 model whose loss is not the one mirrored (transformers' function changed), ``return_dict=False``, the base model
 made sequence-parallel alone under a head that asks for the loss; ranks that disagree on asking raise ValueError.
 """
@@ -118,15 +118,16 @@ def _hybrid(rank, world):
 
     from allscan.integrations import hf_hybrids as sp
 
-    hy.fp64_delta_rule("qwen3_next")
     res = {}
-    for bounds, (ids, labels) in ((None, _batch(2)), (hy.BOUNDS, _batch(1))):
-        if bounds is not None:
-            labels[0, bounds[1:-1]] = sp.IGNORE_INDEX  # no label across a sequence's start (the collator's)
-        ref = _reference(hy.tiny_model("qwen3_next"), ids, labels, bounds, sp)
-        model = sp.sequence_parallel(hy.tiny_model("qwen3_next"))
-        res["rows" if bounds is None else "packed"] = _compare(ref, _sharded(model, ids, labels, bounds, sp,
-                                                                             output_router_logits=True))
+    for kind in ("qwen3_5_moe", "qwen3_next"):
+        hy.fp64_delta_rule(kind)
+        for bounds, (ids, labels) in ((None, _batch(2)), (hy.BOUNDS, _batch(1))):
+            if bounds is not None:
+                labels[0, bounds[1:-1]] = sp.IGNORE_INDEX  # no label across a sequence's start (the collator's)
+            ref = _reference(hy.tiny_model(kind), ids, labels, bounds, sp)
+            model = sp.sequence_parallel(hy.tiny_model(kind))
+            res[(kind, "rows" if bounds is None else "packed")] = _compare(
+                ref, _sharded(model, ids, labels, bounds, sp, output_router_logits=True))
     ids, labels = _batch(2)
     # FSDP2 over a 1 x 2 DP x SP mesh (its class for the model is torch's, the transformers class one of its bases)
     from torch.distributed.device_mesh import init_device_mesh
@@ -205,8 +206,9 @@ def _check_parity(r):
 def test_hybrid_aux_loss_is_the_whole_sequences():
     results = run_distributed(_hybrid, 2, timeout=600)
     for rank, r in enumerate(results):
-        _check_parity(r["rows"])
-        _check_parity(r["packed"])
+        for kind in ("qwen3_5_moe", "qwen3_next"):
+            _check_parity(r[(kind, "rows")])
+            _check_parity(r[(kind, "packed")])
         _check_parity(r["fsdp"])
         assert r["nan"] == "nan", r
         assert r["by_config"], r
