@@ -4,9 +4,11 @@ fp64, CPU, gloo, SP = 2 (``allscan.integrations.hf_moe``).
 Checked against transformers' model on one process and the whole sequence: the ranks' ``aux_loss`` shares add up to
 its ``aux_loss``, and the gradients of ``cross-entropy + coef * aux_loss`` (summed over the group) equal its every
 parameter gradient, for the hybrids made sequence-parallel (Qwen3.5-MoE and Qwen3-Next: B = 2 rows and one packed
-row against each sequence run alone; Qwen3-Next under FSDP2 on a 1 x 2 mesh) and a softmax-attention MoE under ``register()`` (Mixtral). Refused by name on every rank: a
-model whose loss is not the one mirrored (transformers' function changed), ``return_dict=False``, the base model
-made sequence-parallel alone under a head that asks for the loss; ranks that disagree on asking raise ValueError.
+row against each sequence run alone; Qwen3-Next under FSDP2 on a 1 x 2 mesh) and a softmax-attention MoE under
+``register()`` (Mixtral); a NaN reaching the routers gives NaN. Refused by name on every rank: a model whose loss
+is not the one mirrored (transformers' function changed), ``return_dict=False``, the base model made
+sequence-parallel alone under a head that asks for the loss, ``torch.compile(model)`` (compiling ``model.forward``
+runs it); ranks that disagree on asking raise ValueError. On the GPU: the all-reduce on NCCL.
 """
 import os
 import sys

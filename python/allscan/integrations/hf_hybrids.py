@@ -68,8 +68,8 @@ trace (a graph break before the forward) and position ids must be given; the bat
 trace, so packed rows are refused there. Compiling ``model.forward`` instead leaves the hooks outside the trace:
 packed rows run. A mixture of experts' load-balancing loss (``output_router_logits``) is made the whole
 sequence's by the head's forward hook: ``aux_loss`` is this rank's share (:mod:`allscan.integrations.hf_moe`);
-under ``torch.compile(model)`` it is refused (the hook runs after the call), compiling ``model.forward`` runs it. Caching is turned off
-(``config.use_cache``): sequence parallelism is for training and prefill.
+under ``torch.compile(model)`` it is refused (the hook runs after the call), compiling ``model.forward`` runs it.
+Caching is turned off (``config.use_cache``): sequence parallelism is for training and prefill.
 """
 from __future__ import annotations
 

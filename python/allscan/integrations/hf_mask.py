@@ -25,12 +25,13 @@ class ForwardBatch:
     and agreed once), whether every rank numbered its slice from 0, and the caller's packed offsets once agreed.
     Reused only within one forward (the model-level pre-hook counts forwards) and for the very same inputs, so
     every rank reuses it alike. ``aux_head``: the head whose routers' load-balancing loss this forward computes
-    (agreed on every rank; its forward hook makes the loss the whole sequence's, once), else None."""
+    (agreed on every rank; its forward hook makes the loss the whole sequence's, once), held weakly, else None."""
 
     __slots__ = ("key", "refs", "context", "local_only", "given", "given_offsets", "aux_head")
 
     def __init__(self, key, objs, context, local_only, aux_head=None):
-        self.key, self.context, self.local_only, self.aux_head = key, context, local_only, aux_head
+        self.key, self.context, self.local_only = key, context, local_only
+        self.aux_head = None if aux_head is None else weakref.ref(aux_head)
         try:
             self.refs = tuple(None if o is None else weakref.ref(o) for o in objs)
         except TypeError:  # an input that takes no weak reference: never reused

@@ -5,11 +5,11 @@ family copies) return, when ``output_router_logits`` is on, ``aux_loss = E * sum
 router (layers x tokens): ``f_e`` the fraction of top-k picks that went to expert ``e``, ``P_e`` its mean routing
 probability. Both are means over the WHOLE sequence, which each rank's model would take over its shard alone.
 
-The picks carry no gradient: their counts and the row total are summed over the group (one all-reduce of E + 4
-numbers). ``P_e`` is linear in the rows, so this rank's share is ``E * sum_e f_e * (its rows' probability sum) / N``:
-the shares add up to the one-process ``aux_loss`` and each rank's backward gives its own rows' part of the
-one-process gradient, with no differentiable collective (the convention of ``causal_lm_loss``; ``reduce_loss`` gives
-the whole value).
+The picks carry no gradient: their counts and the row total are summed over the group (one all-reduce of E + 3
+numbers, two flags with them). ``P_e`` is linear in the rows, so this rank's share is
+``E * sum_e f_e * (its rows' probability sum) / N``: the shares add up to the one-process ``aux_loss`` and each
+rank's backward gives its own rows' part of the one-process gradient, with no differentiable collective (the
+convention of ``causal_lm_loss``; ``reduce_loss`` gives the whole value).
 
 The head's forward hook (:func:`replace_aux_loss`) swaps the shard's ``aux_loss`` for this share. It first recomputes
 the shard's own value from the same picks and compares it with the model's: a family whose loss is another

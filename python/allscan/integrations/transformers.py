@@ -164,7 +164,7 @@ def _whole_aux_loss(module, args, kwargs, output):
     """A MoE head's forward hook: where this forward's routers' load-balancing loss was asked for (agreed on every
     rank by the forward's first mask call), this rank's share of the whole sequence's replaces the shard's."""
     forward = FORWARDS.last
-    if forward is None or forward.aux_head is not module:
+    if forward is None or forward.aux_head is None or forward.aux_head() is not module:
         return None
     forward.aux_head = None  # once
     impl = registered_implementation(module.config, _NAMES)
