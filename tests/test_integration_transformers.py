@@ -327,6 +327,10 @@ def _arguments(rank, world):
     # tests/test_hf_attention_features.py)
     res["dropout"] = _raises(NotImplementedError, run, _model(name, attention_dropout=0.1).train())
     res["unknown"] = _raises(NotImplementedError, run, _model(name), attention_bias_of_mine=torch.ones(1))
+    # a model whose forward takes no position ids (BLOOM: ALiBi from each shard's own 0): refused by name; one that
+    # takes them but, called without, numbers its tokens itself after making its masks (BioGPT): ValueError
+    res["unpositioned"] = _raises(NotImplementedError, _auto("bloom", name), input_ids=shard.input_ids, use_cache=False)
+    res["self_numbered"] = _raises(ValueError, _auto("biogpt", name), input_ids=shard.input_ids, use_cache=False)
     # dropout on rank 0 alone (its model left in train mode): its refusal reaches rank 1, waiting in Ulysses
     res["dropout_one_rank"] = _raises((NotImplementedError, ValueError), run,
                                       _model(name, attention_dropout=0.1).train(rank == 0))
@@ -367,6 +371,9 @@ def test_attention_arguments_that_change_the_result_are_refused_by_name():
         _assert_close(r["qwen2_moe_7"])
         assert r["mistral_24_contexts"] == 1 and r["qwen2_moe_7_contexts"] == 1, r
     assert "attention dropout is not supported" in results[0]["dropout_one_rank"], results[0]
+    for r in results:
+        assert "BloomForCausalLM.forward takes no position_ids" in r["unpositioned"], r["unpositioned"]
+        assert "every rank's position ids are 0 .. S_local - 1" in r["self_numbered"], r["self_numbered"]
     told = results[1]["dropout_one_rank"]
     assert "rank(s) [0]" in told and "failed before this call" in told, told
 

@@ -129,7 +129,8 @@ def caller_mask_arguments():
     transformers detects packed rows from them (not passed to the mask function itself). A model that builds its
     masks without its position ids (GPT-OSS, AFMoE, ...: transformers' eager and sdpa attention would then attend
     across packed sequences, its flash attention would not) gets those of the model's forward that called
-    create_*_mask: packed rows are each attended alone, as the packing asks."""
+    create_*_mask (:func:`_as_rows`): packed rows are each attended alone, as the packing asks, and a model called
+    without the shard's position ids is caught as one that numbers its tokens itself."""
     f = sys._getframe(2)
     for _ in range(4):
         if f is None:
@@ -143,11 +144,21 @@ def caller_mask_arguments():
                     if up is None or up.f_code.co_name == "forward":
                         break
                     up = up.f_back
-                if up is not None and up.f_code.co_name == "forward":
-                    positions = up.f_locals.get("position_ids")
+                if up is not None and up.f_code.co_name == "forward" and "position_ids" in up.f_code.co_varnames:
+                    positions = _as_rows(up.f_locals.get("position_ids"), loc.get("inputs_embeds"))
             return positions, loc.get("cache", loc.get("past_key_values"))
         f = f.f_back
     return None, None  # not called by create_*_mask: transformers would look for no packed rows either
+
+
+def _as_rows(positions, embeds):
+    """A model forward's position ids as ``[B or 1, S]``; none yet (the forward numbers the tokens itself after
+    making its masks: BERT-like embeddings, BioGPT), the 0 .. S - 1 it will use."""
+    if positions is None and isinstance(embeds, torch.Tensor) and embeds.dim() >= 2:
+        return torch.arange(embeds.shape[1], device=embeds.device).unsqueeze(0)
+    if isinstance(positions, torch.Tensor) and positions.dim() == 1:
+        return positions.unsqueeze(0)
+    return positions
 
 
 LOCAL_POSITIONS = (

@@ -1,13 +1,15 @@
 """Which transformers models ``register()`` (softmax attention on Ulysses) cannot run, and why: sequence mixers
 other than softmax attention (linear attention, SSMs, convolutions over the sequence), found in the config's
 ``layer_types`` (or the older ``layers_block_type`` / ``block_types``), the model type, and the model's modules;
-and heads that pool each row at one position (sequence classification,
-:func:`~allscan.integrations.common.pooling_refusal`).
+heads that pool each row at one position (sequence classification,
+:func:`~allscan.integrations.common.pooling_refusal`); and, over more than one rank, models whose forward takes no
+position ids (each rank would number its shard from 0).
 The refusal's text names the mixers and points the Gated DeltaNet / KDA hybrids to
 ``allscan.integrations.transformers.sequence_parallel``. Local: the same verdict on every rank.
 """
 from __future__ import annotations
 
+import inspect
 import re
 import sys
 from typing import List, Optional, Tuple
@@ -121,13 +123,28 @@ def _refusal_text(where: str, what: str, classes, fla_model: bool = False) -> st
             "without register()")
 
 
+def _unpositioned(model: torch.nn.Module, where: str) -> Optional[str]:
+    """A model whose forward takes no ``position_ids`` (BART-family and TrOCR decoders, BLOOM, MPT, CPM-Ant, ...) numbers
+    each rank's shard from 0 itself (its position embeddings, biases or ALiBi see the shard as the whole sequence)."""
+    try:
+        takes = "position_ids" in inspect.signature(type(model).forward).parameters
+    except (TypeError, ValueError):
+        return None
+    if takes:
+        return None
+    return (f"{where}: {type(model).__name__}.forward takes no position_ids, so each rank's shard would be numbered "
+            "from 0 (its positions, position biases or ALiBi would see the shard as the whole sequence); "
+            "register() runs only models that take the shard's global position ids")
+
+
 def _mixer_class(mod: torch.nn.Module) -> Optional[str]:
     """The name of the sequence-mixer class ``mod`` is (or derives from), or None."""
     return next((c.__name__ for c in type(mod).__mro__ if _MIXER_NAME.search(c.__name__)), None)
 
 
-def model_refusal(model: torch.nn.Module, where: str) -> Optional[str]:
-    """Why register() cannot run ``model`` (None: it can): its config, and every module in it."""
+def model_refusal(model: torch.nn.Module, where: str, sharded: bool = True) -> Optional[str]:
+    """Why register() cannot run ``model`` (None: it can): its config, every module in it, and (``sharded``: over
+    more than one rank) a forward that takes no position ids."""
     tf = require_transformers("allscan.integrations.transformers")
     mixers = {}
     named = dict(model.named_modules())
@@ -146,7 +163,8 @@ def model_refusal(model: torch.nn.Module, where: str) -> Optional[str]:
     config = getattr(model, "config", None)
     from_config = config_refusal(config, where, modeling_module_of(config) if config is not None else None)
     if not mixers:
-        return from_config or pooling_refusal(model, where) or positions_refusal(config, where)
+        return from_config or pooling_refusal(model, where) or positions_refusal(config, where) or (
+            _unpositioned(model, where) if sharded else None)
     listed = "; ".join(f"{cls} at {', '.join(names[:3])}{', ...' if len(names) > 3 else ''}"
                        for cls, names in sorted(mixers.items()))
     return _refusal_text(where, f"{type(model).__name__} has sequence mixers other than softmax attention: {listed}",

@@ -62,6 +62,9 @@ Refused, with ``NotImplementedError`` naming the cause, on every rank (never a s
 - padding masks (each sequence is whole), 4-D masks, decoding with a KV cache (training and prefill only),
   ``output_attentions``, several packed rows in one batch, a packed row with an attention mask or a cache
   (transformers would attend across its sequences then);
+- over more than one rank, a model whose forward takes no ``position_ids`` (BLOOM, MPT, CPM-Ant, BART-family
+  decoders: each rank would number its shard from 0); one that takes them, called without them where its masks
+  get none, counts as numbering its tokens itself (``ValueError`` as above);
 - ``labels`` or ``logits_to_keep`` given to the causal-LM head (transformers would shift the labels and keep the
   last tokens within each shard), read from the head's forward on the stack by the forward's first mask call;
 - ``torch.compile`` of the model (its mask and attention exchange across the ranks, which a trace cannot): the
@@ -117,7 +120,7 @@ def check_model(model: torch.nn.Module, name: Optional[str] = None) -> None:
     Runs by itself at the first forward of any transformers model configured with a registered name; call it
     to check earlier. Local: the same verdict on every rank."""
     where = name or registered_implementation(getattr(model, "config", None), _NAMES) or NAME
-    why = model_refusal(model, where)
+    why = model_refusal(model, where, where not in _NAMES or sp_group(_NAMES[where], where).size > 1)
     if why:
         raise NotImplementedError(why)
 
@@ -151,7 +154,7 @@ def _pre_forward(module, args):
     FORWARDS.serial += 1  # a new forward: its first mask call finds its batch again
     if _PASSED.get(module) == impl:
         return None
-    why = model_refusal(module, impl)
+    why = model_refusal(module, impl, sp_group(_NAMES[impl], impl).size > 1)
     if why:
         raise NotImplementedError(why)
     _PASSED[module] = impl
