@@ -331,6 +331,8 @@ def _arguments(rank, world):
     # takes them but, called without, numbers its tokens itself after making its masks (BioGPT): ValueError
     res["unpositioned"] = _raises(NotImplementedError, _auto("bloom", name), input_ids=shard.input_ids, use_cache=False)
     res["self_numbered"] = _raises(ValueError, _auto("biogpt", name), input_ids=shard.input_ids, use_cache=False)
+    # a model whose own code uses the mask as a tensor (XGLM): refused by name, not an AttributeError of ours
+    res["mask_as_tensor"] = _raises(NotImplementedError, run, _auto("xglm", name))
     # dropout on rank 0 alone (its model left in train mode): its refusal reaches rank 1, waiting in Ulysses
     res["dropout_one_rank"] = _raises((NotImplementedError, ValueError), run,
                                       _model(name, attention_dropout=0.1).train(rank == 0))
@@ -374,6 +376,7 @@ def test_attention_arguments_that_change_the_result_are_refused_by_name():
     for r in results:
         assert "BloomForCausalLM.forward takes no position_ids" in r["unpositioned"], r["unpositioned"]
         assert "every rank's position ids are 0 .. S_local - 1" in r["self_numbered"], r["self_numbered"]
+        assert "uses its attention mask as a tensor (.size)" in r["mask_as_tensor"], r["mask_as_tensor"]
     told = results[1]["dropout_one_rank"]
     assert "rank(s) [0]" in told and "failed before this call" in told, told
 

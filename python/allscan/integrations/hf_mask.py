@@ -15,8 +15,8 @@ from .common import (LABELS, LOGITS_TO_KEEP, agreed_offsets, caller_head_argumen
                      positions_context, restarts)
 from .hf_moe import computes_aux_loss, router_logits_requested
 
-__all__ = ["ForwardBatch", "Forwards", "FORWARDS", "UlyssesMask", "mask_shape", "caller_mask_arguments",
-           "LOCAL_POSITIONS", "batch_of", "given_offsets"]
+__all__ = ["ForwardBatch", "Forwards", "FORWARDS", "UlyssesMask", "MaskUsedAsTensor", "mask_shape",
+           "caller_mask_arguments", "LOCAL_POSITIONS", "batch_of", "given_offsets"]
 
 
 class ForwardBatch:
@@ -77,6 +77,37 @@ class UlyssesMask:
     def __repr__(self):
         return (f"UlyssesMask(causal={self.causal}, window={self.window}, chunk={self.chunk}, bounds={self.bounds}, "
                 f"batch={self.batch}, q_length={self.q_length})")
+
+    def __getattr__(self, attr):  # (only for what the class does not have)
+        if attr.startswith("__") or attr not in _TENSOR_ATTRIBUTES:
+            raise AttributeError(attr)
+        raise self._used_as_tensor(f".{attr}")
+
+    def _used_as_tensor(self, how: str) -> "MaskUsedAsTensor":
+        return MaskUsedAsTensor(
+            f"{object.__getattribute__(self, 'name')}: the model uses its attention mask as a tensor ({how}): it "
+            "builds or edits its masks itself, which register()'s attention, handed what the mask says instead of a "
+            "mask, cannot run; this model is not supported by register()")
+
+    def _operator(symbol: str):  # noqa: N805 - builds the operators below
+        def refuse(self, *args):
+            raise self._used_as_tensor(symbol)
+        return refuse
+
+    __add__ = __radd__ = _operator("+")
+    __sub__ = __rsub__ = _operator("-")
+    __mul__ = __rmul__ = _operator("*")
+    __and__ = __rand__ = __or__ = __ror__ = __invert__ = _operator("a logical operator")
+    __getitem__ = _operator("indexing")
+    del _operator
+
+
+class MaskUsedAsTensor(NotImplementedError, AttributeError):
+    """A model's own code used the mask register() hands its attention as a tensor (XGLM, MVP, ...). An
+    AttributeError too, so that ``hasattr`` / ``getattr(..., default)`` probes behave as before."""
+
+
+_TENSOR_ATTRIBUTES = frozenset(n for n in dir(torch.Tensor) if not n.startswith("_"))
 
 
 def _closure(fn) -> dict:
