@@ -29,7 +29,7 @@ from allscan.context import SequenceContext, SPGroup, offsets_digest, resolve_sp
 
 __all__ = ["CONTEXT_KWARG", "sp_group", "op_group", "comm_device", "exchange", "restarts", "positions_context",
            "agreed_offsets", "offsets_of", "local_attention", "handed_context", "pooling_refusal",
-           "caller_head_arguments", "HeadArguments", "positions_refusal"]
+           "caller_head_arguments", "HeadArguments", "positions_refusal", "config_and_text"]
 
 CONTEXT_KWARG = "allscan_context"
 """The keyword under which a model-level hook hands the batch's SequenceContext to every layer (transformers
@@ -62,6 +62,16 @@ def pooling_refusal(model: torch.nn.Module, where: str) -> Optional[str]:
     return None
 
 
+def config_and_text(config) -> List[object]:
+    """``config`` and its text config (a multimodal model's), once each; only ``config`` where it has none (or is
+    not a transformers config)."""
+    try:
+        text = config.get_text_config()
+    except Exception:  # noqa: BLE001 - not a transformers config: only its own attributes
+        text = config
+    return [c for c in {id(c): c for c in (config, text)}.values() if c is not None]
+
+
 def positions_refusal(config, where: str) -> Optional[str]:
     """Why a model with this config cannot run on a shard (None: it can): options whose arithmetic reads the
     call's positions as if they were the whole sequence's: a rope whose frequencies follow the largest position id
@@ -69,12 +79,8 @@ def positions_refusal(config, where: str) -> Optional[str]:
     attention temperature tuning (scales from the cache positions, 0 .. T_local - 1 on every rank)."""
     if config is None:
         return None
-    try:
-        text = config.get_text_config()
-    except Exception:  # noqa: BLE001 - not a transformers config: only its own attributes
-        text = config
     found = []
-    for cfg in {id(c): c for c in (config, text)}.values():
+    for cfg in config_and_text(config):
         rope = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None)
         per_kind = isinstance(rope, dict) and rope and all(isinstance(v, dict) for v in rope.values())
         for params in (rope.values() if per_kind else [rope]):

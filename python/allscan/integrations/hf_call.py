@@ -102,7 +102,7 @@ class CallCheck:
             return None
         _STATE.owner, aux_loss = None, _STATE.aux_loss
         if aux_loss and output is not None:  # (None: the forward raised)
-            return replace_aux_loss(module, output, None, sp_group(self.group, NAME), NAME)
+            return replace_aux_loss(module, output, sp_group(self.group, NAME), NAME)
         return None
 
     def _undone(self) -> int:

@@ -24,7 +24,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from .common import comm_device
+from .common import comm_device, config_and_text
 
 __all__ = ["router_logits_requested", "computes_aux_loss", "replace_aux_loss", "AUX_LOSS_BASE_ALONE"]
 
@@ -39,7 +39,7 @@ def router_logits_requested(config, passed) -> bool:
     else the config's (or its text config's), as transformers' MoE models decide."""
     if passed is not None:
         return bool(passed)
-    return any(bool(getattr(c, "output_router_logits", False)) for c in _configs(config))
+    return any(bool(getattr(c, "output_router_logits", False)) for c in config_and_text(config))
 
 
 def computes_aux_loss(model) -> bool:
@@ -57,14 +57,6 @@ def computes_aux_loss(model) -> bool:
     return False
 
 
-def _configs(config):
-    try:
-        text = config.get_text_config()
-    except Exception:  # noqa: BLE001 - not a transformers config: only its own attributes
-        text = config
-    return [c for c in {id(c): c for c in (config, text)}.values() if c is not None]
-
-
 def _first_int(objs, names) -> Optional[int]:
     for obj in objs:
         for name in names:
@@ -78,26 +70,20 @@ def _experts_and_top_k(model):
     """(E, the candidate top-k values) as the families' heads read them: ``self.num_experts`` /
     ``self.num_experts_per_tok``, or the (text) config's ``num_experts`` / ``num_local_experts`` /
     ``num_experts_per_tok``, DBRX's ``ffn_config.moe_num_experts`` / ``moe_top_k``."""
-    objs = [model] + _configs(model.config)
+    objs = [model] + config_and_text(model.config)
     objs += [c.ffn_config for c in objs[1:] if getattr(c, "ffn_config", None) is not None]
     E = _first_int(objs, ("num_experts", "num_local_experts", "moe_num_experts", "n_routed_experts"))
     ks = {k for k in (_first_int([o], ("num_experts_per_tok", "moe_top_k")) for o in objs) if k and E and k <= E}
     return E, sorted(ks)
 
 
-def _weights(attention_mask, rows: int, device, dtype):
-    if attention_mask is None:
-        return None
-    m = attention_mask.reshape(-1).to(device=device, dtype=dtype)
-    return None if m.numel() != rows else m
-
-
 @torch.compiler.disable
-def replace_aux_loss(model, output, kwargs: Optional[dict], sp, where: str):
+def replace_aux_loss(model, output, sp, where: str):
     """Give ``output`` (the head's, after a call whose routers' loss was requested on every rank of ``sp``) this
     rank's share of the whole sequence's ``aux_loss``, in place; returns ``output``. Every rank takes part in one
     all-reduce. Raises ``NotImplementedError`` on every rank where some rank's output is a tuple
-    (``return_dict=False``) or the model's loss is not the one mirrored here."""
+    (``return_dict=False``) or the model's loss is not the one mirrored here. No padding: both integrations refuse
+    padding masks, and an all-ones mask weighs every row alike (a padded one would fail the value check)."""
     E, ks = _experts_and_top_k(model)
     if E is None or not ks:
         raise NotImplementedError(f"{where}: {type(model).__name__}'s number of experts / top-k is not found "
@@ -113,23 +99,19 @@ def replace_aux_loss(model, output, kwargs: Optional[dict], sp, where: str):
     acc = torch.promote_types(logits[0].dtype, torch.float32) if usable else torch.float32
     counts = torch.zeros(E, dtype=torch.float64, device=device)
     prob_sum = torch.zeros(E, dtype=acc, device=device)
-    rows = torch.zeros((), dtype=torch.float64, device=device)
+    rows = 0
     # flags (no host sync before the all-reduce): the model's own value not matched, a tuple output
     mismatch = torch.tensor(float(not usable and not tuple_out), dtype=torch.float64, device=device)
     if usable:
         # as transformers: softmax in the logits' dtype, layer by layer; the top-k that gives the model's own value
-        mask = kwargs.get("attention_mask") if kwargs else None
         picks = {k: torch.zeros(E, dtype=torch.float64, device=device) for k in ks}
         for g in logits:
             w = torch.nn.functional.softmax(g.to(device), dim=-1)
-            weight = _weights(mask, w.shape[0], device, torch.float64)
             for k in ks:
                 chosen = torch.topk(w, k, dim=-1)[1].reshape(-1)
-                ones = torch.ones_like(chosen, dtype=torch.float64) if weight is None else weight.repeat_interleave(k)
-                picks[k] = picks[k].scatter_add(0, chosen, ones)
-            wf = w.to(acc)
-            prob_sum = prob_sum + (wf if weight is None else wf * weight.to(acc).unsqueeze(-1)).sum(dim=0)
-            rows = rows + (w.shape[0] if weight is None else weight.sum())
+                picks[k] = picks[k].scatter_add(0, chosen, torch.ones_like(chosen, dtype=torch.float64))
+            prob_sum = prob_sum + w.to(acc).sum(dim=0)
+            rows = rows + w.shape[0]
         own = aux.detach().to(torch.float64)
         matched = torch.zeros((), dtype=torch.bool, device=device)
         for k in reversed(ks):  # the first candidate whose shard value is the model's
@@ -139,12 +121,12 @@ def replace_aux_loss(model, output, kwargs: Optional[dict], sp, where: str):
             counts = torch.where(matches, picks[k], counts)
             matched = matched | matches
         mismatch = (~matched).to(torch.float64)
-    stats = torch.cat([counts, rows.reshape(1), mismatch.reshape(1), counts.new_tensor([float(tuple_out)])])
+    stats = torch.cat([counts, counts.new_tensor([rows, float(tuple_out)]), mismatch.reshape(1)])
     if sp.size > 1:
         stats = stats.to(comm_device(sp, stats))
         dist.all_reduce(stats, group=sp.process_group)  # not differentiable: counts, rows and flags only
         stats = stats.to(device)
-    mismatched, tuples = stats[-2:].tolist()
+    tuples, mismatched = stats[E + 1:].tolist()
     if tuples:
         raise NotImplementedError(f"{where}: output_router_logits with return_dict=False is not supported (the tuple "
                                   "does not say where aux_loss is); call the model with return_dict=True")

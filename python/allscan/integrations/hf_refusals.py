@@ -16,7 +16,7 @@ from typing import List, Optional, Tuple
 
 import torch
 
-from .common import pooling_refusal, positions_refusal, require_transformers
+from .common import config_and_text, pooling_refusal, positions_refusal, require_transformers
 
 __all__ = ["SEQUENCE_PARALLEL", "config_refusal", "model_refusal", "registered_implementation", "modeling_module_of"]
 
@@ -76,12 +76,8 @@ def config_refusal(config, where: str, modeling: Optional[str] = None) -> Option
     """Why register() cannot run a model with this config (None: it can), from the config alone."""
     if config is None:
         return None
-    try:
-        text = config.get_text_config()
-    except Exception:  # noqa: BLE001
-        text = config
     problems, classes = [], []
-    for cfg in {id(c): c for c in (config, text)}.values():
+    for cfg in config_and_text(config):
         attr, bad = _layer_kinds(cfg)
         model_type = str(getattr(cfg, "model_type", "") or "")
         if bad:

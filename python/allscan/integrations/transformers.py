@@ -159,11 +159,11 @@ def _pre_forward(module, args):
         raise NotImplementedError(why)
     _PASSED[module] = impl
     if computes_aux_loss(module) and module not in _AUX_HOOKS:
-        _AUX_HOOKS[module] = module.register_forward_hook(_whole_aux_loss, with_kwargs=True)
+        _AUX_HOOKS[module] = module.register_forward_hook(_whole_aux_loss)
     return None
 
 
-def _whole_aux_loss(module, args, kwargs, output):
+def _whole_aux_loss(module, args, output):
     """A MoE head's forward hook: where this forward's routers' load-balancing loss was asked for (agreed on every
     rank by the forward's first mask call), this rank's share of the whole sequence's replaces the shard's."""
     forward = FORWARDS.last
@@ -171,7 +171,7 @@ def _whole_aux_loss(module, args, kwargs, output):
         return None
     forward.aux_head = None  # once
     impl = registered_implementation(module.config, _NAMES)
-    return replace_aux_loss(module, output, kwargs, sp_group(_NAMES[impl], impl), impl)
+    return replace_aux_loss(module, output, sp_group(_NAMES[impl], impl), impl)
 
 
 # ------------------------------------------------------------------------------------------------
