@@ -13,17 +13,13 @@
 #include "head_result.h"
 #include "pipeline.h"
 #include "common/acc.cuh"
+#include "decay_combine.cuh"
 #include "common/error.h"
 #include "common/watch.h"
 
 using namespace allscan::detail;
 
 namespace {
-
-// g*y + x as a separate multiply and add (no FMA contraction), so the CPU/torch reference, which
-// computes the same two rounded operations, is bitwise equal.
-__device__ __forceinline__ float combineOp(float g, float y, float x) { return __fadd_rn(__fmul_rn(g, y), x); }
-__device__ __forceinline__ double combineOp(double g, double y, double x) { return __dadd_rn(__dmul_rn(g, y), x); }
 
 template <typename G, typename A> __device__ __forceinline__ A loadG(const G* g, size_t i) {
   return static_cast<A>(toAcc<G>(g[i]));
@@ -34,7 +30,7 @@ template <typename G, typename A> __device__ __forceinline__ A loadG(const G* g,
 // ------------------------------------------------------------------------------------------------
 constexpr int kThreads = 256;
 
-// out[i] = g[(offset+i)/inner] * y[i] + x[i]  (g == nullptr: 1), i in [0, n); NaN instead when
+// out[i] = g[(offset+i)/inner] * y[i] + x[i]  (g == nullptr: 1; g == 0: x[i]), i in [0, n); NaN instead when
 // `check` finds that y came from a call with other arguments (signature.h).
 // VEC consecutive elements per thread with 16-byte accesses when everything is aligned.
 template <typename T, typename G, int VEC>
@@ -66,7 +62,7 @@ __global__ void __launch_bounds__(kThreads) combineKernel(const T* __restrict__ 
     for (int j = 0; j < VEC; ++j) {
       A gj = gs;
       if (g != nullptr && !shared_g) gj = loadG<G, A>(g, (offset + i0 + j) / inner);
-      os[j] = fromAcc<T>(poison ? nan : combineOp(gj, toAcc<T>(ys[j]), toAcc<T>(xs[j])));
+      os[j] = fromAcc<T>(poison ? nan : combineDecay(gj, toAcc<T>(ys[j]), toAcc<T>(xs[j])));
     }
     if constexpr (VEC > 1) {
       reinterpret_cast<uint4*>(out)[v] = *reinterpret_cast<uint4*>(os);
@@ -77,7 +73,7 @@ __global__ void __launch_bounds__(kThreads) combineKernel(const T* __restrict__ 
   // Scalar tail.
   for (size_t i = nvec * VEC + static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride) {
     A gj = g != nullptr ? loadG<G, A>(g, (offset + i) / inner) : A(1);
-    out[i] = fromAcc<T>(poison ? nan : combineOp(gj, toAcc<T>(y[i]), toAcc<T>(x[i])));
+    out[i] = fromAcc<T>(poison ? nan : combineDecay(gj, toAcc<T>(y[i]), toAcc<T>(x[i])));
   }
 }
 
@@ -106,7 +102,7 @@ __global__ void __launch_bounds__(kThreads) foldKernel(const T* __restrict__ X, 
         zero = false;
       } else {
         const A gq = Gs != nullptr ? loadG<G, A>(Gs, static_cast<size_t>(q) * g_count + gi) : A(1);
-        y = fromAcc<T>(combineOp(gq, toAcc<T>(y), toAcc<T>(xq)));
+        y = fromAcc<T>(combineDecay(gq, toAcc<T>(y), toAcc<T>(xq)));
       }
     }
     out[i] = y;

@@ -31,6 +31,7 @@
 
 #include "allscan/allscan.h"
 #include "common/acc.cuh"
+#include "allscan/decay_combine.cuh"
 #include "common/signature.h"
 
 namespace allscan {
@@ -96,8 +97,6 @@ struct Params {
   unsigned* err;      // host-mapped failure word
 };
 
-__device__ __forceinline__ float combine(float g, float z, float x) { return __fadd_rn(__fmul_rn(g, z), x); }
-__device__ __forceinline__ double combine(double g, double z, double x) { return __dadd_rn(__dmul_rn(g, z), x); }
 
 // The incoming state is written by another GPU: read it from L2 (__ldcg), never from a stale L1 line.
 template <typename T> __device__ __forceinline__ T loadIncoming(const T* p) { return __ldcg(p); }
@@ -137,7 +136,7 @@ __device__ void combineRange(const Params& p, size_t lo, size_t hi, bool poison)
         continue;
       }
       const A gj = g != nullptr && i0 + j < hi ? static_cast<A>(toAcc<G>(g[(i0 + j) / p.inner])) : A(1);
-      const A w = poison ? nan : combine(gj, toAcc<T>(zs[j]), toAcc<T>(xs[j]));
+      const A w = poison ? nan : combineDecay(gj, toAcc<T>(zs[j]), toAcc<T>(xs[j]));
       ws[j] = fromAcc<T>(w);
       ys[j] = p.inclusive ? ws[j] : (poison ? fromAcc<T>(nan) : zs[j]);
     }

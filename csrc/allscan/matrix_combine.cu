@@ -71,6 +71,16 @@ __global__ void __launch_bounds__(kThreads, sizeof(typename Acc<T>::type) == 4 ?
   const bool poison = p.check.mismatch();
   const T nan = fromAcc<T>(quietNan(A(0)));
 
+  // row_read[i]: row i of the tile's M (of M^T when transposed) has a nonzero entry. A row of zeros
+  // takes nothing from y, even a non-finite y (0 * inf is NaN): out = x there, as a diagonal zero
+  // decay gives (decay_combine.cuh). A thread stages the same PER rows in every round, so it keeps
+  // one bit per row in a register and stores its flags once, before the epilogue (a store per staged
+  // element cost a bf16 state's 32 x 32 tiles a register spill).
+  static_assert(PER <= 32, "a thread's staged rows fit one word's bits");
+  __shared__ int row_read[TILE];
+  if (tid < TILE) row_read[tid] = 0;  // ordered before the flags' stores by the rounds' barriers
+  unsigned rows_read = 0;             // bit r: this thread staged a nonzero entry of its r-th row
+
   const int tx = tid % 16, ty = tid / 16;
   A acc[TM][TM];
 #pragma unroll
@@ -99,6 +109,7 @@ __global__ void __launch_bounds__(kThreads, sizeof(typename Acc<T>::type) == 4 ?
       const int i = TRANSPOSE ? tid % TILE : tid / KC + r * (NT / KC);
       const int kk = TRANSPOSE ? tid / TILE + r * (NT / TILE) : tid % KC;
       Ms[kk][i] = mreg[r];
+      rows_read |= static_cast<unsigned>(mreg[r] != A(0)) << r;
       const int ky = tid / TILE + r * (NT / TILE), c = tid % TILE;
       Ys[ky][c] = yreg[r];
       // toAcc then fromAcc returns every value it was given (a NaN of a 16-bit dtype may come back
@@ -138,6 +149,9 @@ __global__ void __launch_bounds__(kThreads, sizeof(typename Acc<T>::type) == 4 ?
   for (int u = 0; u < TM; ++u)
 #pragma unroll
     for (int v = 0; v < TM; ++v) Os[ty * TM + u][tx * TM + v] = acc[u][v];
+#pragma unroll
+  for (int r = 0; r < PER; ++r)  // any thread may set a row's flag; all store the same value
+    if ((rows_read >> r) & 1u) row_read[TRANSPOSE ? tid % TILE : tid / KC + r * (NT / KC)] = 1;
   __syncthreads();
 
   const T* X = static_cast<const T*>(p.x.p) + b * p.x.bstride;
@@ -147,7 +161,8 @@ __global__ void __launch_bounds__(kThreads, sizeof(typename Acc<T>::type) == 4 ?
     const int i = e / TILE, c = e % TILE;
     const size_t gi = i0 + i, gc = c0 + c;
     if (gi >= K || gc >= vc) continue;
-    const T r = poison ? nan : fromAcc<T>(Os[i][c] + toAcc<T>(X[gi * p.x.rstride + gc]));
+    const T xv = X[gi * p.x.rstride + gc];
+    const T r = poison ? nan : (row_read[i] ? fromAcc<T>(Os[i][c] + toAcc<T>(xv)) : xv);
     O[gi * p.out.rstride + gc] = r;
     if (O2 != nullptr) O2[gi * p.out2.rstride + gc] = r;
   }

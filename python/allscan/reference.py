@@ -25,13 +25,17 @@ def expand_decay(g: torch.Tensor, ndim: int) -> torch.Tensor:
 
 
 def combine(g: Optional[torch.Tensor], y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """``g*y + x`` in the arithmetic dtype, rounded once to ``x.dtype`` (the library's one operation)."""
+    """``g*y + x`` in the arithmetic dtype, rounded once to ``x.dtype`` (the library's one operation). A decay
+    of exactly zero stops the state: x there even where y is inf or NaN (IEEE's ``0 * inf`` is NaN, which would
+    carry a non-finite state past a reset such as a packed sequence's start). Differentiable: where y is finite,
+    the gradients are ``g*y + x``'s."""
     acc = acc_dtype(x.dtype)
+    ya = y.to(acc)
     if g is None:
-        out = y.to(acc) + x.to(acc)
-    else:
-        out = expand_decay(g, x.dim()).to(acc) * y.to(acc) + x.to(acc)
-    return out.to(x.dtype)
+        return (ya + x.to(acc)).to(x.dtype)
+    ga = expand_decay(g, x.dim()).to(acc)
+    ya = torch.where((ga == 0) & ~torch.isfinite(ya), 0.0, ya)  # 0 * 0: x exactly, as the kernels' select
+    return (ga * ya + x.to(acc)).to(x.dtype)
 
 
 def scan_reference(

@@ -63,16 +63,16 @@ def collective_begins() -> None:
 _CONV_MASKS: "weakref.WeakKeyDictionary[SequenceContext, dict]" = weakref.WeakKeyDictionary()
 
 
-def conv_mask(ctx: SequenceContext, T: int, width: int, device, dtype) -> torch.Tensor:
-    """``[width, T]``: 1 where window slot i of local token t reads a token of t's own sequence (global token
-    ``p - (width - 1) + i``, ``p = rank * T + t``, at or after the start of ``p``'s sequence), else 0. Made once
-    per batch, shape, device and dtype."""
+def conv_mask(ctx: SequenceContext, T: int, width: int, device) -> torch.Tensor:
+    """``[width, T, 1]`` bool: True where window slot i of local token t reads a token of t's own sequence
+    (global token ``p - (width - 1) + i``, ``p = rank * T + t``, at or after the start of ``p``'s sequence).
+    Made once per batch, shape and device."""
     masks = _CONV_MASKS.setdefault(ctx, {})
-    key = (T, width, torch.device(device), dtype)
+    key = (T, width, torch.device(device))
     got = masks.get(key)
     if got is None:
         seen = sequence_window_mask(T, width, ctx.group.rank * T, ctx.offsets(device), device)  # [T, width]
-        got = masks[key] = seen.t().to(dtype).contiguous()
+        got = masks[key] = seen.t().contiguous()[:, :, None]
     return got
 
 
@@ -94,8 +94,7 @@ def causal_conv(mod, x_local: torch.Tensor, ctx: SequenceContext) -> torch.Tenso
         if width > 1:
             x = torch.cat([halo_exchange(x_local, width - 1, op_group(ctx.group)), x_local], dim=1)
         if ctx.packed:
-            out = _packed_conv(x.to(weight.dtype), weight, conv.bias, conv_mask(ctx, x_local.shape[1], width, x.device,
-                                                                                 weight.dtype))
+            out = _packed_conv(x.to(weight.dtype), weight, conv.bias, conv_mask(ctx, x_local.shape[1], width, x.device))
         else:
             out = F.conv1d(x.transpose(1, 2).to(weight.dtype), weight, conv.bias, padding=0, groups=conv.groups)
     if mod.activation is not None:
@@ -107,11 +106,12 @@ def causal_conv(mod, x_local: torch.Tensor, ctx: SequenceContext) -> torch.Tenso
 
 def _packed_conv(x, weight, bias, seen_all):
     """The depthwise causal conv of ``x [B, width - 1 + T, C]`` (halo first) with window slot i of local token t
-    counted only where ``seen_all[i, t]`` (its token is of t's own sequence): ``[B, C, T]``, as ``F.conv1d``'s."""
-    width, T = seen_all.shape
+    counted only where ``seen_all[i, t, 0]`` (its token is of t's own sequence): ``[B, C, T]``, as ``F.conv1d``'s.
+    Unseen slots read zero, not a multiply by 0: an inf or NaN of another sequence stays out (0 * inf is NaN)."""
+    width, T = seen_all.shape[:2]
     out = None
     for i in range(width):
-        term = x[:, i:i + T, :] * weight[:, 0, i] * seen_all[i][None, :, None]
+        term = x[:, i:i + T, :].masked_fill(~seen_all[i], 0) * weight[:, 0, i]
         out = term if out is None else out + term
     if bias is not None:
         out = out + bias

@@ -43,8 +43,10 @@ def depthwise_causal_conv(x: torch.Tensor, halo: Optional[torch.Tensor], weight:
     k = weight.shape[-1]
     seq = x if halo is None or k == 1 else torch.cat([halo.to(x.dtype), x], dim=1)
     windows = seq.unfold(1, k, 1)  # [B, T, D, k]: tokens t-k+1 .. t
-    mask = sequence_window_mask(T, k, offset, cu_seqlens, x.device).to(x.dtype)  # [T, k]
-    out = torch.einsum("btdk,tk,dk->btd", windows, mask, weight.to(x.dtype))
+    seen = sequence_window_mask(T, k, offset, cu_seqlens, x.device)  # [T, k]
+    # zeros, not a multiply by 0: an inf or NaN of another sequence stays out (0 * inf is NaN)
+    windows = windows.masked_fill(~seen[:, None, :], 0)
+    out = torch.einsum("btdk,dk->btd", windows, weight.to(x.dtype))
     return out if bias is None else out + bias.to(x.dtype)
 
 

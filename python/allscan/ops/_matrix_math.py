@@ -18,12 +18,16 @@ __all__ = ["combine", "matrix_scan_reference"]
 
 def combine(m: torch.Tensor, y: torch.Tensor, x: torch.Tensor, transpose: bool = False) -> torch.Tensor:
     """``M @ y + x`` (``M^T @ y + x`` with ``transpose``) over the leading batch dims, in the
-    arithmetic dtype of ``x``, rounded once to ``x.dtype``. m: [..., K, K]; y, x: [..., K, V]."""
+    arithmetic dtype of ``x``, rounded once to ``x.dtype``. m: [..., K, K]; y, x: [..., K, V]. A row of
+    the transition that is all zeros takes nothing from y: that row is x's even where y is inf or NaN
+    (a zero decay's rule, :func:`allscan.reference.combine`; its gradient there is zero)."""
     acc = acc_dtype(x.dtype)
     ma = m.to(acc)
     if transpose:
         ma = ma.transpose(-1, -2)
-    return (torch.matmul(ma, y.to(acc)) + x.to(acc)).to(x.dtype)
+    xa = x.to(acc)
+    unread = (ma == 0).all(-1, keepdim=True)
+    return torch.where(unread, xa, torch.matmul(ma, y.to(acc)) + xa).to(x.dtype)
 
 
 def matrix_scan_reference(

@@ -28,7 +28,7 @@ import torch
 from .. import _C, _comm
 from .._agreement import check_across_ranks, signature_hash
 from .._dtypes import DTYPE_CODES, dtype_code
-from ..reference import acc_dtype, expand_decay
+from ..reference import acc_dtype, combine, expand_decay
 from . import _scan_dist
 from ._launch import nccl_preflight, plan_cache, plan_is_current, stream_ptr
 from ._scan_body import (ScanLaunchPlan, check_num_blocks, group_is_chain_head, needs_grad, reads_init,
@@ -295,8 +295,6 @@ def scan_impl(x, g, init, name, reverse, inclusive, num_blocks, method, group=No
             # nothing enters the head: its inclusive result is its own x, whatever its decay (an inf
             # decay times the zero it receives would be nan); y stays in the graph with zero gradient
             return (y.to(acc) * 0 + x.to(acc)).to(x.dtype)
-        if g is None:
-            return (y.to(acc) + x.to(acc)).to(x.dtype)
-        return (expand_decay(g, x.dim()).to(acc) * y.to(acc) + x.to(acc)).to(x.dtype)
+        return combine(g, y, x)
     return scan_op(x, g, init, name, reverse, inclusive, num_blocks, method,
                    chain_head=reads_init(init, group, name, reverse))

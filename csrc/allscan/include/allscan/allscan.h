@@ -8,7 +8,9 @@
  *   forward:  y_0     = init (zeros when init == NULL)   y_{p+1} = g_p * y_p + x_p
  *   reverse:  y_{P-1} = init (zeros when init == NULL)   y_{p-1} = g_p * y_p + x_p
  *
- * With no init the head of the chain sends x_p itself (y = 0, so g_p does not enter).
+ * With no init the head of the chain sends x_p itself (y = 0, so g_p does not enter). A decay of
+ * exactly zero stops the state: g_p * y_p + x_p is x_p there even where y_p is inf or NaN (IEEE's
+ * 0 * inf is NaN), so a non-finite state does not cross a reset such as a packed sequence's start.
  * The exclusive result on rank p is y_p (the state entering p); the inclusive one is g_p*y_p + x_p.
  * Arithmetic is fp32 (fp64 for fp64 states), written as a separate multiply and add (no FMA
  * contraction) and rounded to the storage dtype at every rank boundary, in every method, so every
@@ -180,7 +182,9 @@ ALLSCAN_API allscanResult_t allscanNeighborExchange(allscanComm_t comm, const vo
  *   forward:  y_0     = init (zeros when init == NULL)   y_{p+1} = M_p @ y_p + x_p
  *   reverse:  y_{P-1} = init (zeros when init == NULL)   y_{p-1} = M_p @ y_p + x_p
  *
- * exclusive: y_p; inclusive: M_p @ y_p + x_p. With no init the head sends x_p itself. Arithmetic is
+ * exclusive: y_p; inclusive: M_p @ y_p + x_p. With no init the head sends x_p itself. A row of M_p
+ * (of M_p^T with transpose_m) that is all zeros takes nothing from y_p: that row of the result is
+ * x_p's even where y_p is inf or NaN, as a zero decay in allscanScan. Arithmetic is
  * fp32 FFMA (fp64 for fp64 states), rounded to the storage dtype at every rank boundary. Unlike the
  * diagonal scan the methods are not bitwise equal to each other (a GEMM's summation order is its
  * own), but each matches a float64 chain to the accuracy of fp32 dot products. Same rules as
