@@ -333,6 +333,17 @@ def _arguments(rank, world):
     res["self_numbered"] = _raises(ValueError, _auto("biogpt", name), input_ids=shard.input_ids, use_cache=False)
     # a model whose own code uses the mask as a tensor (XGLM): refused by name, not an AttributeError of ours
     res["mask_as_tensor"] = _raises(NotImplementedError, run, _auto("xglm", name))
+    # attention computed in the model's own code (OpenAI GPT: each rank attended within its shard, rank 1 off by
+    # 1e-2); positions numbered from padding_idx + 1 (XLM-R: every position read another embedding row)
+    res["own_attention"] = _raises(NotImplementedError, run, _auto("openai-gpt", name))
+    res["offset_positions"] = _raises(NotImplementedError, run, _auto("xlm-roberta", name, is_decoder=True))
+    # logits_to_keep passed down to the attention (GOT-OCR2): 0 (every logit) is harmless, another value refused
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    q = torch.randn(1, 4, 12, 8, generator=torch.Generator().manual_seed(rank))  # [B, heads, S_local, D]
+    res["keep_all"] = tuple(ALL_ATTENTION_FUNCTIONS[name](torch.nn.Module(), q, q, q, None, logits_to_keep=0)[0].shape)
+    res["keep_some"] = _raises(NotImplementedError, ALL_ATTENTION_FUNCTIONS[name], torch.nn.Module(), q, q, q, None,
+                               logits_to_keep=5)
     # dropout on rank 0 alone (its model left in train mode): its refusal reaches rank 1, waiting in Ulysses
     res["dropout_one_rank"] = _raises((NotImplementedError, ValueError), run,
                                       _model(name, attention_dropout=0.1).train(rank == 0))
@@ -377,6 +388,9 @@ def test_attention_arguments_that_change_the_result_are_refused_by_name():
         assert "BloomForCausalLM.forward takes no position_ids" in r["unpositioned"], r["unpositioned"]
         assert "every rank's position ids are 0 .. S_local - 1" in r["self_numbered"], r["self_numbered"]
         assert "uses its attention mask as a tensor (.size)" in r["mask_as_tensor"], r["mask_as_tensor"]
+        assert "OpenAIGPTModel computes its attention in its own code" in r["own_attention"], r
+        assert "XLMRobertaEmbeddings numbers a row's positions from padding_idx + 1" in r["offset_positions"], r
+        assert r["keep_all"] == (1, 12, 4, 8) and "logits_to_keep=5" in r["keep_some"], r
     told = results[1]["dropout_one_rank"]
     assert "rank(s) [0]" in told and "failed before this call" in told, told
 

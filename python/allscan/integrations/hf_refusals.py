@@ -133,6 +133,20 @@ def _unpositioned(model: torch.nn.Module, where: str) -> Optional[str]:
             "register() runs only models that take the shard's global position ids")
 
 
+def _offset_positions(model: torch.nn.Module, where: str) -> Optional[str]:
+    """RoBERTa-style embeddings (RoBERTa, XLM-R, CamemBERT, Data2VecText, X-MOD, ...) number a row's tokens from
+    ``padding_idx + 1`` themselves, while the shards' position ids (and the packed rows' restarts) count from 0:
+    every position would read another row of the position embeddings, with no error."""
+    for mod in model.modules():
+        table = getattr(mod, "position_embeddings", None)
+        if isinstance(table, torch.nn.Embedding) and table.padding_idx is not None:
+            first = table.padding_idx + 1
+            return (f"{where}: {type(mod).__name__} numbers a row's positions from padding_idx + 1 = {first}, but a "
+                    "sharded batch's position ids count from 0, so each position would read another row of its "
+                    "position embeddings; register() cannot run this model over more than one rank")
+    return None
+
+
 def _mixer_class(mod: torch.nn.Module) -> Optional[str]:
     """The name of the sequence-mixer class ``mod`` is (or derives from), or None."""
     return next((c.__name__ for c in type(mod).__mro__ if _MIXER_NAME.search(c.__name__)), None)
@@ -140,7 +154,7 @@ def _mixer_class(mod: torch.nn.Module) -> Optional[str]:
 
 def model_refusal(model: torch.nn.Module, where: str, sharded: bool = True) -> Optional[str]:
     """Why register() cannot run ``model`` (None: it can): its config, every module in it, and (``sharded``: over
-    more than one rank) a forward that takes no position ids."""
+    more than one rank) a forward that takes no position ids or numbers positions from another origin."""
     tf = require_transformers("allscan.integrations.transformers")
     mixers = {}
     named = dict(model.named_modules())
@@ -160,7 +174,7 @@ def model_refusal(model: torch.nn.Module, where: str, sharded: bool = True) -> O
     from_config = config_refusal(config, where, modeling_module_of(config) if config is not None else None)
     if not mixers:
         return from_config or pooling_refusal(model, where) or positions_refusal(config, where) or (
-            _unpositioned(model, where) if sharded else None)
+            (_unpositioned(model, where) or _offset_positions(model, where)) if sharded else None)
     listed = "; ".join(f"{cls} at {', '.join(names[:3])}{', ...' if len(names) > 3 else ''}"
                        for cls, names in sorted(mixers.items()))
     return _refusal_text(where, f"{type(model).__name__} has sequence mixers other than softmax attention: {listed}",

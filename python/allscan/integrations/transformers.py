@@ -109,6 +109,7 @@ _NAMES = {}  # name -> group, of every register() in this process
 _HOOK = None
 _PASSED = weakref.WeakKeyDictionary()  # model -> the attention implementation it passed check_model with
 _AUX_HOOKS = weakref.WeakKeyDictionary()  # MoE head -> its forward hook (hf_moe: the whole sequence's aux_loss)
+_UNSEEN = weakref.WeakKeyDictionary()  # sharded model -> its forward hook, until a forward of it ran our attention
 
 
 def check_model(model: torch.nn.Module, name: Optional[str] = None) -> None:
@@ -152,15 +153,35 @@ def _pre_forward(module, args):
     if torch.compiler.is_compiling():
         _refuse_compiled(impl)
     FORWARDS.serial += 1  # a new forward: its first mask call finds its batch again
+    if module in _UNSEEN:
+        FORWARDS.attended = False  # this forward must run the registered attention itself (_attention_ran)
     if _PASSED.get(module) == impl:
         return None
-    why = model_refusal(module, impl, sp_group(_NAMES[impl], impl).size > 1)
+    sharded = sp_group(_NAMES[impl], impl).size > 1
+    why = model_refusal(module, impl, sharded)
     if why:
         raise NotImplementedError(why)
     _PASSED[module] = impl
+    if sharded and module not in _UNSEEN:
+        FORWARDS.attended = False
+        _UNSEEN[module] = module.register_forward_hook(_attention_ran)
     if computes_aux_loss(module) and module not in _AUX_HOOKS:
         _AUX_HOOKS[module] = module.register_forward_hook(_whole_aux_loss)
     return None
+
+
+def _attention_ran(module, args, output):
+    """A sharded model's forward hook until one of its forwards ran the registered attention. A model that computes
+    attention in its own code (OpenAI GPT, XLM, Reformer: transformers accepts any registered name for them) would
+    attend within each rank's shard alone: refused by name (the same model code on every rank, the same verdict)."""
+    if FORWARDS.attended:
+        _UNSEEN.pop(module).remove()
+        return None
+    impl = registered_implementation(module.config, _NAMES)
+    raise NotImplementedError(
+        f"{impl}: {type(module).__name__} computes its attention in its own code, never through the registered "
+        "attention function, so each rank would attend only within its own shard; register() cannot make it "
+        "sequence-parallel")
 
 
 def _whole_aux_loss(module, args, output):
@@ -184,6 +205,8 @@ def _check_kwargs(name: str, kwargs: dict) -> None:
         if value is None or key in _HARMLESS or key in ("is_causal", "cu_seq_lens_q", "cu_seq_lens_k",
                                                          "max_length_q", "max_length_k"):
             continue
+        if key == "logits_to_keep" and not isinstance(value, torch.Tensor) and value == 0:
+            continue  # every logit (GOT-OCR2 passes it down): the head's own value is checked with the batch
         if key in OPTION_KWARGS:
             continue  # honoured: features_of reads them
         if key == "position_bias":
@@ -224,6 +247,8 @@ def register(group=None, *, name: str = NAME, num_chunks="auto") -> str:
         return fixed if fixed is not None else sp_group(None, name)
 
     def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+        if not torch.compiler.is_compiling():
+            FORWARDS.attended = True
         config = getattr(module, "config", None)
         why = config_refusal(config, name, type(module).__module__) if config is not None else None
         if why:
