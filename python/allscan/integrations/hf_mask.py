@@ -197,7 +197,8 @@ LOCAL_POSITIONS = (
     "{name}: every rank's position ids are 0 .. S_local - 1, so each rank's slice would be a sequence of its "
     "own: the model was most likely called without the shard's global position ids; pass "
     "position_ids=shard.position_ids (shard_batch's). If the row really packs one sequence per rank, confirm "
-    "it with cu_seq_lens_q=shard.cu_seqlens")
+    "it with cu_seq_lens_q=shard.cu_seqlens (a model that does not pass its keyword arguments on to its attention, "
+    "Nemotron for one, cannot be told: pack the row so that not every rank holds exactly one whole sequence)")
 
 
 def batch_of(sp, name: str, B: int, Sq: int, kv: int, position_ids, attention_mask, cache, key) -> ForwardBatch:
