@@ -337,6 +337,21 @@ def _arguments(rank, world):
     # 1e-2); positions numbered from padding_idx + 1 (XLM-R: every position read another embedding row)
     res["own_attention"] = _raises(NotImplementedError, run, _auto("openai-gpt", name))
     res["offset_positions"] = _raises(NotImplementedError, run, _auto("xlm-roberta", name, is_decoder=True))
+    # ... also when the model's first forward ran on one rank (the name's group grew since), and not where the decoder
+    # layers are compiled (their attention calls are traced; the mask function, at the model's level, runs eagerly)
+    from allscan.context import LOCAL
+
+    grown = sp.register(LOCAL, name="allscan_local_first")
+    gpt = _auto("openai-gpt", grown)
+    run(gpt)
+    sp.register(None, name=grown)
+    res["own_attention_grown"] = _raises(NotImplementedError, run, gpt)
+    with torch.no_grad():
+        want = run(_model(name)).logits
+        compiled = _model(name)
+        compiled.model.layers = torch.nn.ModuleList(torch.compile(layer, backend="eager")
+                                                    for layer in compiled.model.layers)
+        res["compiled_layers"] = (run(compiled).logits - want).abs().max().item()
     # logits_to_keep passed down to the attention (GOT-OCR2): 0 (every logit) is harmless, another value refused
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
@@ -391,6 +406,8 @@ def test_attention_arguments_that_change_the_result_are_refused_by_name():
         assert "OpenAIGPTModel computes its attention in its own code" in r["own_attention"], r
         assert "XLMRobertaEmbeddings numbers a row's positions from padding_idx + 1" in r["offset_positions"], r
         assert r["keep_all"] == (1, 12, 4, 8) and "logits_to_keep=5" in r["keep_some"], r
+        assert "OpenAIGPTModel computes its attention in its own code" in r["own_attention_grown"], r
+        assert r["compiled_layers"] == 0.0, r
     told = results[1]["dropout_one_rank"]
     assert "rank(s) [0]" in told and "failed before this call" in told, told
 

@@ -17,6 +17,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from distributed import run_distributed, skip_unless_nccl_ranks  # noqa: E402
 
 import allscan  # noqa: E402
+from allscan import reference  # noqa: E402
 from allscan.context import SequenceContext  # noqa: E402
 from allscan.integrations.hf_shard import causal_conv  # noqa: E402
 from allscan.layers import GatedDeltaNet, Mamba2, zeco_gated_delta_rule  # noqa: E402
@@ -41,6 +42,22 @@ def _poisoned(t, token, bad):
     return t
 
 
+def _state(rank, sender, bad, dtype, dev):
+    """Rank ``rank``'s [2, 3, 4] state: the sender's holds ``bad`` where the receiver's decay is 1 (once) and 0;
+    the receiver's a -0.0 where its decay is 0 (the reference's signed zero: 0 * y + x, not x)."""
+    x = (torch.arange(24, device=dev).reshape(2, 3, 4) + 10 * rank).to(dtype)
+    if rank == sender:
+        x[0, 0, 1] = x[0, 1, 2] = bad
+        x[1] = bad
+    else:
+        x[0, 1, 0] = -0.0
+    return x
+
+
+def _bits(t):
+    return t.cpu().view({8: torch.int64, 4: torch.int32, 2: torch.int16}[t.element_size()])
+
+
 def _scans(rank, world, bad, dtype=F64):
     """allscan.scan at P = 2, inclusive: the receiving rank's combine of the state the other sends, which
     holds inf or NaN where the receiver's decay (or transition row) is zero, and once where it is 1."""
@@ -51,10 +68,10 @@ def _scans(rank, world, bad, dtype=F64):
     M[1] = 0  # every row of entry 1
     for reverse in (False, True):
         sender = 1 if reverse else 0
-        x = (torch.arange(24, device=dev).reshape(2, 3, 4) + 10 * rank).to(dtype)
-        if rank == sender:
-            x[0, 0, 1] = x[0, 1, 2] = bad
-            x[1] = bad
+        x = _state(rank, sender, bad, dtype, dev)
+        # the receiver's result, as the reference computes it (the head sends its x as it is)
+        want = reference.combine(gamma.cpu(), _state(sender, sender, bad, dtype, dev).cpu(), x.cpu())
+        finite = torch.isfinite(want)
         for method in ("pipelined", "serial", "allgather"):
             tag = f"{method} reverse={reverse} bad={bad}"
             y = allscan.scan(x, gamma, None, inclusive=True, method=method, reverse=reverse)
@@ -62,6 +79,7 @@ def _scans(rank, world, bad, dtype=F64):
                 stopped = (gamma == 0)[..., None].expand_as(x)
                 assert torch.equal(y[stopped], x[stopped]), f"a zero decay read the state: {tag}"
                 assert not torch.isfinite(y[0, 0, 1]) and torch.isfinite(y[0, 2]).all(), tag
+                assert torch.equal(_bits(y)[finite], _bits(want)[finite]), f"not bitwise the reference's: {tag}"
             y = allscan.scan(x, transition=M, inclusive=True, method=method, reverse=reverse)
             if rank != sender:
                 assert torch.equal(y[0, 1], x[0, 1]) and torch.equal(y[1], x[1]), f"a zero row read: matrix {tag}"

@@ -6,14 +6,15 @@ namespace allscan {
 namespace detail {
 
 // A separate multiply and add (no FMA contraction), so the CPU/torch reference, which computes the
-// same two rounded operations, is bitwise equal. A decay of exactly zero stops the state: the result
-// is x whatever y holds, because IEEE's 0 * inf and 0 * NaN are NaN, which would carry a non-finite
-// state past a reset (a packed sequence's start) that one process never reads across.
+// same two rounded operations, is bitwise equal. A decay of exactly zero stops the state: y is read
+// as 0 where it is inf or NaN, because IEEE's 0 * inf and 0 * NaN are NaN, which would carry a
+// non-finite state past a reset (a packed sequence's start) that one process never reads across.
+// Reading 0 (not returning x) keeps the reference's signed zero: g * 0 + x.
 __device__ __forceinline__ float combineDecay(float g, float y, float x) {
-  return g == 0.0f ? x : __fadd_rn(__fmul_rn(g, y), x);
+  return __fadd_rn(__fmul_rn(g, g == 0.0f && !isfinite(y) ? 0.0f : y), x);
 }
 __device__ __forceinline__ double combineDecay(double g, double y, double x) {
-  return g == 0.0 ? x : __dadd_rn(__dmul_rn(g, y), x);
+  return __dadd_rn(__dmul_rn(g, g == 0.0 && !isfinite(y) ? 0.0 : y), x);
 }
 
 }  // namespace detail

@@ -26,16 +26,22 @@ def expand_decay(g: torch.Tensor, ndim: int) -> torch.Tensor:
 
 def combine(g: Optional[torch.Tensor], y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """``g*y + x`` in the arithmetic dtype, rounded once to ``x.dtype`` (the library's one operation). A decay
-    of exactly zero stops the state: x there even where y is inf or NaN (IEEE's ``0 * inf`` is NaN, which would
-    carry a non-finite state past a reset such as a packed sequence's start). Differentiable: where y is finite,
-    the gradients are ``g*y + x``'s."""
+    of exactly zero stops the state: y is read as 0 where it is inf or NaN (IEEE's ``0 * inf`` is NaN, which
+    would carry a non-finite state past a reset such as a packed sequence's start), as the kernels do
+    (``csrc/allscan/decay_combine.cuh``), so the result is x there, signed zeros included. Differentiable; where
+    the decay is 0 and y is not finite, the gradients are zero."""
     acc = acc_dtype(x.dtype)
-    ya = y.to(acc)
+    ya, xa = y.to(acc), x.to(acc)
     if g is None:
-        return (ya + x.to(acc)).to(x.dtype)
+        return (ya + xa).to(x.dtype)
     ga = expand_decay(g, x.dim()).to(acc)
-    ya = torch.where((ga == 0) & ~torch.isfinite(ya), 0.0, ya)  # 0 * 0: x exactly, as the kernels' select
-    return (ga * ya + x.to(acc)).to(x.dtype)
+    if ya.device.type != "cpu" or torch.compiler.is_compiling():  # no host synchronisation, no data-dependent branch
+        ya = torch.where((ga == 0) & ~torch.isfinite(ya), 0.0, ya)
+        return (ga * ya + xa).to(x.dtype)
+    out = ga * ya + xa
+    if bool(torch.isfinite(out.detach().sum())):  # every element finite (a sum over inf or NaN is not): usual
+        return out.to(x.dtype)
+    return torch.where(~torch.isfinite(out) & (ga == 0), ga * 0.0 + xa, out).to(x.dtype)
 
 
 def scan_reference(

@@ -46,7 +46,7 @@ class ForwardBatch:
 class Forwards(threading.local):
     serial = 0  # transformers models (set to a registered name) that started a forward on this thread
     last: Optional[ForwardBatch] = None
-    attended = False  # the registered attention ran since a model's first forward began (transformers.py)
+    attended = False  # the registered mask or attention ran since an unchecked model's forward began (transformers.py)
 
 
 FORWARDS = Forwards()

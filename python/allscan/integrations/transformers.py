@@ -107,7 +107,7 @@ _NOT_COMPILED = ("{name}: torch.compile of a model set to register()'s attention
                  "attention agree on the batch across the ranks, which a trace cannot); call the model eagerly")
 _NAMES = {}  # name -> group, of every register() in this process
 _HOOK = None
-_PASSED = weakref.WeakKeyDictionary()  # model -> the attention implementation it passed check_model with
+_PASSED = weakref.WeakKeyDictionary()  # model -> (attention implementation, sharded) it passed check_model with
 _AUX_HOOKS = weakref.WeakKeyDictionary()  # MoE head -> its forward hook (hf_moe: the whole sequence's aux_loss)
 _UNSEEN = weakref.WeakKeyDictionary()  # sharded model -> its forward hook, until a forward of it ran our attention
 
@@ -154,14 +154,14 @@ def _pre_forward(module, args):
         _refuse_compiled(impl)
     FORWARDS.serial += 1  # a new forward: its first mask call finds its batch again
     if module in _UNSEEN:
-        FORWARDS.attended = False  # this forward must run the registered attention itself (_attention_ran)
-    if _PASSED.get(module) == impl:
-        return None
+        FORWARDS.attended = False  # this forward must reach the registered mask or attention (_attention_ran)
     sharded = sp_group(_NAMES[impl], impl).size > 1
+    if _PASSED.get(module) == (impl, sharded):  # checked again when the name's group grows past one rank
+        return None
     why = model_refusal(module, impl, sharded)
     if why:
         raise NotImplementedError(why)
-    _PASSED[module] = impl
+    _PASSED[module] = (impl, sharded)
     if sharded and module not in _UNSEEN:
         FORWARDS.attended = False
         _UNSEEN[module] = module.register_forward_hook(_attention_ran)
@@ -171,9 +171,11 @@ def _pre_forward(module, args):
 
 
 def _attention_ran(module, args, output):
-    """A sharded model's forward hook until one of its forwards ran the registered attention. A model that computes
-    attention in its own code (OpenAI GPT, XLM, Reformer: transformers accepts any registered name for them) would
-    attend within each rank's shard alone: refused by name (the same model code on every rank, the same verdict)."""
+    """A sharded model's forward hook until one of its forwards reached the registered mask function or attention
+    (the mask function runs eagerly even where the decoder layers are compiled). A model that computes attention in
+    its own code (OpenAI GPT, XLM, Reformer: transformers accepts any registered name for them) would attend within
+    each rank's shard alone: refused by name (the same model code on every rank, the same verdict). Coarse: one
+    such call anywhere in the forward passes it."""
     if FORWARDS.attended:
         _UNSEEN.pop(module).remove()
         return None
@@ -317,6 +319,8 @@ def register(group=None, *, name: str = NAME, num_chunks="auto") -> str:
 
     def mask_function(*args, attention_mask=None, config=None, mask_function=None, batch_size=None,
                       q_length=None, kv_length=None, **kwargs):
+        if not torch.compiler.is_compiling():
+            FORWARDS.attended = True
         # Everything that depends on the config or the model's code alone raises here, before any
         # collective: it is the same on every rank.
         why = config_refusal(config, name)

@@ -27,6 +27,8 @@ def combine(m: torch.Tensor, y: torch.Tensor, x: torch.Tensor, transpose: bool =
         ma = ma.transpose(-1, -2)
     xa = x.to(acc)
     unread = (ma == 0).all(-1, keepdim=True)
+    # the unread rows' gradient is zero, not the matmul's 0 * inf (the gradient where passes is 0 there)
+    ma = torch.where(unread, ma.detach(), ma)
     return torch.where(unread, xa, torch.matmul(ma, y.to(acc)) + xa).to(x.dtype)
 
 

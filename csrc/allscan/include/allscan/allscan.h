@@ -9,8 +9,8 @@
  *   reverse:  y_{P-1} = init (zeros when init == NULL)   y_{p-1} = g_p * y_p + x_p
  *
  * With no init the head of the chain sends x_p itself (y = 0, so g_p does not enter). A decay of
- * exactly zero stops the state: g_p * y_p + x_p is x_p there even where y_p is inf or NaN (IEEE's
- * 0 * inf is NaN), so a non-finite state does not cross a reset such as a packed sequence's start.
+ * exactly zero reads an inf or NaN y_p as 0 (IEEE's 0 * inf is NaN): the result is x_p there, so a
+ * non-finite state does not cross a reset such as a packed sequence's start.
  * The exclusive result on rank p is y_p (the state entering p); the inclusive one is g_p*y_p + x_p.
  * Arithmetic is fp32 (fp64 for fp64 states), written as a separate multiply and add (no FMA
  * contraction) and rounded to the storage dtype at every rank boundary, in every method, so every
