@@ -63,8 +63,10 @@ Refused, with ``NotImplementedError`` naming the cause, on every rank (never a s
   ``output_attentions``, several packed rows in one batch, a packed row with an attention mask or a cache
   (transformers would attend across its sequences then);
 - over more than one rank, a model whose forward takes no ``position_ids`` (BLOOM, MPT, CPM-Ant, BART-family
-  decoders: each rank would number its shard from 0); one that takes them, called without them where its masks
-  get none, counts as numbering its tokens itself (``ValueError`` as above);
+  decoders: each rank would number its shard from 0) or numbers them from ``padding_idx + 1`` (RoBERTa-style
+  embeddings); one that takes them, called without them where its masks get none, counts as numbering its tokens
+  itself (``ValueError`` as above); one whose first sharded forward reaches neither the registered mask function
+  nor the attention (OpenAI GPT, XLM: attention in its own code), after that forward;
 - ``labels`` or ``logits_to_keep`` given to the causal-LM head (transformers would shift the labels and keep the
   last tokens within each shard), read from the head's forward on the stack by the forward's first mask call;
 - ``torch.compile`` of the model (its mask and attention exchange across the ranks, which a trace cannot): the
@@ -109,7 +111,7 @@ _NAMES = {}  # name -> group, of every register() in this process
 _HOOK = None
 _PASSED = weakref.WeakKeyDictionary()  # model -> (attention implementation, sharded) it passed check_model with
 _AUX_HOOKS = weakref.WeakKeyDictionary()  # MoE head -> its forward hook (hf_moe: the whole sequence's aux_loss)
-_UNSEEN = weakref.WeakKeyDictionary()  # sharded model -> its forward hook, until a forward of it ran our attention
+_UNSEEN = weakref.WeakKeyDictionary()  # sharded model -> its forward hook, until a forward reached our mask/attention
 
 
 def check_model(model: torch.nn.Module, name: Optional[str] = None) -> None:
