@@ -28,8 +28,8 @@ def combine(g: Optional[torch.Tensor], y: torch.Tensor, x: torch.Tensor) -> torc
     """``g*y + x`` in the arithmetic dtype, rounded once to ``x.dtype`` (the library's one operation). A decay
     of exactly zero stops the state: y is read as 0 where it is inf or NaN (IEEE's ``0 * inf`` is NaN, which
     would carry a non-finite state past a reset such as a packed sequence's start), as the kernels do
-    (``csrc/allscan/decay_combine.cuh``), so the result is x there, signed zeros included. Differentiable; where
-    the decay is 0 and y is not finite, the gradients are zero."""
+    (``csrc/allscan/decay_combine.cuh``): the result there is ``g*0 + x``, the kernels' bits (a -0 x gives +0).
+    Differentiable; where the decay is 0 and y is not finite, the gradients are zero."""
     acc = acc_dtype(x.dtype)
     ya, xa = y.to(acc), x.to(acc)
     if g is None:

@@ -137,10 +137,15 @@ def _offset_positions(model: torch.nn.Module, where: str) -> Optional[str]:
     """RoBERTa-style embeddings (RoBERTa, XLM-R, CamemBERT, Data2VecText, X-MOD, ...) number a row's tokens from
     ``padding_idx + 1`` themselves, while the shards' position ids (and the packed rows' restarts) count from 0:
     every position would read another row of the position embeddings, with no error."""
-    tokens = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    try:
+        tokens = model.get_input_embeddings()
+    except (AttributeError, NotImplementedError):  # no token embeddings to look at (transformers raises for some)
+        tokens = None
+    if tokens is None:
+        return None
     for mod in model.modules():  # the embeddings of the sharded tokens only (not a tower beside them)
         table = getattr(mod, "position_embeddings", None)
-        if (tokens is not None and getattr(mod, "word_embeddings", None) is tokens
+        if (getattr(mod, "word_embeddings", None) is tokens
                 and isinstance(table, torch.nn.Embedding) and table.padding_idx is not None):
             first = table.padding_idx + 1
             return (f"{where}: {type(mod).__name__} numbers a row's positions from padding_idx + 1 = {first}, but a "
